@@ -1,0 +1,106 @@
+"""Floating-point formats as data, and the one place dtype names are parsed.
+
+Every other module receives a :class:`torch.dtype` or a :class:`Format`; strings
+such as ``"bf16"`` or ``"e4m3"`` become those here and nowhere else.
+
+>>> from mixprec.dtypes import Format, parse_dtype
+>>> parse_dtype("bf16")
+torch.bfloat16
+>>> Format.E4M3.max
+448.0
+>>> Format.from_dtype(parse_dtype("half")).max
+65504.0
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+__all__ = ["LOW_PRECISION_DTYPES", "Format", "dtype_name", "parse_dtype"]
+
+_ALIASES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "float": torch.float32,
+    "32": torch.float32,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "16": torch.float16,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp64": torch.float64,
+    "float64": torch.float64,
+    "double": torch.float64,
+    "e4m3": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "e5m2": torch.float8_e5m2,
+    "fp8_e5m2": torch.float8_e5m2,
+    "float8_e5m2": torch.float8_e5m2,
+}
+
+LOW_PRECISION_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
+
+
+def parse_dtype(value: str | torch.dtype) -> torch.dtype:
+    """Turn a dtype or a dtype name ("bf16", "half", "e4m3", ...) into a torch.dtype."""
+    if isinstance(value, torch.dtype):
+        return value
+    if not isinstance(value, str):
+        raise TypeError(f"expected a torch.dtype or a dtype name, got {value!r}")
+    key = value.strip().lower().removeprefix("torch.")
+    try:
+        return _ALIASES[key]
+    except KeyError:
+        valid = ", ".join(sorted(_ALIASES))
+        raise ValueError(f"unknown dtype {value!r}; expected one of: {valid}") from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """Short display name: torch.bfloat16 -> 'bf16'."""
+    return _SHORT.get(dtype, str(dtype).removeprefix("torch."))
+
+
+_SHORT = {
+    torch.float32: "fp32",
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.float64: "fp64",
+    torch.float8_e4m3fn: "e4m3",
+    torch.float8_e5m2: "e5m2",
+}
+
+
+class Format(enum.Enum):
+    """A floating-point format and its facts (largest finite value, smallest normal, epsilon)."""
+
+    FP32 = (torch.float32, 8, 23)
+    BF16 = (torch.bfloat16, 8, 7)
+    FP16 = (torch.float16, 5, 10)
+    E4M3 = (torch.float8_e4m3fn, 4, 3)
+    E5M2 = (torch.float8_e5m2, 5, 2)
+
+    def __init__(self, dtype: torch.dtype, exponent_bits: int, mantissa_bits: int) -> None:
+        self.dtype = dtype
+        self.exponent_bits = exponent_bits
+        self.mantissa_bits = mantissa_bits
+        info = torch.finfo(dtype)
+        self.max = float(info.max)
+        self.tiny = float(info.tiny)
+        self.eps = float(info.eps)
+        self.bits = info.bits
+
+    @classmethod
+    def from_dtype(cls, dtype: torch.dtype | str) -> Format:
+        dt = parse_dtype(dtype)
+        for member in cls:
+            if member.dtype == dt:
+                return member
+        raise ValueError(f"no floating-point format for dtype {dt}")
+
+    @property
+    def short_name(self) -> str:
+        return dtype_name(self.dtype)

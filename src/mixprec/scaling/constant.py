@@ -1,0 +1,80 @@
+"""Fixed-scale and no-op loss scalers."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from mixprec.scaling.base import LossScaler, _get_number
+
+__all__ = ["ConstantLossScaler", "NoOpScaler"]
+
+_STATE_FORMAT = "mixprec.ConstantLossScaler/1"
+
+
+class ConstantLossScaler(LossScaler):
+    """A fixed scale (apex's ``loss_scale=128.0``): overflowing steps are skipped, the scale never changes.
+
+    >>> import torch
+    >>> from mixprec import ConstantLossScaler
+    >>> scaler = ConstantLossScaler(128.0)
+    >>> scaler.scale(torch.tensor(1.0))
+    tensor(128.)
+    """
+
+    def __init__(self, scale: float, *, process_group: Any = None) -> None:
+        super().__init__(scale, enabled=True, process_group=process_group)
+
+    def _update_scale(self, found_inf: torch.Tensor) -> None:
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"format": _STATE_FORMAT, "scale": float(self._scale.item()), **self._counter_state()}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
+        fmt = state_dict.get("format")
+        if fmt != _STATE_FORMAT:
+            raise ValueError(f"scaler state_dict has format {fmt!r}; ConstantLossScaler reads {_STATE_FORMAT!r}")
+        scale = _get_number(state_dict, "scale")
+        if not math.isfinite(scale) or scale <= 0:
+            raise ValueError(f"scaler state_dict['scale'] must be finite and positive, got {scale!r}")
+        self._scale = torch.tensor(scale, dtype=torch.float32, device=self._scale.device)
+        self._load_counter_state(state_dict)
+        self._records.clear()
+
+    def __repr__(self) -> str:
+        return f"ConstantLossScaler(scale={self.get_scale()})"
+
+
+class NoOpScaler(LossScaler):
+    """The identity scaler for bf16 and fp32 plans: ``scale`` returns its input, ``step`` always steps.
+
+    ``is_enabled()`` is False. (The front door still checks gradients for inf/NaN.)
+
+    >>> from mixprec import NoOpScaler
+    >>> NoOpScaler().is_enabled(), NoOpScaler().get_scale()
+    (False, 1.0)
+    """
+
+    def __init__(self) -> None:
+        super().__init__(1.0, enabled=False)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
+        if state_dict:
+            raise ValueError(
+                "NoOpScaler has no state, but the given state_dict has keys "
+                f"{sorted(state_dict)}; it was saved from a scaling (fp16) run: load it into that scaler"
+            )
+
+    def __repr__(self) -> str:
+        return "NoOpScaler()"
