@@ -1,0 +1,82 @@
+"""A torch.optim.Optimizer that wraps another one and shares its param groups and state.
+
+LR schedulers, ``optimizer.param_groups[0]["lr"]`` and ``add_param_group`` keep
+working on the wrapper because it *is* an ``Optimizer`` whose ``param_groups`` and
+``state`` are the inner optimizer's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["WrappedOptimizer"]
+
+
+class WrappedOptimizer(torch.optim.Optimizer):
+    """Base of the precision wrappers: delegate everything to ``self.optimizer``."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if isinstance(optimizer, WrappedOptimizer):
+            raise TypeError(
+                f"{type(optimizer).__name__} is already a mixprec optimizer wrapper; pass the plain optimizer"
+            )
+        self.optimizer = optimizer
+
+    # The Optimizer attributes, shared with the inner optimizer.
+    @property  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property  # type: ignore[override]
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.optimizer.state = value
+
+    @property  # type: ignore[override]
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.optimizer.defaults = value
+
+    def params(self) -> Iterator[torch.nn.Parameter]:
+        """Every parameter the inner optimizer updates."""
+        for group in self.optimizer.param_groups:
+            yield from group["params"]
+
+    def step(self, closure: Callable[[], float] | None = None) -> Any:  # type: ignore[override]
+        return self.optimizer.step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.optimizer.add_param_group(param_group)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return self.__dict__
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.optimizer!r})"

@@ -1,0 +1,252 @@
+"""The ``Plan`` base class: one frozen dataclass per precision mode, with hook methods.
+
+A plan says, tensor class by tensor class, which dtype is used, and implements
+the few hooks the front door (:class:`mixprec.MixedPrecision`) calls:
+
+- :meth:`Plan.convert_model`: cast the model's parameters in place;
+- :meth:`Plan.wrap_optimizer`: add master weights / compensated updates;
+- :meth:`Plan.make_scaler`: the loss scaler;
+- :meth:`Plan.autocast`: the context the forward pass runs in.
+
+Adding a mode means adding a small subclass in a file of its own, and one line
+in :mod:`mixprec.plans.registry`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+import torch
+
+from mixprec.dtypes import dtype_name
+from mixprec.scaling import ConstantLossScaler, DynamicLossScaler, LossScaler, NoOpScaler
+
+if TYPE_CHECKING:
+    from mixprec.policy import OpPolicy
+
+__all__ = ["NORM_LAYERS", "Plan", "ScalingConfig", "cast_module_"]
+
+NORM_LAYERS: tuple[type[torch.nn.Module], ...] = (
+    torch.nn.modules.batchnorm._NormBase,  # BatchNorm*, InstanceNorm*, SyncBatchNorm
+    torch.nn.LayerNorm,
+    torch.nn.GroupNorm,
+    torch.nn.RMSNorm,
+    torch.nn.LocalResponseNorm,
+)
+
+ScalingKind = Literal["dynamic", "constant", "none"]
+
+
+@dataclass(frozen=True)
+class ScalingConfig:
+    """How the loss is scaled: ``"dynamic"`` (DynamicLossScaler), ``"constant"`` or ``"none"``."""
+
+    kind: ScalingKind = "none"
+    init_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    hysteresis: int = 1
+    hysteresis_mode: Literal["consecutive", "since_growth"] = "consecutive"
+    min_scale: float | None = None
+    max_scale: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("dynamic", "constant", "none"):
+            raise ValueError(f"loss scaling kind must be 'dynamic', 'constant' or 'none', got {self.kind!r}")
+        if self.kind != "none":
+            self.make()  # validate every setting now, with the scaler's own messages
+
+    def make(self, process_group: Any = None) -> LossScaler:
+        if self.kind == "dynamic":
+            return DynamicLossScaler(
+                init_scale=self.init_scale,
+                growth_factor=self.growth_factor,
+                backoff_factor=self.backoff_factor,
+                growth_interval=self.growth_interval,
+                hysteresis=self.hysteresis,
+                hysteresis_mode=self.hysteresis_mode,
+                min_scale=self.min_scale,
+                max_scale=self.max_scale,
+                process_group=process_group,
+            )
+        if self.kind == "constant":
+            return ConstantLossScaler(self.init_scale, process_group=process_group)
+        return NoOpScaler()
+
+    def describe(self) -> str:
+        if self.kind == "dynamic":
+            extra = ""
+            if self.hysteresis != 1:
+                extra = f", hysteresis {self.hysteresis} ({self.hysteresis_mode})"
+            return f"dynamic (init {self.init_scale:g}, x{self.growth_factor:g} every {self.growth_interval} clean steps, x{self.backoff_factor:g} on overflow{extra})"
+        if self.kind == "constant":
+            return f"constant {self.init_scale:g}"
+        return "none"
+
+
+def _cast_tensor_(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    if not t.is_floating_point() or t.dtype == dtype:
+        return False
+    t.data = t.data.to(dtype)
+    if t.grad is not None:
+        t.grad = t.grad.to(dtype)
+    return True
+
+
+def cast_module_(
+    model: torch.nn.Module,
+    dtype: torch.dtype,
+    *,
+    keep: tuple[type[torch.nn.Module], ...] = (),
+    keep_dtype: torch.dtype = torch.float32,
+    only_from: tuple[torch.dtype, ...] | None = None,
+) -> dict[torch.Tensor, torch.Tensor]:
+    """Cast floating parameters and buffers of ``model`` to ``dtype`` in place.
+
+    Modules of the types in ``keep`` (and their buffers) get ``keep_dtype`` instead.
+    With ``only_from``, only tensors of those dtypes are cast. Parameter objects keep
+    their identity, so optimizers built earlier still hold them; integer buffers are
+    never touched. Returns the fp32 values of the parameters that were cast down
+    (to seed fp32 master weights without a rounding loss).
+    """
+    originals: dict[torch.Tensor, torch.Tensor] = {}
+    seen: set[int] = set()
+    for module in model.modules():
+        target = keep_dtype if keep and isinstance(module, keep) else dtype
+        tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+        for t in tensors:
+            if id(t) in seen or (only_from is not None and t.dtype not in only_from):
+                continue
+            seen.add(id(t))
+            down = t.is_floating_point() and torch.finfo(target).bits < torch.finfo(t.dtype).bits
+            if down and isinstance(t, torch.nn.Parameter):
+                originals[t] = t.detach().to(torch.float32, copy=True)
+            _cast_tensor_(t, target)
+    return originals
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A precision plan. Subclasses set the dtypes and implement the hooks they need.
+
+    Create plans with :func:`mixprec.get_plan`; ``dataclasses.replace`` makes variants.
+    """
+
+    name: str
+    compute_dtype: torch.dtype = torch.float32
+    scaling: ScalingConfig = field(default_factory=ScalingConfig)
+    policy: OpPolicy | None = None
+    reduce_dtype: torch.dtype = torch.float32
+
+    family: ClassVar[str] = "base"
+    summary: ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        if self.policy is not None and self.policy.dtype != self.compute_dtype and self.uses_autocast:
+            raise ValueError(
+                f"plan {self.name!r} computes in {dtype_name(self.compute_dtype)} but its policy lowers ops to "
+                f"{dtype_name(self.policy.dtype)}; build the policy with OpPolicy(dtype={self.compute_dtype})"
+            )
+
+    # ------------------------------------------------------------ dtype facts
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        """dtype of the model's weights after :meth:`convert_model`."""
+        return torch.float32
+
+    @property
+    def uses_autocast(self) -> bool:
+        return self.compute_dtype != torch.float32
+
+    @property
+    def master_dtype(self) -> torch.dtype | None:
+        return None
+
+    @property
+    def optimizer_state_dtype(self) -> torch.dtype:
+        return self.master_dtype or self.weight_dtype
+
+    @property
+    def grad_accum_dtype(self) -> torch.dtype:
+        return self.master_dtype or self.weight_dtype
+
+    def tensor_dtypes(self) -> dict[str, str]:
+        """dtype per tensor class, as short names (``plan.explain()`` prints them)."""
+        compute = dtype_name(self.compute_dtype)
+        return {
+            "weights": dtype_name(self.weight_dtype),
+            "compute": compute + (" (autocast op lists)" if self.uses_autocast else ""),
+            "activations": compute + (" / fp32 for fp32-list ops" if self.uses_autocast else ""),
+            "grads": dtype_name(self.weight_dtype),
+            "grad accumulation": dtype_name(self.grad_accum_dtype),
+            "master weights": dtype_name(self.master_dtype) if self.master_dtype else "none",
+            "optimizer state": dtype_name(self.optimizer_state_dtype),
+            "all-reduce": dtype_name(self.reduce_dtype),
+            "loss scaling": self.scaling.describe(),
+        }
+
+    def explain(self) -> str:
+        """A table of the dtype each tensor class uses under this plan.
+
+        >>> from mixprec import get_plan
+        >>> print(get_plan("bf16-master").explain().splitlines()[0])
+        plan bf16-master: bf16 weights and compute, fp32 master weights, norm layers and gradient accumulation
+        """
+        rows = self.tensor_dtypes()
+        width = max(len(k) for k in rows)
+        lines = [f"plan {self.name}: {self.summary}", ""]
+        lines += [f"  {k.ljust(width)}  {v}" for k, v in rows.items()]
+        if self.policy is not None:
+            lines += ["", "op policy:", *("  " + line for line in self.policy.explain().splitlines())]
+        return "\n".join(lines)
+
+    def fingerprint(self) -> dict[str, str]:
+        """What a checkpoint must agree on to be resumed under this plan."""
+        return {
+            "family": self.family,
+            "weights": dtype_name(self.weight_dtype),
+            "master": dtype_name(self.master_dtype) if self.master_dtype else "none",
+            "optimizer": type(self).optimizer_kind(),
+            "scaling": self.scaling.kind,
+        }
+
+    @classmethod
+    def optimizer_kind(cls) -> str:
+        return "plain"
+
+    # ------------------------------------------------------------------ hooks
+    def convert_model(self, model: torch.nn.Module) -> dict[torch.Tensor, torch.Tensor]:
+        """Cast ``model`` in place for this plan; returns fp32 values of what was cast down.
+
+        The default (fp32 weights) upcasts any bf16/fp16 parameters and buffers, so a model
+        loaded in half precision trains with fp32 weights as the plan says.
+        """
+        return cast_module_(model, torch.float32, only_from=(torch.float16, torch.bfloat16))
+
+    def wrap_optimizer(
+        self, optimizer: torch.optim.Optimizer, fp32_values: dict[torch.Tensor, torch.Tensor]
+    ) -> torch.optim.Optimizer:
+        """The optimizer the training loop steps (the same one unless the plan adds masters etc.)."""
+        return optimizer
+
+    def make_scaler(self, process_group: Any = None) -> LossScaler:
+        return self.scaling.make(process_group)
+
+    @contextlib.contextmanager
+    def autocast(self, device_type: str = "cpu") -> Iterator[None]:
+        """The context the forward pass runs in."""
+        if not self.uses_autocast:
+            yield
+            return
+        from mixprec.autocast import autocast
+
+        with autocast(self.compute_dtype, device_type=device_type, policy=self.policy):
+            yield
+
+    def replace(self, **changes: Any) -> Plan:
+        return dataclasses.replace(self, **changes)

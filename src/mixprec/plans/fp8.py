@@ -1,0 +1,49 @@
+"""fp8 linear layers inside a bf16-mixed model ("fp8-mixed", "fp8")."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from mixprec.plans.mixed import MixedPlan
+
+__all__ = ["Fp8Plan"]
+
+
+def _default_recipe() -> Any:
+    from mixprec.fp8 import DelayedScaling
+
+    return DelayedScaling()
+
+
+@dataclass(frozen=True)
+class Fp8Plan(MixedPlan):
+    """bf16-mixed, with eligible ``nn.Linear`` layers swapped for fp8 linear layers.
+
+    Inputs and weights are quantised to E4M3 and output gradients to E5M2 (the
+    "hybrid" recipe) with per-tensor scales; the GEMM runs natively where the
+    hardware has fp8 tensor cores and is emulated exactly elsewhere.
+    ``module_filter(qualified_name, module) -> bool`` keeps chosen layers in bf16.
+    """
+
+    recipe: Any = field(default_factory=_default_recipe)
+    module_filter: Callable[[str, torch.nn.Module], bool] | None = None
+    emulate: bool | None = None
+
+    family: ClassVar[str] = "fp8"
+    summary: ClassVar[str] = "bf16-mixed with fp8 (E4M3 forward, E5M2 gradient) linear layers"
+
+    def tensor_dtypes(self) -> dict[str, str]:
+        rows = super().tensor_dtypes()
+        rows["compute"] = "fp8 GEMMs in eligible Linear layers (fp32 accumulation), bf16 autocast elsewhere"
+        rows["fp8 recipe"] = repr(self.recipe)
+        return rows
+
+    def convert_model(self, model: torch.nn.Module) -> dict[torch.Tensor, torch.Tensor]:
+        from mixprec.fp8 import convert_to_fp8
+
+        convert_to_fp8(model, self.recipe, module_filter=self.module_filter, emulate=self.emulate)
+        return {}

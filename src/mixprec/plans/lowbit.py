@@ -1,0 +1,68 @@
+"""bf16 weights without master copies, updated with Kahan compensation ("bf16-kahan") or stochastic rounding ("bf16-sr")."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+import torch
+
+from mixprec.dtypes import dtype_name
+from mixprec.optim import KahanOptimizer, StochasticRoundingOptimizer
+from mixprec.plans.base import Plan, cast_module_
+
+__all__ = ["LowBitPlan"]
+
+
+@dataclass(frozen=True)
+class LowBitPlan(Plan):
+    """bf16 weights and compute under autocast; the optimizer updates bf16 weights without losing small updates.
+
+    ``rounding="kahan"`` keeps a bf16 compensation buffer per weight; ``"stochastic"``
+    rounds updates stochastically. Optimizer state is kept in ``state_dtype``
+    (bf16 by default: 10 bytes per parameter for AdamW with Kahan).
+    """
+
+    rounding: Literal["kahan", "stochastic"] = "kahan"
+    state_dtype: torch.dtype = torch.bfloat16
+    seed: int = 0
+
+    family: ClassVar[str] = "lowbit"
+    summary: ClassVar[str] = "bf16 weights and compute, compensated updates, no fp32 master"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.rounding not in ("kahan", "stochastic"):
+            raise ValueError(f"rounding must be 'kahan' or 'stochastic', got {self.rounding!r}")
+        if self.rounding == "stochastic" and self.compute_dtype != torch.bfloat16:
+            raise ValueError(f"stochastic rounding needs bf16 weights, got {dtype_name(self.compute_dtype)}")
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        return self.compute_dtype
+
+    @property
+    def optimizer_state_dtype(self) -> torch.dtype:
+        return self.state_dtype
+
+    def tensor_dtypes(self) -> dict[str, str]:
+        rows = super().tensor_dtypes()
+        if self.rounding == "kahan":
+            rows["master weights"] = f"none ({dtype_name(self.weight_dtype)} Kahan compensation per weight)"
+        else:
+            rows["master weights"] = "none (stochastic rounding of each update)"
+        rows["optimizer state"] = f"{dtype_name(self.state_dtype)} between steps, fp32 math inside step"
+        return rows
+
+    def fingerprint(self) -> dict[str, str]:
+        return {**super().fingerprint(), "optimizer": self.rounding}
+
+    def convert_model(self, model: torch.nn.Module) -> dict[torch.Tensor, torch.Tensor]:
+        return cast_module_(model, self.compute_dtype)
+
+    def wrap_optimizer(
+        self, optimizer: torch.optim.Optimizer, fp32_values: dict[torch.Tensor, torch.Tensor]
+    ) -> torch.optim.Optimizer:
+        if self.rounding == "kahan":
+            return KahanOptimizer(optimizer, state_dtype=self.state_dtype)
+        return StochasticRoundingOptimizer(optimizer, state_dtype=self.state_dtype, seed=self.seed)
