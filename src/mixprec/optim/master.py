@@ -169,7 +169,7 @@ class MasterWeightOptimizer(WrappedOptimizer):
             )
         self.optimizer.load_state_dict(sd)
         with torch.no_grad():
-            for (p, m), saved in zip(self._pairs, masters, strict=True):
+            for (_, m), saved in zip(self._pairs, masters, strict=True):
                 if saved.shape != m.shape:
                     raise ValueError(f"saved master weight has shape {tuple(saved.shape)}, expected {tuple(m.shape)}")
                 m.copy_(saved)

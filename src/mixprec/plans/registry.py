@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from mixprec.plans.base import Plan, ScalingConfig
+from mixprec.plans.base import Plan, ScalingConfig, ScalingKind
 from mixprec.plans.fp8 import Fp8Plan
 from mixprec.plans.full import FullPrecisionPlan
 from mixprec.plans.lowbit import LowBitPlan
@@ -127,6 +127,7 @@ def get_plan(name: str | Plan, **overrides: Any) -> Plan:
 
 def _scaling_override(plan: Plan, has_loss_scale: bool, loss_scale: Any, settings: dict[str, Any]) -> ScalingConfig:
     base = plan.scaling
+    kind: ScalingKind
     if has_loss_scale:
         if loss_scale is None or loss_scale == "none":
             if settings:
