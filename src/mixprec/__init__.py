@@ -1,8 +1,10 @@
 """mixprec: automatic mixed precision for PyTorch training, done right."""
 
+from mixprec.checkpoint import load_checkpoint, save_checkpoint
 from mixprec.dtypes import Format, parse_dtype
 from mixprec.plans import PLANS, Plan, get_plan
 from mixprec.scaling import ConstantLossScaler, DynamicLossScaler, LossScaler, NoOpScaler
+from mixprec.session import MixedPrecision, StepResult
 
 __version__ = "0.1.0"
 
@@ -12,9 +14,13 @@ __all__ = [
     "DynamicLossScaler",
     "Format",
     "LossScaler",
+    "MixedPrecision",
     "NoOpScaler",
     "Plan",
+    "StepResult",
     "__version__",
     "get_plan",
+    "load_checkpoint",
     "parse_dtype",
+    "save_checkpoint",
 ]

@@ -1,11 +1,17 @@
 """Optimizer wrappers for low-precision models: fp32 masters, Kahan and stochastic-rounding updates."""
 
 from mixprec.optim.base import WrappedOptimizer
-from mixprec.optim.lowbit import KahanOptimizer, StochasticRoundingOptimizer, stochastic_round
+from mixprec.optim.lowbit import (
+    KahanOptimizer,
+    LowPrecisionOptimizer,
+    StochasticRoundingOptimizer,
+    stochastic_round,
+)
 from mixprec.optim.master import MasterWeightOptimizer
 
 __all__ = [
     "KahanOptimizer",
+    "LowPrecisionOptimizer",
     "MasterWeightOptimizer",
     "StochasticRoundingOptimizer",
     "WrappedOptimizer",

@@ -37,7 +37,7 @@ import torch
 from mixprec.dtypes import LOW_PRECISION_DTYPES, parse_dtype
 from mixprec.optim.base import WrappedOptimizer
 
-__all__ = ["KahanOptimizer", "StochasticRoundingOptimizer", "stochastic_round"]
+__all__ = ["KahanOptimizer", "LowPrecisionOptimizer", "StochasticRoundingOptimizer", "stochastic_round"]
 
 
 def stochastic_round(x: torch.Tensor, dtype: torch.dtype = torch.bfloat16, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -57,8 +57,15 @@ def stochastic_round(x: torch.Tensor, dtype: torch.dtype = torch.bfloat16, gener
     return bits.view(torch.float32).to(torch.bfloat16)
 
 
-class _ExpandedStepOptimizer(WrappedOptimizer):
-    """Run the inner optimizer on fp32 expansions of low-precision parameters."""
+class LowPrecisionOptimizer(WrappedOptimizer):
+    """Low-precision weights and state, fp32 arithmetic inside ``step()``, round-to-nearest store.
+
+    The inner optimizer runs its usual math on fp32 expansions of the bf16/fp16
+    parameters, gradients and state, so constants such as Adam's ``eps=1e-8`` (zero
+    in fp16) and small second moments do not break it; results are rounded back.
+    Updates smaller than half a unit in the last place are still lost: see
+    :class:`KahanOptimizer` and :class:`StochasticRoundingOptimizer`.
+    """
 
     _STATE_KEY = "mixprec_lowbit"
 
@@ -136,7 +143,7 @@ class _ExpandedStepOptimizer(WrappedOptimizer):
         self._load_extra_state(extra)
 
 
-class KahanOptimizer(_ExpandedStepOptimizer):
+class KahanOptimizer(LowPrecisionOptimizer):
     """bf16/fp16 weights with Kahan-compensated updates: no update is lost, no fp32 master copy.
 
     Args:
@@ -179,7 +186,7 @@ class KahanOptimizer(_ExpandedStepOptimizer):
             self._comp[param] = comp.detach().clone().to(device=param.device, dtype=param.dtype)
 
 
-class StochasticRoundingOptimizer(_ExpandedStepOptimizer):
+class StochasticRoundingOptimizer(LowPrecisionOptimizer):
     """bf16 weights updated with stochastic rounding: unbiased, no extra buffer per weight.
 
     Args:

@@ -243,6 +243,10 @@ class Plan:
         if not self.uses_autocast:
             yield
             return
+        if self.policy is None:  # no custom op lists: exactly torch.autocast, nothing added
+            with torch.autocast(device_type, dtype=self.compute_dtype):
+                yield
+            return
         from mixprec.autocast import autocast
 
         with autocast(self.compute_dtype, device_type=device_type, policy=self.policy):

@@ -9,6 +9,8 @@ from typing import ClassVar
 
 import torch
 
+from mixprec.dtypes import dtype_name
+from mixprec.optim import LowPrecisionOptimizer
 from mixprec.plans.base import Plan, cast_module_
 
 __all__ = ["PurePlan"]
@@ -19,10 +21,15 @@ class PurePlan(Plan):
     """The whole model in low precision, no master weights, no autocast (apex O3).
 
     Floating inputs of the model are cast to the low dtype by a forward pre-hook
-    (installed by the front door). The fastest and smallest plan, and the least
-    accurate: updates smaller than half a unit in the last place are lost (see
-    "bf16-kahan" for the remedy).
+    (installed by the front door). The optimizer's arithmetic runs in fp32 inside
+    ``step()`` and its results are rounded back (:class:`~mixprec.optim.LowPrecisionOptimizer`).
+    Optimizer state is kept in ``state_dtype``, by default the weight dtype for bf16
+    and fp32 for fp16 (fp16 cannot hold Adam's second moment: g² underflows below
+    6e-8). The fastest and smallest plan, and the least accurate: updates smaller
+    than half a unit in the last place are lost (see "bf16-kahan" for the remedy).
     """
+
+    state_dtype: torch.dtype | None = None
 
     family: ClassVar[str] = "pure"
     summary: ClassVar[str] = "low precision everything, no master weights"
@@ -35,13 +42,25 @@ class PurePlan(Plan):
     def uses_autocast(self) -> bool:
         return False
 
+    @property
+    def optimizer_state_dtype(self) -> torch.dtype:
+        if self.state_dtype is not None:
+            return self.state_dtype
+        return torch.float32 if self.compute_dtype == torch.float16 else self.compute_dtype
+
     def tensor_dtypes(self) -> dict[str, str]:
         rows = super().tensor_dtypes()
         rows["compute"] = rows["activations"] = rows["weights"] + " (no autocast; model inputs cast)"
+        rows["optimizer state"] = f"{dtype_name(self.optimizer_state_dtype)} (fp32 math inside step)"
         return rows
 
     def convert_model(self, model: torch.nn.Module) -> dict[torch.Tensor, torch.Tensor]:
         return cast_module_(model, self.compute_dtype)
+
+    def wrap_optimizer(
+        self, optimizer: torch.optim.Optimizer, fp32_values: dict[torch.Tensor, torch.Tensor]
+    ) -> torch.optim.Optimizer:
+        return LowPrecisionOptimizer(optimizer, state_dtype=self.optimizer_state_dtype)
 
     @contextlib.contextmanager
     def autocast(self, device_type: str = "cpu") -> Iterator[None]:

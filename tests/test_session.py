@@ -1,0 +1,395 @@
+"""MixedPrecision, the front door: every plan against an fp32 run, accumulation, clipping, skipping, resume."""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import warnings
+
+import pytest
+import torch
+
+from mixprec import MixedPrecision, StepResult, load_checkpoint, save_checkpoint
+from mixprec.models import build_task
+from mixprec.optim import MasterWeightOptimizer
+
+ALL_PLANS = ("fp32", "tf32", "bf16-mixed", "fp16-mixed", "bf16-master", "fp16-master",
+             "bf16-pure", "fp16-pure", "bf16-kahan", "bf16-sr", "fp8-mixed")
+
+
+def _train(plan: str, task_name: str, steps: int, *, lr: float = 3e-3, seed: int = 0, batch: int = 8, **mp_kwargs):
+    task = build_task(task_name, size="tiny", seed=seed)
+    model = task.model
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    mp = MixedPrecision(plan, **mp_kwargs)
+    model, opt, criterion = mp.prepare(model, opt, criterion=task.criterion)
+    gen = torch.Generator().manual_seed(seed)
+    losses = []
+    for _ in range(steps):
+        x, y = task.batch(batch, gen)
+        with mp.autocast():
+            loss = criterion(model(x), y)
+        mp.backward(loss)
+        result = mp.step()
+        assert result.stepped, (plan, result)
+        losses.append(loss.item())
+    model.eval()
+    with torch.no_grad(), mp.autocast():
+        x, y = task.eval_batch(64)
+        eval_loss = criterion(model(x), y).item()
+    return losses, eval_loss, mp, model, opt
+
+
+# Tolerances on the held-out loss after 30 steps, relative to the fp32 run.
+_TOL = {"bf16-pure": 0.15, "fp16-pure": 0.15, "bf16-sr": 0.10, "fp8-mixed": 0.10}
+_STEPS = 30
+
+
+@functools.cache
+def _fp32_reference(task_name: str) -> float:
+    return _train("fp32", task_name, _STEPS)[1]
+
+
+@pytest.mark.parametrize("task_name", ["gpt", "cnn"])
+@pytest.mark.parametrize("plan", ALL_PLANS)
+def test_every_plan_trains_close_to_fp32(plan, task_name):
+    ref_eval = _fp32_reference(task_name)
+    losses, eval_loss, *_ = _train(plan, task_name, _STEPS)
+    assert losses[-1] < losses[0] * 0.9, "did not learn"
+    tol = _TOL.get(plan, 0.05)
+    assert abs(eval_loss - ref_eval) <= tol * ref_eval, (plan, eval_loss, ref_eval)
+
+
+@pytest.mark.parametrize("plan", ["bf16-master", "fp16-master"])
+def test_master_plans_match_fp32_closely_on_a_tiny_model(plan):
+    def run(p):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        mp = MixedPrecision(p)
+        model, opt = mp.prepare(model, opt)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(25):
+            x, y = torch.randn(32, 16, generator=gen), torch.randn(32, 4, generator=gen)
+            with mp.autocast():
+                loss = torch.nn.functional.mse_loss(model(x).float(), y)
+            mp.backward(loss)
+            mp.step()
+        if isinstance(opt, MasterWeightOptimizer):
+            return [m.detach() for m in opt.param_groups[0]["params"]]
+        return [p.detach() for p in model.parameters()]
+
+    for ours, ref in zip(run(plan), run("fp32"), strict=True):
+        torch.testing.assert_close(ours, ref, rtol=0.02, atol=5e-3)
+
+
+def _mlp_run(mp_kwargs, micro_batches, batch, steps=3):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mp = MixedPrecision("fp32", **mp_kwargs)
+    model, opt = mp.prepare(model, opt)
+    gen = torch.Generator().manual_seed(0)
+    norms = []
+    for _ in range(steps):
+        x, y = torch.randn(batch, 8, generator=gen), torch.randn(batch, 3, generator=gen)
+        for xs, ys in zip(x.chunk(micro_batches), y.chunk(micro_batches), strict=True):
+            with mp.autocast():
+                loss = torch.nn.functional.mse_loss(model(xs), ys)
+            mp.backward(loss)
+            result = mp.step()
+        norms.append(result.grad_norm)
+    return [p.detach().clone() for p in model.parameters()], norms
+
+
+def test_grad_accumulation_equals_one_big_batch():
+    big, big_norms = _mlp_run({}, 1, 32)
+    acc, acc_norms = _mlp_run({"grad_accum_steps": 4}, 4, 32)
+    for a, b in zip(big, acc, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert acc_norms == pytest.approx(big_norms, rel=1e-5)
+
+
+def test_accumulating_micro_steps_report_accumulating():
+    mp = MixedPrecision("fp32", grad_accum_steps=2)
+    model = torch.nn.Linear(2, 1)
+    model, opt = mp.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    mp.backward(model(torch.ones(1, 2)).sum())
+    first = mp.step()
+    assert first.accumulating and not first.stepped and not first.skipped
+    mp.backward(model(torch.ones(1, 2)).sum())
+    assert mp.step().stepped
+
+
+def test_clipping_uses_the_true_norm_under_loss_scaling():
+    def run(plan, clip):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        mp = MixedPrecision(plan, clip_grad_norm=clip)
+        model, opt = mp.prepare(model, opt)
+        x, y = torch.randn(32, 8), torch.randn(32, 3)
+        with mp.autocast():
+            loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        mp.backward(loss)
+        return mp.step(), model
+
+    ref_result, ref_model = run("fp32", None)
+    ref_norm = ref_result.grad_norm
+    result, _ = run("fp16-mixed", ref_norm / 4)
+    assert result.scale == 2.0**16  # the gradients were scaled by 65536 ...
+    assert result.grad_norm == pytest.approx(ref_norm, rel=2e-2)  # ... but the norm reported and clipped is the true one
+    clipped, clipped_model = run("fp32", ref_norm / 4)
+    assert clipped.grad_norm == ref_norm
+    # the clipped update equals torch's clip_grad_norm_ applied to the fp32 gradients
+    torch.manual_seed(0)
+    manual = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    x, y = torch.randn(32, 8), torch.randn(32, 3)
+    torch.nn.functional.mse_loss(manual(x), y).backward()
+    torch.nn.utils.clip_grad_norm_(manual.parameters(), ref_norm / 4)
+    torch.optim.SGD(manual.parameters(), lr=0.1).step()
+    for a, b in zip(manual.parameters(), clipped_model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_injected_inf_skips_every_optimizer_and_the_scheduler():
+    torch.manual_seed(0)
+    enc, head = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
+    model = torch.nn.Sequential(enc, head)
+    opt_a = torch.optim.SGD(enc.parameters(), lr=0.1)
+    opt_b = torch.optim.SGD(head.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt_a, step_size=1, gamma=0.5)
+    mp = MixedPrecision("fp16-mixed")
+    model, opt_a, opt_b, sched = mp.prepare(model, opt_a, opt_b, scheduler=sched)
+    before = [p.detach().clone() for p in model.parameters()]
+    with mp.autocast():
+        loss = model(torch.ones(2, 4)).float().mean()
+    mp.backward(loss)
+    head.weight.grad[0, 0] = float("inf")  # only the second optimizer's gradients overflow
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        result = mp.step()
+    assert isinstance(result, StepResult)
+    assert result.skipped and not result.stepped and result.skip_reason == "overflow"
+    assert result.scale == 2.0**15
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert opt_a.param_groups[0]["lr"] == 0.1 and sched.last_epoch == 0
+    assert all(p.grad is None for p in model.parameters())
+    with mp.autocast():
+        loss = model(torch.ones(2, 4)).float().mean()
+    mp.backward(loss)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "lr_scheduler.step() before optimizer.step()" warning
+        assert mp.step().stepped
+    assert opt_a.param_groups[0]["lr"] == 0.05
+
+
+@pytest.mark.parametrize("plan", ["bf16-mixed", "fp32", "bf16-kahan"])
+def test_non_scaling_plans_still_skip_nonfinite_gradients(plan):
+    model = torch.nn.Linear(3, 1)
+    mp = MixedPrecision(plan)
+    model, opt = mp.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    before = [p.detach().clone() for p in model.parameters()]
+    with mp.autocast():
+        loss = model(torch.ones(1, 3)).float().sum()
+    mp.backward(loss)
+    next(iter(opt.param_groups[0]["params"])).grad[0, 0] = float("nan")
+    result = mp.step()
+    assert result.skipped and result.skip_reason == "overflow"
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_nonfinite_loss_never_shrinks_the_scale_and_errors_after_limit():
+    model = torch.nn.Linear(3, 1)
+    mp = MixedPrecision("fp16-mixed", max_consecutive_skips=3)
+    model, opt = mp.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    for i in range(2):
+        with mp.autocast():
+            loss = model(torch.ones(1, 3)).float().sum() * float("inf")
+        mp.backward(loss)
+        result = mp.step()
+        assert result.skipped and result.skip_reason == "nonfinite_loss"
+        assert result.scale == 2.0**16, i
+    mp.backward(model(torch.ones(1, 3)).float().sum() * float("nan"))
+    with pytest.raises(RuntimeError, match=re.escape("3 consecutive steps were skipped because the loss itself was inf/NaN")):
+        mp.step()
+
+
+def test_overflow_loop_error_names_the_cause():
+    model = torch.nn.Linear(3, 1)
+    mp = MixedPrecision("fp16-mixed", max_consecutive_skips=2)
+    model, opt = mp.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    mp.backward(model(torch.ones(1, 3)).sum())
+    model.weight.grad.fill_(float("inf"))
+    mp.step()
+    mp.backward(model(torch.ones(1, 3)).sum())
+    model.weight.grad.fill_(float("inf"))
+    with pytest.raises(RuntimeError, match=re.escape("2 consecutive steps were skipped because the gradients were inf/NaN")):
+        mp.step()
+
+
+def _resumable_run(plan: str, steps: range, state=None, tmp=None):
+    task = build_task("gpt", size="tiny", seed=0)
+    model = task.model
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.05 * s))
+    mp = MixedPrecision(plan, grad_accum_steps=2, clip_grad_norm=1.0)
+    model, opt, sched, criterion = mp.prepare(model, opt, scheduler=sched, criterion=task.criterion)
+    if state is not None:
+        load_checkpoint(state, model=model, optimizers=[opt], mp=mp)
+    for step in steps:
+        gen = torch.Generator().manual_seed(step)
+        for _ in range(2):
+            x, y = task.batch(8, gen)
+            with mp.autocast():
+                loss = criterion(model(x), y)
+            if step == 4 and plan.startswith("fp16"):
+                loss = loss * 1e30  # an overflow mid-run: the scaler's counters must survive the checkpoint
+            mp.backward(loss)
+            mp.step()
+    if tmp is not None:
+        save_checkpoint(tmp, model=model, optimizers=[opt], mp=mp)
+    return model, opt, mp
+
+
+@pytest.mark.parametrize("plan", ["fp16-mixed", "bf16-master", "bf16-kahan", "bf16-sr"])
+def test_ten_plus_save_load_plus_ten_is_bit_identical_to_twenty(plan, tmp_path):
+    full_model, full_opt, full_mp = _resumable_run(plan, range(20))
+    path = str(tmp_path / "ckpt.pt")
+    _resumable_run(plan, range(10), tmp=path)
+    model, opt, mp = _resumable_run(plan, range(10, 20), state=path)
+    for a, b in zip(full_model.state_dict().values(), model.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    assert mp.state_dict() == full_mp.state_dict()
+    if plan.startswith("fp16"):
+        assert mp.scaler.overflow_steps == 1
+
+
+def test_checkpoint_from_another_plan_is_refused(tmp_path):
+    path = str(tmp_path / "ckpt.pt")
+    model = torch.nn.Linear(4, 4)
+    mp = MixedPrecision("bf16-mixed")
+    model, opt = mp.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    save_checkpoint(path, model=model, optimizers=[opt], mp=mp)
+    other = torch.nn.Linear(4, 4)
+    mp2 = MixedPrecision("bf16-master")
+    other, opt2 = mp2.prepare(other, torch.optim.SGD(other.parameters(), lr=0.1))
+    before = other.weight.detach().clone()
+    with pytest.raises(ValueError, match=re.escape("this checkpoint was made under plan 'bf16-mixed', but this run uses 'bf16-master'")):
+        load_checkpoint(path, model=other, optimizers=[opt2], mp=mp2)
+    assert torch.equal(other.weight, before)  # a refused load changes nothing
+
+
+def test_failed_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    path = tmp_path / "ckpt.pt"
+    model = torch.nn.Linear(4, 4)
+    save_checkpoint(path, model=model, extra={"version": 1})
+    good = path.read_bytes()
+
+    def broken_save(obj, f, *args, **kwargs):
+        f.write(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", broken_save)
+    with pytest.raises(OSError, match="disk full"):
+        save_checkpoint(path, model=model, extra={"version": 2})
+    assert path.read_bytes() == good
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]  # no temp file left behind
+    monkeypatch.undo()
+    assert load_checkpoint(path, model=model)["version"] == 1
+
+
+def test_prepare_returns_flat_tuple_and_wraps_criterion_in_fp32():
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1)
+    mp = MixedPrecision("bf16-master")
+    out = mp.prepare(model, opt, scheduler=sched, criterion=torch.nn.CrossEntropyLoss())
+    assert len(out) == 4 and out[0] is model and out[2] is sched
+    criterion = out[3]
+    with mp.autocast():
+        logits = model(torch.randn(2, 4))
+        loss = criterion(logits, torch.tensor([0, 2]))
+    assert logits.dtype == torch.bfloat16 and loss.dtype == torch.float32
+    assert MixedPrecision("fp32").prepare(torch.nn.Linear(1, 1)).__class__ is torch.nn.Linear
+
+
+def test_half_model_trains_under_master_plan():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2)).half()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mp = MixedPrecision("fp16-master")
+    model, opt = mp.prepare(model, opt)
+    assert model[1].weight.dtype == torch.float32 and model[0].weight.dtype == torch.float16
+    with mp.autocast():
+        loss = model(torch.randn(4, 4)).float().pow(2).mean()
+    mp.backward(loss)
+    assert mp.step().stepped
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match=re.escape("grad_accum_steps must be an integer >= 1, got 0")):
+        MixedPrecision(grad_accum_steps=0)
+    with pytest.raises(ValueError, match=re.escape("clip_grad_norm must be a positive finite number or None, got -1")):
+        MixedPrecision(clip_grad_norm=-1)
+    with pytest.raises(TypeError, match=re.escape("scaler must be a mixprec LossScaler")):
+        MixedPrecision(scaler=torch.amp.GradScaler("cpu"))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=re.escape("unknown precision plan 'bf17'")):
+        MixedPrecision("bf17")
+    mp = MixedPrecision()
+    with pytest.raises(RuntimeError, match=re.escape("step() called before prepare()")):
+        mp.step()
+    model = torch.nn.Linear(2, 2)
+    mp.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(RuntimeError, match=re.escape("prepare() was already called")):
+        mp.prepare(model)
+    with pytest.raises(ValueError, match=re.escape("backward() expects a scalar loss, got shape (2,)")):
+        mp.backward(model(torch.ones(1, 2)).squeeze(0))
+
+
+def test_explicit_scaler_with_bf16_is_an_opt_in():
+    from mixprec import DynamicLossScaler
+
+    mp = MixedPrecision("bf16-mixed", scaler=DynamicLossScaler(init_scale=8.0))
+    model = torch.nn.Linear(2, 1)
+    model, opt = mp.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    mp.backward(model(torch.ones(1, 2)).sum())
+    assert mp.step().scale == 8.0
+
+
+@pytest.mark.slow
+def test_compiled_training_step_has_no_graph_break_from_mixprec():
+    torch._dynamo.reset()
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    mp = MixedPrecision("bf16-master")
+    model, opt = mp.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+    @torch.compile(fullgraph=True)
+    def forward_loss(x, y):
+        with mp.autocast():
+            return torch.nn.functional.mse_loss(model(x).float(), y)
+
+    for _ in range(2):
+        loss = forward_loss(torch.randn(4, 8), torch.randn(4, 4))
+        mp.backward(loss)
+        assert mp.step().stepped
+    assert model[0].weight.dtype == torch.bfloat16
+
+
+@pytest.mark.slow
+def test_compile_flag_compiles_the_model():
+    torch._dynamo.reset()
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    mp = MixedPrecision("bf16-mixed", compile=True)
+    compiled, opt = mp.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert compiled is not model and hasattr(compiled, "_orig_mod")
+    x = torch.randn(4, 8)
+    with mp.autocast():
+        out = compiled(x)
+    with torch.autocast("cpu", torch.bfloat16):
+        ref = model(x)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, ref, rtol=1e-2, atol=1e-2)
+    mp.backward(out.float().sum())
+    assert mp.step().stepped
+    assert os.environ.get("TORCH_COMPILE_DISABLE") != "1"
