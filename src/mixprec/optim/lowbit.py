@@ -23,7 +23,7 @@ optimizer state is kept in ``state_dtype`` (bf16 by default, halving its memory)
 >>> for _ in range(100):
 ...     w.grad = torch.full_like(w, -1e-4)
 ...     opt.step()
->>> round(float(w.float().mean()), 2)  # plain bf16 SGD would stay at 1.0
+>>> round(float(w.detach().float().mean()), 2)  # plain bf16 SGD would stay at 1.0
 1.01
 """
 

@@ -195,7 +195,7 @@ class Plan:
 
         >>> from mixprec import get_plan
         >>> print(get_plan("bf16-master").explain().splitlines()[0])
-        plan bf16-master: bf16 weights and compute, fp32 master weights, norm layers and gradient accumulation
+        plan bf16-master: low-precision weights and compute, fp32 master weights, norm layers and gradient accumulation
         """
         rows = self.tensor_dtypes()
         width = max(len(k) for k in rows)

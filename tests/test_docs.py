@@ -1,0 +1,40 @@
+"""The examples in docstrings and in the README run and print what they say."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+import pkgutil
+import re
+from pathlib import Path
+
+import pytest
+
+import mixprec
+
+ROOT = Path(__file__).resolve().parent.parent
+_SKIP_PREFIXES = ("mixprec.cli",)  # the CLI is exercised end to end in test_cli.py
+
+
+def _modules() -> list[str]:
+    names = [mixprec.__name__]
+    for info in pkgutil.walk_packages(mixprec.__path__, prefix="mixprec."):
+        if not info.name.startswith(_SKIP_PREFIXES):
+            names.append(info.name)
+    return sorted(names)
+
+
+@pytest.mark.parametrize("name", _modules())
+def test_docstring_examples(name):
+    module = importlib.import_module(name)
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE, verbose=False)
+    assert result.failed == 0, f"{result.failed} docstring example(s) failed in {name}"
+
+
+def test_readme_tour_runs():
+    text = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    assert blocks, "the README has no Python examples"
+    namespace: dict[str, object] = {}
+    exec(compile(blocks[0], "README.md", "exec"), namespace)  # the training-loop tour
+    exec(compile(blocks[2], "README.md", "exec"), namespace)  # explain()
