@@ -420,3 +420,26 @@ def test_sync_found_inf_makes_one_decision_for_all_optimizers():
     assert s.sync_found_inf([opt_a, opt_b]).item() == 1.0
     assert s.step(opt_a) is None and s.step(opt_b) is None
     assert a.item() == 1.0 and b.item() == 1.0
+
+
+def test_hot_path_never_synchronises(monkeypatch):
+    """scale, unscale_, step with a fused optimizer, and update never read a tensor on the host."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    s = DynamicLossScaler(init_scale=2.0**8, growth_interval=2, hysteresis=2, max_scale=2.0**20)
+    x, y = _data(0)
+    loss = torch.nn.functional.mse_loss(model(x), y)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("host synchronisation on the hot path")
+
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
+        monkeypatch.setattr(torch.Tensor, name, forbidden)
+    for _ in range(3):
+        s.scale(loss).backward(retain_graph=True)
+        s.unscale_(opt)
+        s.step(opt)
+        s.update()
+        opt.zero_grad()
+    monkeypatch.undo()
+    assert s.get_scale() == 2.0**9  # and the state machine still did its job

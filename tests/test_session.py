@@ -393,3 +393,28 @@ def test_compile_flag_compiles_the_model():
     mp.backward(out.float().sum())
     assert mp.step().stepped
     assert os.environ.get("TORCH_COMPILE_DISABLE") != "1"
+
+
+def _moved_fraction(plan: str) -> float:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64, bias=False)
+    with torch.no_grad():
+        model.weight.uniform_(1.0, 2.0)  # bf16 ulp here is 2**-7
+    mp = MixedPrecision(plan)
+    model, opt = mp.prepare(model, torch.optim.SGD(model.parameters(), lr=2.0**-12))
+    start = model.weight.detach().clone()
+    x = torch.ones(1, 64)
+    for _ in range(200):
+        with mp.autocast():
+            # d loss / d w = -1 for every weight: each update is 2**-12 = 1/32 ulp, which plain
+            # bf16 rounds away; 200 of them add up to 6 ulp.
+            loss = -model(x).float().mean() * 64
+        mp.backward(loss)
+        assert mp.step().stepped
+    return (model.weight != start).float().mean().item()
+
+
+def test_bf16_kahan_moves_weights_that_plain_bf16_cannot():
+    assert _moved_fraction("bf16-pure") < 0.05
+    assert _moved_fraction("bf16-kahan") >= 0.95
+    assert _moved_fraction("bf16-sr") >= 0.95
