@@ -1,5 +1,6 @@
 """mixprec: automatic mixed precision for PyTorch training, done right."""
 
+from mixprec import fp8
 from mixprec.checkpoint import load_checkpoint, save_checkpoint
 from mixprec.dtypes import Format, parse_dtype
 from mixprec.plans import PLANS, Plan, get_plan
@@ -19,6 +20,7 @@ __all__ = [
     "Plan",
     "StepResult",
     "__version__",
+    "fp8",
     "get_plan",
     "load_checkpoint",
     "parse_dtype",

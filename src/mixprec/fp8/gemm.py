@@ -1,0 +1,92 @@
+"""The fp8 GEMM: ``torch._scaled_mm`` on CUDA GPUs that have one, an exact emulation elsewhere.
+
+Both compute ``(a @ b) * inv_scale_a * inv_scale_b`` from fp8 operands with fp32
+accumulation. The emulation multiplies the fp8 values themselves in fp32: the product of
+two fp8 values has at most 8 significant bits, so every product is exact in fp32 and the
+only rounding is the fp32 accumulation, as in an fp8 tensor-core GEMM. The tensor-wise
+dequantisation scales are applied to the fp32 result, as ``_scaled_mm`` does.
+
+>>> import torch
+>>> a = torch.tensor([[1.0, 2.0]]).to(torch.float8_e4m3fn)
+>>> b = torch.tensor([[3.0], [4.0]]).to(torch.float8_e5m2)
+>>> scaled_mm(a, b, torch.tensor(0.5), torch.tensor(0.25), torch.float32)
+tensor([[1.3750]])
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+__all__ = ["native_fp8_available", "scaled_mm"]
+
+_NATIVE_MULTIPLE = 16  # cuBLASLt fp8: the inner dim and both dims of the second operand
+
+
+@functools.cache
+def _capability_ok(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (8, 9)
+
+
+def native_fp8_available(device: torch.device | str | None = None) -> bool:
+    """Whether ``device`` (default: the current CUDA device) runs fp8 GEMMs natively.
+
+    True on NVIDIA GPUs of compute capability 8.9 or newer (Ada, Hopper, Blackwell) with
+    a torch that has ``torch._scaled_mm``; False on CPU, older GPUs and ROCm builds.
+
+    >>> native_fp8_available("cpu")
+    False
+    """
+    if not hasattr(torch, "_scaled_mm") or torch.version.hip is not None:
+        return False
+    if not torch.cuda.is_available():
+        return False
+    dev = torch.device("cuda") if device is None else torch.device(device)
+    if dev.type != "cuda":
+        return False
+    return _capability_ok(torch.cuda.current_device() if dev.index is None else dev.index)
+
+
+def _native_shapes_ok(a: torch.Tensor, b: torch.Tensor) -> bool:
+    k, n = b.shape
+    return a.shape[1] % _NATIVE_MULTIPLE == 0 and k % _NATIVE_MULTIPLE == 0 and n % _NATIVE_MULTIPLE == 0
+
+
+def native_operands(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``a`` row-major and ``b`` column-major, the layouts ``_scaled_mm`` requires (copies only if needed)."""
+    return a.contiguous(), b.t().contiguous().t()
+
+
+def scaled_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    inv_scale_a: torch.Tensor,
+    inv_scale_b: torch.Tensor,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None = None,
+    *,
+    native: bool = False,
+) -> torch.Tensor:
+    """``(a @ b) * inv_scale_a * inv_scale_b (+ bias)`` for fp8 ``a`` (m, k) and ``b`` (k, n).
+
+    ``native=True`` calls ``torch._scaled_mm`` (fp32 accumulation, no fast accumulation)
+    when the shapes allow it (k and n multiples of 16); otherwise, and when
+    ``native=False``, the exact fp32 emulation runs on the operands' device.
+    """
+    if native and _native_shapes_ok(a, b):
+        a_n, b_n = native_operands(a, b)
+        out = torch._scaled_mm(
+            a_n,
+            b_n,
+            inv_scale_a.reshape(()).float(),
+            inv_scale_b.reshape(()).float(),
+            out_dtype=out_dtype,
+            use_fast_accum=False,
+        )
+        return out if bias is None else out + bias.to(out_dtype)
+    acc = a.float() @ b.float()
+    acc = acc * (inv_scale_a * inv_scale_b)
+    if bias is not None:
+        acc = acc + bias.to(out_dtype).float()
+    return acc.to(out_dtype)

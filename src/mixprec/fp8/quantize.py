@@ -1,0 +1,74 @@
+"""Quantise to a real torch fp8 dtype: ``x * scale`` -> clamp to ``±fmt_max`` -> ``.to(float8)``.
+
+Values beyond the format's range saturate at ``±fmt_max`` (they never become inf or NaN);
+``data.float() * inv_scale`` gives back the dequantised values. The same bytes feed the
+native fp8 GEMM and the emulated one.
+
+>>> import torch
+>>> from mixprec.dtypes import Format
+>>> from mixprec.fp8 import quantize
+>>> q = quantize(torch.tensor([1.0, 3.0, 1000.0]), torch.tensor(1.0), Format.E4M3)
+>>> q.data.dtype, q.dequantize()
+(torch.float8_e4m3fn, tensor([  1.,   3., 448.]))
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from mixprec.dtypes import Format
+
+__all__ = ["Quantized", "quantize", "quantize_with_stats"]
+
+
+class Quantized(NamedTuple):
+    """fp8 ``data`` and the fp32 ``inv_scale`` (1 / scale) that dequantises it."""
+
+    data: torch.Tensor
+    inv_scale: torch.Tensor
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``data * inv_scale`` in fp32, then cast to ``dtype``."""
+        return (self.data.float() * self.inv_scale).to(dtype)
+
+
+def _cast(x: torch.Tensor, scale: torch.Tensor, fmt: Format) -> tuple[torch.Tensor, torch.Tensor]:
+    scaled = x.float() * scale
+    data = scaled.clamp(-fmt.max, fmt.max).to(fmt.dtype)
+    return scaled, data
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor, fmt: Format) -> Quantized:
+    """Quantise ``x`` with an fp32 ``scale`` (a 0-dim tensor) to ``fmt`` (E4M3 or E5M2)."""
+    _, data = _cast(x, scale, fmt)
+    return Quantized(data, scale.reciprocal())
+
+
+def quantize_with_stats(x: torch.Tensor, scale: torch.Tensor, fmt: Format) -> tuple[Quantized, torch.Tensor]:
+    """:func:`quantize`, plus ``tensor([saturation, underflow])`` as fp32 fractions.
+
+    ``saturation``: fraction of all elements whose scaled magnitude exceeded ``fmt_max``
+    and was clamped. ``underflow``: fraction of the non-zero elements that became zero.
+    Both are computed on the device, without a host sync.
+
+    >>> import torch
+    >>> from mixprec.dtypes import Format
+    >>> _, s = quantize_with_stats(torch.tensor([1e-9, 1.0, 500.0, 0.0]), torch.tensor(1.0), Format.E4M3)
+    >>> s
+    tensor([0.2500, 0.3333])
+    """
+    scaled, data = _cast(x, scale, fmt)
+    # Counted from the scaled values, in as few passes as possible. Round-to-nearest-even
+    # sends magnitudes up to half the smallest subnormal (inclusive: the tie goes to the
+    # even zero) to zero, so those are exactly the elements whose fp8 value is zero.
+    magnitude = scaled.abs_()  # ``scaled`` is our own temporary
+    half_subnormal = fmt.tiny * 2.0 ** -(fmt.mantissa_bits + 1)
+    saturated = torch.count_nonzero(magnitude > fmt.max)
+    zero_after = torch.count_nonzero(magnitude <= half_subnormal)
+    zero_before = torch.count_nonzero(x == 0)
+    nonzero = (x.numel() - zero_before).clamp(min=1)
+    flushed = zero_after - zero_before
+    stats = torch.stack([saturated / max(x.numel(), 1), flushed / nonzero]).float()
+    return Quantized(data, scale.reciprocal()), stats
