@@ -84,7 +84,7 @@ def test_explain_values():
     assert rows["weights"].startswith("bf16") and rows["master weights"] == "fp32"
     assert rows["grad accumulation"] == "fp32" and rows["optimizer state"] == "fp32"
     rows = get_plan("bf16-kahan").tensor_dtypes()
-    assert rows["weights"] == "bf16" and rows["optimizer state"].startswith("bf16")
+    assert rows["weights"] == "bf16 (norm layers fp32)" and rows["optimizer state"].startswith("bf16")
     assert get_plan("fp32").tensor_dtypes()["compute"] == "fp32"
 
 

@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 
-from mixprec import MixedPrecision, StepResult, load_checkpoint, save_checkpoint
+from mixprec import MixedPrecision, StepResult, get_plan, load_checkpoint, save_checkpoint
 from mixprec.models import build_task
 from mixprec.optim import MasterWeightOptimizer
 
@@ -418,3 +418,33 @@ def test_bf16_kahan_moves_weights_that_plain_bf16_cannot():
     assert _moved_fraction("bf16-pure") < 0.05
     assert _moved_fraction("bf16-kahan") >= 0.95
     assert _moved_fraction("bf16-sr") >= 0.95
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(16, 32)
+        self.norm = torch.nn.LayerNorm(32)
+        self.fc2 = torch.nn.Linear(32, 4)
+
+    def forward(self, x):
+        h = torch.utils.checkpoint.checkpoint(lambda t: torch.softmax(self.fc1(t), -1), x, use_reentrant=False)
+        return self.fc2(self.norm(h))
+
+
+@pytest.mark.parametrize("plan", ["bf16-mixed", "bf16-master", "bf16-pure", "bf16-kahan"])
+def test_custom_policy_islands_and_ops_through_the_front_door(plan):
+    torch.manual_seed(0)
+    model = _Block()
+    mp = MixedPrecision(get_plan(plan, fp32_modules=("fc2",), fp32_ops=("softmax",), lower_ops=()))
+    model, opt = mp.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    assert model.fc2.weight.dtype == torch.float32  # island parameters stay fp32 in every plan
+    for _ in range(2):
+        with mp.autocast():
+            out = model(torch.randn(8, 16))
+            # an island's output is fp32 under autocast; without autocast (pure plans) it is
+            # cast back to the dtype around it
+            assert out.dtype == (torch.bfloat16 if plan == "bf16-pure" else torch.float32)
+            loss = out.pow(2).mean()
+        mp.backward(loss)  # recomputation under checkpoint runs under the same policy
+        assert mp.step().stepped

@@ -190,11 +190,13 @@ class MixedPrecision:
             first = next(iter(model.parameters()), None)
             self.device = first.device if first is not None else torch.device("cpu")
         plan = self.plan
+        fp32_values = plan.convert_model(model)
         if plan.policy is not None and plan.policy.fp32_modules:
             from mixprec.islands import apply_fp32_islands
 
+            # After the conversion: islands turn their own parameters back to fp32.
             apply_fp32_islands(model, plan.policy)
-        fp32_values = plan.convert_model(model)
+            fp32_values = {p: v for p, v in fp32_values.items() if p.dtype != torch.float32}
         self.optimizers = [plan.wrap_optimizer(opt, fp32_values) for opt in optimizers]
         if not plan.uses_autocast and plan.weight_dtype != torch.float32:
             self._hooks.append(model.register_forward_pre_hook(_input_caster(plan.weight_dtype), with_kwargs=True))

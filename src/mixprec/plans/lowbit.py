@@ -9,7 +9,7 @@ import torch
 
 from mixprec.dtypes import dtype_name
 from mixprec.optim import KahanOptimizer, StochasticRoundingOptimizer
-from mixprec.plans.base import Plan, cast_module_
+from mixprec.plans.base import NORM_LAYERS, Plan, cast_module_
 
 __all__ = ["LowBitPlan"]
 
@@ -20,7 +20,9 @@ class LowBitPlan(Plan):
 
     ``rounding="kahan"`` keeps a bf16 compensation buffer per weight; ``"stochastic"``
     rounds updates stochastically. Optimizer state is kept in ``state_dtype``
-    (bf16 by default: 10 bytes per parameter for AdamW with Kahan).
+    (bf16 by default: 10 bytes per parameter for AdamW with Kahan). Norm layers
+    (a negligible share of the parameters) stay fp32, so they accept both bf16
+    activations and fp32 ones coming from fp32-list ops or fp32 islands.
     """
 
     rounding: Literal["kahan", "stochastic"] = "kahan"
@@ -47,6 +49,7 @@ class LowBitPlan(Plan):
 
     def tensor_dtypes(self) -> dict[str, str]:
         rows = super().tensor_dtypes()
+        rows["weights"] += " (norm layers fp32)"
         if self.rounding == "kahan":
             rows["master weights"] = f"none ({dtype_name(self.weight_dtype)} Kahan compensation per weight)"
         else:
@@ -58,7 +61,7 @@ class LowBitPlan(Plan):
         return {**super().fingerprint(), "optimizer": self.rounding}
 
     def convert_model(self, model: torch.nn.Module) -> dict[torch.Tensor, torch.Tensor]:
-        return cast_module_(model, self.compute_dtype)
+        return cast_module_(model, self.compute_dtype, keep=NORM_LAYERS, keep_dtype=torch.float32)
 
     def wrap_optimizer(
         self, optimizer: torch.optim.Optimizer, fp32_values: dict[torch.Tensor, torch.Tensor]

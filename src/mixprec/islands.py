@@ -1,0 +1,311 @@
+"""fp32 islands: modules whose forward runs with autocast off and fp32 inputs.
+
+Some layers overflow or lose too much precision in fp16/bf16 no matter which op
+lists are used: a T5 feed-forward whose activations pass 65504, an attention
+softmax over long rows, a loss head. An island runs such a module entirely in
+fp32: autocast is off inside it and its floating inputs are cast to float32.
+
+Islands are chosen by :attr:`mixprec.OpPolicy.fp32_modules`: module classes
+(``nn.LayerNorm``) or glob patterns over qualified names (``"*.attn.softmax"``,
+``"encoder.block.*.layer.1"``). :func:`apply_fp32_islands` marks the matching
+modules of a model in place, returns their names, and is idempotent;
+:func:`remove_fp32_islands` (or the handle's ``remove()``) undoes it.
+
+Marking swaps the module's class for a subclass that overrides ``forward`` (as
+``torch.nn.utils.parametrize`` does): parameters, buffers, hooks and
+``state_dict`` keys are unchanged, ``isinstance`` checks still hold, and
+``torch.compile`` traces the island like any module. Like parametrized modules,
+marked models are saved with ``state_dict()``, not by pickling the module.
+
+Dtypes: the island's floating parameters and buffers are cast to fp32 when it is
+marked. Its outputs are fp32 under autocast (autocast handles what follows). With
+autocast off and a low-precision input (the pure and master-weight plans, where
+the rest of the model runs in bf16/fp16), outputs are cast back to that input's
+dtype, so the island is transparent to its neighbours.
+
+>>> import torch
+>>> from torch import nn
+>>> from mixprec.policy import OpPolicy
+>>> from mixprec.islands import apply_fp32_islands, remove_fp32_islands
+>>> model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 2))
+>>> apply_fp32_islands(model, OpPolicy(fp32_modules=[nn.LayerNorm]))
+['1']
+>>> with torch.autocast("cpu", dtype=torch.bfloat16):
+...     h = model[1](model[0](torch.randn(3, 4)))
+>>> h.dtype
+torch.float32
+>>> sorted(model.state_dict()) == ['0.bias', '0.weight', '1.bias', '1.weight', '2.bias', '2.weight']
+True
+>>> remove_fp32_islands(model)
+['1']
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec.policy import ModuleRule, OpPolicy, _as_module_rules
+
+__all__ = [
+    "FP32Island",
+    "IslandHandle",
+    "apply_fp32_islands",
+    "fp32_island_names",
+    "is_fp32_island",
+    "match_fp32_modules",
+    "remove_fp32_islands",
+]
+
+
+class FP32Island:
+    """Marker base of island classes: ``isinstance(module, FP32Island)`` tells an island.
+
+    Converters that cast a model to low precision should keep these modules in fp32
+    (or call :func:`apply_fp32_islands` after converting, which restores fp32).
+    """
+
+    _mixprec_island_base: type[nn.Module]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the original forward with autocast off and fp32 floating inputs."""
+        base = type(self)._mixprec_island_base
+        _check_fp32_state(self)  # type: ignore[arg-type]
+        device_type = (
+            _device_type_of(args) or _device_type_of(kwargs) or _module_device_type(self)  # type: ignore[arg-type]
+        )
+        autocast_was_on = torch.is_autocast_enabled(device_type)
+        low_input = _low_precision_dtype(args, kwargs)
+        with torch.autocast(device_type, enabled=False):
+            out = base.forward(self, *_to_fp32(args), **_to_fp32(kwargs))  # type: ignore[arg-type]
+        if not autocast_was_on and low_input is not None:
+            out = _to_dtype(out, low_input)
+        return out
+
+
+_ISLAND_CLASSES: dict[type[nn.Module], type[nn.Module]] = {}
+
+
+def _island_class(cls: type[nn.Module]) -> type[nn.Module]:
+    island = _ISLAND_CLASSES.get(cls)
+    if island is None:
+        island = type(
+            f"FP32Island{cls.__name__}",
+            (FP32Island, cls),
+            {
+                "_mixprec_island_base": cls,
+                "__module__": __name__,
+                "__qualname__": f"FP32Island{cls.__name__}",
+            },
+        )
+        _ISLAND_CLASSES[cls] = island
+    return island
+
+
+def is_fp32_island(module: nn.Module) -> bool:
+    """True if ``module`` is marked as an fp32 island."""
+    return isinstance(module, FP32Island)
+
+
+def _matches(name: str, module: nn.Module, rules: Sequence[ModuleRule]) -> bool:
+    base = type(module)._mixprec_island_base if isinstance(module, FP32Island) else type(module)
+    for rule in rules:
+        if isinstance(rule, str):
+            if fnmatch.fnmatchcase(name, rule):
+                return True
+        elif issubclass(base, rule):
+            return True
+    return False
+
+
+def _rules_of(
+    policy_or_rules: OpPolicy | Iterable[ModuleRule] | ModuleRule,
+) -> tuple[ModuleRule, ...]:
+    if isinstance(policy_or_rules, OpPolicy):
+        return policy_or_rules.fp32_modules
+    return _as_module_rules(policy_or_rules)
+
+
+def match_fp32_modules(
+    model: nn.Module, policy: OpPolicy | Iterable[ModuleRule] | ModuleRule
+) -> list[str]:
+    """Qualified names of the modules of ``model`` that ``policy.fp32_modules`` selects.
+
+    The root module's name is ``""``. Nothing is changed.
+    """
+    rules = _rules_of(policy)
+    if not rules:
+        return []
+    return [name for name, module in model.named_modules() if _matches(name, module, rules)]
+
+
+class IslandHandle:
+    """Returned by :func:`apply_fp32_islands`; ``remove()`` unmarks the modules it marked."""
+
+    def __init__(self, model: nn.Module, names: list[str]) -> None:
+        self._model = model
+        self.names = names
+
+    def remove(self) -> list[str]:
+        """Unmark the islands this call marked (still present); returns their names."""
+        removed: list[str] = []
+        modules = dict(self._model.named_modules())
+        for name in self.names:
+            module = modules.get(name)
+            if module is not None and _unmark(module):
+                removed.append(name)
+        return removed
+
+
+class _IslandList(list[str]):
+    """A list of island names that also carries the :class:`IslandHandle`."""
+
+    handle: IslandHandle
+
+
+def apply_fp32_islands(
+    model: nn.Module, policy: OpPolicy | Iterable[ModuleRule] | ModuleRule
+) -> list[str]:
+    """Mark the modules ``policy.fp32_modules`` selects as fp32 islands, in place.
+
+    Returns the qualified names of all matching modules (marked now or before), in
+    module order; calling it again marks nothing new. Island parameters and buffers
+    are cast to fp32 (on every call, so calling it after a model was cast to low
+    precision restores its islands). The returned list has a ``handle`` attribute whose
+    ``remove()`` unmarks exactly the modules this call marked;
+    :func:`remove_fp32_islands` unmarks all.
+
+    >>> import torch
+    >>> from torch import nn
+    >>> from mixprec.policy import OpPolicy
+    >>> from mixprec.islands import apply_fp32_islands
+    >>> net = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 2)))
+    >>> names = apply_fp32_islands(net, OpPolicy(fp32_modules=["1.*"]))
+    >>> names, apply_fp32_islands(net, OpPolicy(fp32_modules=["1.*"]))
+    (['1.0'], ['1.0'])
+    >>> names.handle.remove()
+    ['1.0']
+    """
+    rules = _rules_of(policy)
+    names = _IslandList()
+    marked: list[str] = []
+    for name, module in list(model.named_modules()):
+        if not rules or not _matches(name, module, rules):
+            continue
+        names.append(name)
+        _cast_floating_(module, torch.float32)  # also restores islands a converter cast down
+        if not isinstance(module, FP32Island):
+            _mark(module)
+            marked.append(name)
+    names.handle = IslandHandle(model, marked)
+    return names
+
+
+def _mark(module: nn.Module) -> None:
+    module.__class__ = _island_class(type(module))
+
+
+def _unmark(module: nn.Module) -> bool:
+    if not isinstance(module, FP32Island):
+        return False
+    module.__class__ = type(module)._mixprec_island_base  # type: ignore[assignment]
+    return True
+
+
+def remove_fp32_islands(model: nn.Module) -> list[str]:
+    """Unmark every fp32 island in ``model``; returns their names.
+
+    Parameters keep the fp32 dtype they were given when marked.
+    """
+    return [name for name, module in model.named_modules() if _unmark(module)]
+
+
+def fp32_island_names(model: nn.Module) -> list[str]:
+    """Qualified names of the modules of ``model`` currently marked as fp32 islands."""
+    return [name for name, module in model.named_modules() if isinstance(module, FP32Island)]
+
+
+# ----------------------------------------------------------------------- helpers
+def _check_fp32_state(module: nn.Module) -> None:
+    for name, t in (*module.named_parameters(), *module.named_buffers()):
+        if t.dtype in (torch.float16, torch.bfloat16):
+            raise RuntimeError(
+                f"fp32 island {type(module).__name__} holds {t.dtype} tensor {name!r}: islands "
+                "compute in fp32, so their parameters must stay fp32. Keep FP32Island modules "
+                "in fp32 when converting the model (skip isinstance(m, FP32Island)), or call "
+                "apply_fp32_islands() after converting, which casts them back"
+            )
+
+
+def _cast_floating_(module: nn.Module, dtype: torch.dtype) -> None:
+    for t in [*module.parameters(), *module.buffers()]:
+        if t.is_floating_point() and t.dtype != dtype and t.dtype != torch.float64:
+            t.data = t.data.to(dtype)  # type: ignore[assignment]
+            if t.grad is not None:
+                t.grad = t.grad.to(dtype)
+
+
+def _device_type_of(value: Any) -> str | None:
+    if isinstance(value, torch.Tensor):
+        return value.device.type
+    if isinstance(value, list | tuple):
+        for v in value:
+            found = _device_type_of(v)
+            if found is not None:
+                return found
+    elif isinstance(value, dict):
+        return _device_type_of(tuple(value.values()))
+    return None
+
+
+def _module_device_type(module: nn.Module) -> str:
+    for tensor in (*module.parameters(), *module.buffers()):
+        return tensor.device.type
+    return "cpu"
+
+
+def _low_precision_dtype(*values: Any) -> torch.dtype | None:
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            if value.dtype in (torch.float16, torch.bfloat16):
+                return value.dtype
+        elif isinstance(value, list | tuple):
+            found = _low_precision_dtype(*value)
+            if found is not None:
+                return found
+        elif isinstance(value, dict):
+            found = _low_precision_dtype(*value.values())
+            if found is not None:
+                return found
+    return None
+
+
+def _to_dtype(value: Any, dtype: torch.dtype) -> Any:
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point() and value.dtype not in (dtype, torch.float64):
+            return value.to(dtype)
+        return value
+    if isinstance(value, list | tuple):
+        items = [_to_dtype(v, dtype) for v in value]
+        if type(value) in (list, tuple):
+            return type(value)(items)
+        if hasattr(value, "_fields"):  # namedtuple
+            return type(value)(*items)
+        return type(value)(items)
+    if type(value) is dict:
+        return {k: _to_dtype(v, dtype) for k, v in value.items()}
+    if isinstance(value, dict):
+        out = copy.copy(value)  # keeps dict subclasses (model output records) intact
+        for k, v in value.items():
+            out[k] = _to_dtype(v, dtype)
+        return out
+    return value
+
+
+def _to_fp32(value: Any) -> Any:
+    return _to_dtype(value, torch.float32)

@@ -1,0 +1,531 @@
+"""Op tables and OpPolicy: the pinned tables against the installed torch, the algebra,
+validation, explain(); and every CPU table op run through torch.autocast and through
+mixprec's engine, bitwise."""
+
+from __future__ import annotations
+
+import math
+import re
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mixprec.autocast import _PolicyMode, autocast
+from mixprec.policy import (
+    DEVICE_TYPES,
+    TABLES_TORCH_VERSION,
+    OpPolicy,
+    Precision,
+    compare_with_torch,
+    default_table,
+    normalize_op_name,
+    torch_autocast_ops,
+)
+
+BF16 = torch.bfloat16
+TORCH_MINOR = ".".join(torch.__version__.split("+")[0].split(".")[:2])
+SAME_TORCH = TORCH_MINOR == TABLES_TORCH_VERSION
+
+
+# ----------------------------------------------------------------------------- tables
+@pytest.mark.parametrize("device", DEVICE_TYPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_tables_are_disjoint_plain_data(device: str, dtype: torch.dtype) -> None:
+    t = default_table(device, dtype)
+    assert t.device_type == device and t.dtype == dtype
+    groups = [t.low, t.fp32, t.promote, t.banned]
+    for i, a in enumerate(groups):
+        for b in groups[i + 1 :]:
+            assert not (a & b), f"{device}/{dtype}: {sorted(a & b)} in two classes"
+    for op in t.ops:
+        assert re.fullmatch(r"[a-z_][a-z0-9_]*", op), op
+    assert t.precision_of("linear") is Precision.LOW
+
+
+def test_tables_are_per_device() -> None:
+    assert default_table("cuda", BF16).precision_of("softmax") is Precision.FP32
+    assert default_table("cpu", BF16).precision_of("softmax") is None
+    assert default_table("cpu", BF16).precision_of("cat") is Precision.PROMOTE
+    assert default_table("cuda", torch.float16).banned == frozenset({"binary_cross_entropy"})
+
+
+def test_unknown_table_is_an_error() -> None:
+    with pytest.raises(ValueError, match=re.escape("no autocast op table for device_type='xpu'")):
+        default_table("xpu", BF16)
+
+
+@pytest.mark.parametrize("device", DEVICE_TYPES)
+def test_tables_match_installed_torch_registrations(device: str) -> None:
+    """Membership: the ops torch registers an autocast kernel for, per device."""
+    diff = compare_with_torch(device)
+    if diff is None:
+        pytest.skip("this torch does not expose its autocast registrations")
+    report = str(diff)
+    print(report)  # the report is the point when torch is upgraded
+    if not SAME_TORCH:
+        pytest.xfail(f"tables pinned to torch {TABLES_TORCH_VERSION}; differences:\n{report}")
+    assert diff.empty, report
+    registered = torch_autocast_ops(device)
+    assert registered is not None and "linear" in registered
+
+
+# --------------------------------------------------------------------- OpPolicy algebra
+def test_paddle_algebra() -> None:
+    p = OpPolicy(BF16, lower_ops=["softmax", "mm"], fp32_ops=["linear", "mse_loss"])
+    t = default_table("cpu", BF16)
+    eff = p.effective("cpu")
+    assert eff[Precision.LOW] == (t.low | {"softmax", "mm"}) - {"linear", "mse_loss"}
+    assert eff[Precision.FP32] == (t.fp32 - {"softmax", "mm"}) | {"linear", "mse_loss"}
+    assert eff[Precision.PROMOTE] == t.promote
+    # only real moves need interception: mm is already low, mse_loss already fp32
+    assert p.overrides("cpu") == {"softmax": Precision.LOW, "linear": Precision.FP32}
+    assert p.precision_of("linear", "cpu") is Precision.FP32
+    assert p.precision_of("softmax", "cpu") is Precision.LOW
+    assert p.precision_of("relu", "cpu") is None
+
+
+def test_moving_a_promote_op_and_a_banned_op() -> None:
+    p = OpPolicy(torch.float16, fp32_ops=["cat", "binary_cross_entropy"])
+    assert "cat" not in p.effective("cpu")[Precision.PROMOTE]
+    assert p.overrides("cuda") == {"cat": Precision.FP32, "binary_cross_entropy": Precision.FP32}
+    assert "cat" in p.overrides("cpu")
+
+
+def test_policy_is_frozen_hashable_and_normalises() -> None:
+    p = OpPolicy("bf16", lower_ops=("__matmul__", "aten::softmax"), fp32_ops="cross_entropy")
+    assert p.dtype == BF16
+    assert p.lower_ops == ("matmul", "softmax")
+    assert p.fp32_ops == ("cross_entropy_loss",)
+    assert hash(p) == hash(OpPolicy(BF16, lower_ops=["matmul", "softmax"], fp32_ops=["cross_entropy_loss"]))
+    with pytest.raises(AttributeError):
+        p.dtype = torch.float16  # type: ignore[misc]
+    assert p.replace(fp32_ops=()).is_default is False
+    assert OpPolicy().is_default
+
+
+def test_op_in_both_lists_is_an_error() -> None:
+    msg = "'linear' is in both lower_ops and fp32_ops; an op runs in one precision, so keep each op in one of the lists"
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        OpPolicy(lower_ops=["linear", "mm"], fp32_ops=["linear"])
+
+
+def test_unknown_op_names_close_matches() -> None:
+    msg = (
+        "unknown op name 'softmx' in lower_ops: neither mixprec's autocast tables nor "
+        "torch.ops.aten know it; did you mean 'softmax', '_softmax', 'log_softmax'?"
+    )
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        OpPolicy(lower_ops=["softmx"])
+    with pytest.raises(ValueError, match=r"unknown op name 'layernorm' in fp32_ops: .* did you mean 'layer_norm'"):
+        OpPolicy(fp32_ops=["layernorm"])
+    with pytest.raises(ValueError, match=re.escape("op names are given without overload; use 'softmax'")):
+        OpPolicy(fp32_ops=["softmax.int"])
+    with pytest.raises(TypeError, match=re.escape("fp32_ops takes op names (str)")):
+        OpPolicy(fp32_ops=[torch.softmax])  # type: ignore[list-item]
+
+
+def test_aten_ops_outside_the_tables_are_known() -> None:
+    p = OpPolicy(lower_ops=["gelu", "add"], fp32_ops=["exp"])
+    assert p.overrides("cpu") == {"gelu": Precision.LOW, "add": Precision.LOW, "exp": Precision.FP32}
+    assert p.overrides("cuda") == {"gelu": Precision.LOW, "add": Precision.LOW}
+
+
+def test_dtype_must_be_low_precision() -> None:
+    msg = "OpPolicy dtype must be a low-precision dtype (bf16 or fp16), got fp32"
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        OpPolicy(torch.float32)
+
+
+def test_fp32_modules_validation() -> None:
+    p = OpPolicy(fp32_modules=[nn.LayerNorm, "*.attn.softmax"])
+    assert p.fp32_modules == (nn.LayerNorm, "*.attn.softmax")
+    assert OpPolicy(fp32_modules="*.ln").fp32_modules == ("*.ln",)
+    with pytest.raises(TypeError, match=re.escape("fp32_modules takes nn.Module classes")):
+        OpPolicy(fp32_modules=[int])  # type: ignore[list-item]
+
+
+def test_explain_is_a_table_marking_custom_entries() -> None:
+    p = OpPolicy(BF16, lower_ops=["softmax"], fp32_ops=["linear"], fp32_modules=[nn.LayerNorm])
+    text = p.explain("cpu")
+    assert isinstance(text, str)
+    lines = text.splitlines()
+    assert lines[0] == f"OpPolicy(dtype=bf16) on cpu: default tables pinned to torch {TABLES_TORCH_VERSION} (v1)"
+    assert lines[1].split("|")[0].strip() == "precision"
+    rows = {(r.split("|")[0].strip(), r.split("|")[1].strip()): r.split("|")[2].strip() for r in lines[3:] if r.count("|") == 2 and r.split("|")[0].strip()}
+    assert rows[("low (bf16)", "custom")] == "softmax"
+    assert rows[("fp32", "custom")] == "linear"
+    assert "linear" not in text.split("low (bf16)             | default")[1].split("fp32")[0]
+    assert "torch.nn.modules.normalization.LayerNorm" in rows[("fp32 modules", "custom")]
+    cuda = p.explain("cuda")
+    assert "refused" in cuda and "binary_cross_entropy" in cuda
+
+
+def test_normalize_op_name() -> None:
+    assert normalize_op_name("__rmatmul__") == "matmul"
+    assert normalize_op_name("aten::linear") == "linear"
+    assert normalize_op_name("cross_entropy") == "cross_entropy_loss"
+
+
+# ------------------------------------------------------------ every CPU op, run for real
+def _g(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _r(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=_g(seed))
+
+
+def _spd(n: int = 4, seed: int = 0) -> torch.Tensor:
+    a = _r(n, n, seed=seed)
+    return a @ a.T + n * torch.eye(n)
+
+
+def _lu(n: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.linalg.lu_factor(_spd(n))
+
+
+def _qr_parts(n: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.geqrf(_r(n, n))
+
+
+Case = tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]
+
+
+def _case(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Case:
+    return fn, args, kwargs
+
+
+def _mha_args() -> tuple[Any, ...]:
+    n = 4
+    return (
+        _r(2, n, n), _r(2, n, n, seed=1), _r(2, n, n, seed=2), n, 2,
+        _r(3 * n, n, seed=3), _r(3 * n, seed=4), _r(n, n, seed=5), _r(n, seed=6),
+    )  # fmt: skip
+
+
+def _rnn_args() -> tuple[Any, ...]:
+    t, n, i, h = 3, 2, 4, 4
+    return (
+        _r(t, n, i), _r(4 * h, i, seed=1), _r(4 * h, h, seed=2), _r(4 * h, seed=3),
+        _r(4 * h, seed=4), _r(n, h, seed=5), _r(n, h, seed=6),
+        False, [], 2, h, 1, True, False, False, False,
+    )  # fmt: skip
+
+
+def _cases() -> dict[str, list[Case]]:
+    c: dict[str, list[Case]] = {}
+    x4 = _r(2, 2, 4, 4)
+    lu, piv = _lu()
+    a_qr, tau = _qr_parts()
+    mlabel = torch.tensor([[1, 2, -1, 0], [0, -1, 0, 0]])
+    _, idx = F.max_pool2d(_r(1, 1, 4, 4), 2, return_indices=True)
+    _, idx3 = F.max_pool3d(_r(1, 1, 4, 4, 4), 2, return_indices=True)
+    # --- low
+    c["_addmm_activation"] = [_case(torch._addmm_activation, _r(4, 4), _r(4, 4, seed=1), _r(4, 4, seed=2), use_gelu=True)]
+    c["_convolution"] = [_case(torch._convolution, x4, _r(3, 2, 3, 3, seed=1), _r(3, seed=2), (1, 1), (0, 0), (1, 1), False, (0, 0), 1, False, True, True)]
+    c["_native_multi_head_attention"] = [_case(torch._native_multi_head_attention, *_mha_args())]
+    c["addbmm"] = [_case(torch.addbmm, _r(4, 4), _r(2, 4, 4, seed=1), _r(2, 4, 4, seed=2))]
+    c["addmm"] = [_case(torch.addmm, _r(4, 4), _r(4, 4, seed=1), _r(4, 4, seed=2))]
+    c["baddbmm"] = [_case(torch.baddbmm, _r(2, 4, 4), _r(2, 4, 4, seed=1), _r(2, 4, 4, seed=2))]
+    c["bmm"] = [_case(torch.bmm, _r(2, 4, 4), _r(2, 4, 4, seed=1))]
+    c["conv1d"] = [_case(F.conv1d, _r(2, 2, 8), _r(3, 2, 3, seed=1), _r(3, seed=2)), _case(F.conv1d, _r(2, 2, 8), _r(3, 2, 3, seed=1), padding="same")]
+    c["conv2d"] = [_case(F.conv2d, x4, _r(3, 2, 3, 3, seed=1)), _case(torch.conv2d, x4, _r(3, 2, 3, 3, seed=1), padding="same")]
+    c["conv3d"] = [_case(F.conv3d, _r(1, 2, 4, 4, 4), _r(3, 2, 3, 3, 3, seed=1)), _case(F.conv3d, _r(1, 2, 4, 4, 4), _r(3, 2, 3, 3, 3, seed=1), padding="same")]
+    c["conv_tbc"] = [_case(torch.conv_tbc, _r(10, 7, 3), _r(5, 3, 5, seed=1), _r(5, seed=2), 0)]
+    c["conv_transpose1d"] = [_case(F.conv_transpose1d, _r(2, 2, 8), _r(2, 3, 3, seed=1))]
+    c["conv_transpose2d"] = [_case(F.conv_transpose2d, x4, _r(2, 3, 3, 3, seed=1))]
+    c["conv_transpose3d"] = [_case(F.conv_transpose3d, _r(1, 2, 4, 4, 4), _r(2, 3, 3, 3, 3, seed=1))]
+    c["linalg_vecdot"] = [_case(torch.linalg.vecdot, _r(4, 4), _r(4, 4, seed=1))]
+    c["linear"] = [_case(F.linear, _r(3, 4), _r(5, 4, seed=1), _r(5, seed=2))]
+    c["matmul"] = [_case(torch.matmul, _r(4, 4), _r(4, 4, seed=1)), _case(torch.Tensor.__matmul__, _r(4, 4), _r(4, 4, seed=1))]
+    # the fourth output is an uninitialised workspace: compare the first three
+    c["mkldnn_rnn_layer"] = [_case(lambda *a: torch.mkldnn_rnn_layer(*a)[:3], *_rnn_args())]
+    c["mm"] = [_case(torch.mm, _r(4, 4), _r(4, 4, seed=1)), _case(torch.Tensor.mm, _r(4, 4), _r(4, 4, seed=1))]
+    c["prelu"] = [_case(F.prelu, _r(2, 3, 4), _r(3, seed=1))]
+    c["scaled_dot_product_attention"] = [_case(F.scaled_dot_product_attention, _r(1, 2, 4, 8), _r(1, 2, 4, 8, seed=1), _r(1, 2, 4, 8, seed=2))]
+    # --- fp32
+    c["_grid_sampler_2d_cpu_fallback"] = [_case(torch._grid_sampler_2d_cpu_fallback, _r(1, 1, 4, 4), _r(1, 3, 3, 2, seed=1).tanh(), 0, 0, False)]
+    c["_lu_with_info"] = [_case(torch._lu_with_info, _spd())]
+    c["adaptive_avg_pool3d"] = [_case(F.adaptive_avg_pool3d, _r(1, 2, 4, 4, 4), 2)]
+    c["adaptive_max_pool3d"] = [_case(torch._C._nn.adaptive_max_pool3d, _r(1, 2, 4, 4, 4), 2)]
+    c["avg_pool3d"] = [_case(F.avg_pool3d, _r(1, 2, 4, 4, 4), 2)]
+    c["binary_cross_entropy"] = [_case(F.binary_cross_entropy, _r(4, 4).sigmoid(), torch.rand(4, 4, generator=_g(1)))]
+    c["binary_cross_entropy_with_logits"] = [_case(F.binary_cross_entropy_with_logits, _r(4, 4), torch.rand(4, 4, generator=_g(1)))]
+    c["cdist"] = [_case(torch.cdist, _r(3, 4), _r(5, 4, seed=1))]
+    c["cholesky"] = [_case(torch.cholesky, _spd())]
+    c["cholesky_inverse"] = [_case(torch.cholesky_inverse, torch.linalg.cholesky(_spd()))]
+    c["cholesky_solve"] = [_case(torch.cholesky_solve, _r(4, 2), torch.linalg.cholesky(_spd()))]
+    c["cosine_embedding_loss"] = [_case(F.cosine_embedding_loss, _r(3, 4), _r(3, 4, seed=1), torch.tensor([1, -1, 1]))]
+    c["cross_entropy_loss"] = [_case(F.cross_entropy, _r(4, 5), torch.tensor([0, 1, 4, 2]))]
+    c["ctc_loss"] = [
+        _case(F.ctc_loss, _r(6, 2, 5).log_softmax(-1), torch.tensor([[1, 2], [3, 1]]), torch.tensor([6, 5]), torch.tensor([2, 2])),
+        _case(F.ctc_loss, _r(6, 2, 5).log_softmax(-1), torch.tensor([[1, 2], [3, 1]]), [6, 5], [2, 2]),
+    ]
+    c["fake_quantize_per_tensor_affine"] = [_case(torch.fake_quantize_per_tensor_affine, _r(4, 4), 0.1, 0, 0, 255)]
+    for name, shape in [("fft", (8,)), ("fft2", (4, 4)), ("fftn", (2, 4, 4)), ("hfft", (8,)),
+                        ("ifft", (8,)), ("ifft2", (4, 4)), ("ifftn", (2, 4, 4)), ("ihfft", (8,)),
+                        ("irfft", (8,)), ("irfft2", (4, 4)), ("irfftn", (2, 4, 4)), ("rfft", (8,)),
+                        ("rfft2", (4, 4)), ("rfftn", (2, 4, 4))]:  # fmt: skip
+        c[f"fft_{name}"] = [_case(getattr(torch.fft, name), _r(*shape))]
+    c["fractional_max_pool2d"] = [_case(torch._C._nn.fractional_max_pool2d, _r(1, 2, 8, 8), (2, 2), (4, 4), torch.rand(1, 2, 2, generator=_g(1)))]
+    c["fractional_max_pool3d"] = [_case(torch._C._nn.fractional_max_pool3d, _r(1, 2, 8, 8, 8), (2, 2, 2), (4, 4, 4), torch.rand(1, 2, 3, generator=_g(1)))]
+    c["geqrf"] = [_case(torch.geqrf, _r(4, 4))]
+    c["grid_sampler"] = [_case(torch.grid_sampler, _r(1, 1, 4, 4), _r(1, 3, 3, 2, seed=1).tanh(), 0, 0, False)]
+    c["grid_sampler_2d"] = [_case(torch.grid_sampler_2d, _r(1, 1, 4, 4), _r(1, 3, 3, 2, seed=1).tanh(), 0, 0, False)]
+    c["grid_sampler_3d"] = [_case(torch.grid_sampler_3d, _r(1, 1, 4, 4, 4), _r(1, 2, 2, 2, 3, seed=1).tanh(), 0, 0, False)]
+    c["hinge_embedding_loss"] = [_case(F.hinge_embedding_loss, _r(4, 4), torch.ones(4, 4, dtype=torch.long))]
+    c["huber_loss"] = [_case(F.huber_loss, _r(4, 4), _r(4, 4, seed=1))]
+    c["inverse"] = [_case(torch.inverse, _spd())]
+    c["kl_div"] = [_case(F.kl_div, _r(4, 4).log_softmax(-1), _r(4, 4, seed=1).softmax(-1), reduction="batchmean")]
+    c["l1_loss"] = [_case(F.l1_loss, _r(4, 4), _r(4, 4, seed=1))]
+    c["linalg_cholesky"] = [_case(torch.linalg.cholesky, _spd())]
+    c["linalg_cholesky_ex"] = [_case(torch.linalg.cholesky_ex, _spd())]
+    c["linalg_cond"] = [_case(torch.linalg.cond, _spd()), _case(torch.linalg.cond, _spd(), "fro")]
+    c["linalg_eig"] = [_case(torch.linalg.eig, _spd())]
+    c["linalg_eigh"] = [_case(torch.linalg.eigh, _spd())]
+    c["linalg_eigvals"] = [_case(torch.linalg.eigvals, _spd())]
+    c["linalg_eigvalsh"] = [_case(torch.linalg.eigvalsh, _spd())]
+    c["linalg_householder_product"] = [_case(torch.linalg.householder_product, a_qr, tau)]
+    c["linalg_inv"] = [_case(torch.linalg.inv, _spd())]
+    c["linalg_inv_ex"] = [_case(torch.linalg.inv_ex, _spd())]
+    c["linalg_lstsq"] = [_case(torch.linalg.lstsq, _spd(), _r(4, 2, seed=1))]
+    c["linalg_matrix_rank"] = [_case(torch.linalg.matrix_rank, _spd()), _case(torch.linalg.matrix_rank, _spd(), atol=0.5, rtol=0.0)]
+    c["linalg_qr"] = [_case(torch.linalg.qr, _r(4, 4))]
+    c["linalg_solve"] = [_case(torch.linalg.solve, _spd(), _r(4, 2, seed=1))]
+    c["linalg_svd"] = [_case(torch.linalg.svd, _spd())]
+    c["linalg_svdvals"] = [_case(torch.linalg.svdvals, _spd())]
+    c["linalg_tensorinv"] = [_case(torch.linalg.tensorinv, _spd(), ind=1)]
+    c["linalg_tensorsolve"] = [_case(torch.linalg.tensorsolve, _spd(), _r(4, seed=1))]
+    c["lu_solve"] = [_case(torch.lu_solve, _r(4, 2, seed=1), lu, piv)]
+    c["margin_ranking_loss"] = [_case(F.margin_ranking_loss, _r(4), _r(4, seed=1), torch.tensor([1.0, -1.0, 1.0, -1.0]))]
+    c["max_pool3d"] = [_case(torch.max_pool3d, _r(1, 2, 4, 4, 4), 2)]
+    c["max_unpool2d"] = [_case(torch._C._nn.max_unpool2d, _r(1, 1, 2, 2), idx, (4, 4))]
+    c["max_unpool3d"] = [_case(torch._C._nn.max_unpool3d, _r(1, 1, 2, 2, 2), idx3, (4, 4, 4), (2, 2, 2), (0, 0, 0))]
+    c["mse_loss"] = [_case(F.mse_loss, _r(4, 4), _r(4, 4, seed=1))]
+    c["multi_margin_loss"] = [_case(F.multi_margin_loss, _r(4, 5), torch.tensor([0, 1, 4, 2]))]
+    c["multilabel_margin_loss"] = [_case(F.multilabel_margin_loss, _r(2, 4), mlabel)]
+    c["multilabel_margin_loss_forward"] = [_case(torch.ops.aten.multilabel_margin_loss_forward, _r(2, 4), mlabel, 1)]
+    c["nanquantile"] = [_case(torch.nanquantile, _r(8), 0.5), _case(torch.nanquantile, _r(8), torch.tensor([0.25, 0.5]))]
+    c["nll_loss"] = [_case(F.nll_loss, _r(4, 5).log_softmax(-1), torch.tensor([0, 1, 4, 2]))]
+    c["nll_loss2d"] = [_case(torch._C._nn.nll_loss2d, _r(2, 3, 2, 2).log_softmax(1), torch.zeros(2, 2, 2, dtype=torch.long))]
+    c["orgqr"] = [_case(torch.orgqr, a_qr, tau)]
+    c["ormqr"] = [_case(torch.ormqr, a_qr, tau, _r(4, 3, seed=1))]
+    c["pinverse"] = [_case(torch.pinverse, _spd())]
+    c["poisson_nll_loss"] = [_case(F.poisson_nll_loss, _r(4, 4), torch.rand(4, 4, generator=_g(1)))]
+    c["polar"] = [_case(torch.polar, torch.rand(4, generator=_g(0)), _r(4, seed=1))]
+    c["prod"] = [_case(torch.prod, _r(4) * 0.5 + 1), _case(torch.prod, _r(3, 4) * 0.5 + 1, 1)]
+    c["qr"] = [_case(torch.qr, _r(4, 4))]
+    c["quantile"] = [_case(torch.quantile, _r(8), 0.5), _case(torch.quantile, _r(8), torch.tensor([0.25, 0.5]))]
+    c["reflection_pad1d"] = [_case(torch._C._nn.reflection_pad1d, _r(1, 2, 8), (2, 2))]
+    c["reflection_pad2d"] = [_case(torch._C._nn.reflection_pad2d, _r(1, 2, 4, 4), (1, 1, 1, 1))]
+    c["replication_pad1d"] = [_case(torch._C._nn.replication_pad1d, _r(1, 2, 8), (2, 2))]
+    c["replication_pad2d"] = [_case(torch._C._nn.replication_pad2d, _r(1, 2, 4, 4), (1, 1, 1, 1))]
+    c["replication_pad3d"] = [_case(torch._C._nn.replication_pad3d, _r(1, 2, 4, 4, 4), (1, 1, 1, 1, 1, 1))]
+    c["smooth_l1_loss"] = [_case(F.smooth_l1_loss, _r(4, 4), _r(4, 4, seed=1))]
+    c["soft_margin_loss"] = [_case(F.soft_margin_loss, _r(4, 4), torch.ones(4, 4))]
+    c["stft"] = [_case(torch.stft, _r(32), 8, return_complex=True, window=torch.hann_window(8)),
+                 _case(torch.stft, _r(32), 8, return_complex=True, center=False)]  # fmt: skip
+    c["svd"] = [_case(torch.svd, _spd())]
+    c["trace"] = [_case(torch.trace, _r(4, 4))]
+    c["triangular_solve"] = [_case(torch.triangular_solve, _r(4, 2, seed=1), torch.linalg.cholesky(_spd()), upper=False)]
+    c["triplet_margin_loss"] = [_case(F.triplet_margin_loss, _r(3, 4), _r(3, 4, seed=1), _r(3, 4, seed=2))]
+    c["view_as_complex"] = [_case(torch.view_as_complex, _r(4, 2))]
+    # --- promote (both operand orders are generated by the test)
+    c["cat"] = [_case(torch.cat, [_r(4), _r(4, seed=1)])]
+    c["stack"] = [_case(torch.stack, [_r(4), _r(4, seed=1)])]
+    c["index_copy"] = [_case(torch.index_copy, _r(4, 3), 0, torch.tensor([0, 2]), _r(2, 3, seed=1))]
+    return c
+
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    CPU_CASES = _cases()
+CPU_TABLE = default_table("cpu", BF16)
+
+
+def test_every_cpu_table_op_has_a_case() -> None:
+    assert set(CPU_CASES) == set(CPU_TABLE.ops - CPU_TABLE.banned)
+
+
+def _map(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, list | tuple):
+        return type(value)(_map(v, fn) for v in value)
+    if isinstance(value, dict):
+        return {k: _map(v, fn) for k, v in value.items()}
+    return value
+
+
+def _floating_to(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda t: t.to(dtype) if t.is_floating_point() else t
+
+
+def _flat(value: Any) -> list[Any]:
+    if isinstance(value, list | tuple):
+        return [y for v in value for y in _flat(v)]
+    return [value]
+
+
+# LAPACK's least squares is not bit-reproducible on CPU even between two plain eager
+# calls on the same inputs; it is compared to float32 round-off, dtypes still exact.
+NOT_BIT_REPRODUCIBLE = frozenset({"linalg_lstsq"})
+
+
+def assert_bitwise(actual: Any, expected: Any, what: str) -> None:
+    if re.match(r"\w+", what).group() in NOT_BIT_REPRODUCIBLE:  # type: ignore[union-attr]
+        for x, y in zip(_flat(actual), _flat(expected), strict=True):
+            if isinstance(x, torch.Tensor):
+                torch.testing.assert_close(x, y, msg=what)
+        return
+    a, e = _flat(actual), _flat(expected)
+    assert len(a) == len(e), what
+    for i, (x, y) in enumerate(zip(a, e, strict=True)):
+        if isinstance(x, torch.Tensor):
+            assert isinstance(y, torch.Tensor) and x.dtype == y.dtype, f"{what}[{i}]: {x.dtype} vs {getattr(y, 'dtype', y)}"
+            if not torch.equal(x, y):
+                both_nan = x.isnan() & y.isnan() if x.is_floating_point() or x.is_complex() else None
+                bad = (x != y) if both_nan is None else (x != y) & ~both_nan
+                if bad.any():
+                    where = tuple(int(k) for k in bad.nonzero()[0])
+                    raise AssertionError(f"{what}[{i}]: first difference at {where}: {x[where]} vs {y[where]}")
+        else:
+            assert x == y or (isinstance(x, float) and math.isnan(x) and math.isnan(y)), what
+
+
+def _run(case: Case, transform: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Any:
+    fn, args, kwargs = case
+    if transform is not None:
+        args, kwargs = _map(args, transform), _map(kwargs, transform)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return fn(*args, **kwargs)
+
+
+def _variants(op: str, case: Case) -> list[tuple[str, Callable[[torch.Tensor], torch.Tensor] | None]]:
+    """Input dtype variants: the ones that make the op's class visible, and both
+    operand orders of mixed bf16 / fp32 inputs for promote ops."""
+    precision = CPU_TABLE.precision_of(op)
+    if precision is Precision.LOW:
+        return [("fp32 inputs", None)]
+    if precision is Precision.FP32:
+        return [("bf16 inputs", _floating_to(BF16))]
+    counter = {"i": 0}
+
+    def alternate(first: torch.dtype, second: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+        def fn(t: torch.Tensor) -> torch.Tensor:
+            if not t.is_floating_point():
+                return t
+            counter["i"] += 1
+            return t.to(first if counter["i"] % 2 else second)
+
+        return fn
+
+    return [("bf16,fp32", alternate(BF16, torch.float32)), ("fp32,bf16", alternate(torch.float32, BF16)),
+            ("bf16,bf16", _floating_to(BF16))]  # fmt: skip
+
+
+def _oracle_dtype(op: str, args: Any, kwargs: Any) -> torch.dtype:
+    precision = CPU_TABLE.precision_of(op)
+    if precision is Precision.LOW:
+        return BF16
+    if precision is Precision.FP32:
+        return torch.float32
+    dtypes = {t.dtype for t in _flat((args, list(kwargs.values()))) if isinstance(t, torch.Tensor) and t.is_floating_point()}
+    return torch.float32 if torch.float32 in dtypes else BF16
+
+
+def _eligible_to(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t
+
+
+def _case_params() -> list[Any]:
+    return [pytest.param(op, i, id=f"{op}-{i}") for op in sorted(CPU_CASES) for i in range(len(CPU_CASES[op]))]
+
+
+@pytest.mark.parametrize(("op", "index"), _case_params())
+def test_cpu_op_class_engine_and_torch_agree_bitwise(op: str, index: int) -> None:
+    """For every op of the CPU tables:
+
+    1. torch.autocast's result equals explicit casts to the op's pinned class
+       (so the pinned class is what the installed torch does);
+    2. mixprec.autocast without custom ops equals torch.autocast;
+    3. mixprec's engine forced to handle the op itself equals torch.autocast, bitwise.
+    """
+    case = CPU_CASES[op][index]
+    precision = CPU_TABLE.precision_of(op)
+    assert precision is not None
+    for label, transform in _variants(op, case):
+        fn, args, kwargs = case
+        if transform is not None:
+            args, kwargs = _map(args, transform), _map(kwargs, transform)
+        staged: Case = (fn, args, kwargs)
+        with torch.autocast("cpu", dtype=BF16):
+            expected = _run(staged)
+        target = _oracle_dtype(op, args, kwargs)
+        oracle = _run(staged, _eligible_to(target))
+        assert_bitwise(expected, oracle, f"{op} ({label}): torch.autocast vs explicit {target} casts")
+        with autocast(BF16, device_type="cpu"):
+            plain = _run(staged)
+        assert_bitwise(plain, expected, f"{op} ({label}): mixprec.autocast() vs torch.autocast")
+        forced = _PolicyMode(BF16, {"cpu": {op: precision}}, "cpu")
+        with torch.autocast("cpu", dtype=BF16), forced:
+            engine = _run(staged)
+        assert_bitwise(engine, expected, f"{op} ({label}): mixprec engine vs torch.autocast")
+
+
+@pytest.mark.parametrize(("op", "index"), _case_params())
+def test_cpu_op_float64_inputs_untouched(op: str, index: int) -> None:
+    case = CPU_CASES[op][index]
+    precision = CPU_TABLE.precision_of(op)
+    assert precision is not None
+    to64 = _floating_to(torch.float64)
+    try:
+        reference = _run(case, to64)
+    except RuntimeError as err:  # the kernel has no float64 version on CPU
+        with pytest.raises(RuntimeError), torch.autocast("cpu", dtype=BF16):
+            _run(case, to64)
+        pytest.skip(f"{op} has no float64 CPU kernel: {str(err).splitlines()[0]}")
+    with torch.autocast("cpu", dtype=BF16):
+        under_torch = _run(case, to64)
+    forced = _PolicyMode(BF16, {"cpu": {op: precision}}, "cpu")
+    with torch.autocast("cpu", dtype=BF16), forced:
+        under_engine = _run(case, to64)
+    assert_bitwise(under_torch, reference, f"{op}: torch.autocast touched float64")
+    assert_bitwise(under_engine, reference, f"{op}: mixprec engine touched float64")
+
+
+@pytest.mark.parametrize(("op", "index"), _case_params())
+def test_cpu_op_moved_to_the_other_class_matches_explicit_casts(op: str, index: int) -> None:
+    """Moving each table op through the public OpPolicy (low -> fp32, fp32 -> low,
+    promote -> fp32) runs it exactly as explicit casts with autocast off would."""
+    case = CPU_CASES[op][index]
+    precision = CPU_TABLE.precision_of(op)
+    if precision is Precision.LOW:
+        policy, target, transform = OpPolicy(BF16, fp32_ops=[op]), torch.float32, None
+    elif precision is Precision.FP32:
+        policy, target, transform = OpPolicy(BF16, lower_ops=[op]), BF16, None
+    else:
+        policy, target, transform = OpPolicy(BF16, fp32_ops=[op]), torch.float32, _floating_to(BF16)
+    try:
+        oracle = _run(case, _eligible_to(target) if transform is None else lambda t: _eligible_to(target)(transform(t)))
+    except RuntimeError:  # e.g. no bf16 kernel: mixprec must fail the same way, not silently fall back
+        with pytest.raises(RuntimeError), autocast(device_type="cpu", policy=policy):
+            _run(case, transform)
+        return
+    with autocast(device_type="cpu", policy=policy):
+        moved = _run(case, transform)
+    assert_bitwise(moved, oracle, f"{op} moved from {precision.value}")
+
+
+def test_int_inputs_untouched() -> None:
+    a = torch.randint(0, 5, (4, 4))
+    for policy in (OpPolicy(BF16, fp32_ops=["mm"]), OpPolicy(BF16, lower_ops=["mm"])):
+        with autocast(device_type="cpu", policy=policy):
+            out = torch.mm(a, a)
+        assert out.dtype == torch.int64 and torch.equal(out, a @ a)
