@@ -448,3 +448,18 @@ def test_custom_policy_islands_and_ops_through_the_front_door(plan):
             loss = out.pow(2).mean()
         mp.backward(loss)  # recomputation under checkpoint runs under the same policy
         assert mp.step().stepped
+
+
+def test_trace_overflow_option_names_the_first_overflowing_module():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    with torch.no_grad():
+        model[2].weight.mul_(1e5)  # outputs beyond fp16's 65504
+    mp = MixedPrecision("fp16-mixed", trace_overflow=True)
+    model, opt = mp.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with mp.autocast():
+        loss = model(torch.randn(4, 8) * 100).float().mean()
+    mp.backward(loss)
+    result = mp.step()
+    assert result.skipped and result.overflow is not None
+    assert result.overflow.module == "2" and result.overflow.direction == "forward"

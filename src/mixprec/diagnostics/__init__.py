@@ -1,0 +1,46 @@
+"""Numerics diagnostics: where a step overflows, how much headroom each module has, how far a
+plan drifts from fp32 and which modules to keep in fp32, and what training costs in memory."""
+
+from mixprec.diagnostics.advisor import Advice, advise
+from mixprec.diagnostics.compare import ComparisonReport, ModuleError, ParamError, compare
+from mixprec.diagnostics.headroom import (
+    HeadroomMonitor,
+    HeadroomReport,
+    ModuleHeadroom,
+    ScaleHistory,
+    headroom,
+)
+from mixprec.diagnostics.memory import (
+    MEMORY_CLASSES,
+    MemoryEstimate,
+    MemoryReport,
+    estimate_memory,
+    measure_memory,
+    memory_report,
+    training_state_bytes_per_param,
+)
+from mixprec.diagnostics.overflow import OverflowFinding, OverflowTracer, trace_overflow
+
+__all__ = [
+    "MEMORY_CLASSES",
+    "Advice",
+    "ComparisonReport",
+    "HeadroomMonitor",
+    "HeadroomReport",
+    "MemoryEstimate",
+    "MemoryReport",
+    "ModuleError",
+    "ModuleHeadroom",
+    "OverflowFinding",
+    "OverflowTracer",
+    "ParamError",
+    "ScaleHistory",
+    "advise",
+    "compare",
+    "estimate_memory",
+    "headroom",
+    "measure_memory",
+    "memory_report",
+    "trace_overflow",
+    "training_state_bytes_per_param",
+]
