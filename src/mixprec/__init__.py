@@ -1,6 +1,6 @@
 """mixprec: automatic mixed precision for PyTorch training, done right."""
 
-from mixprec import fp8
+from mixprec import distributed, fp8
 from mixprec.autocast import (
     autocast,
     autocast_backward,
@@ -62,6 +62,7 @@ __all__ = [
     "compare",
     "compare_with_torch",
     "custom_op_precision",
+    "distributed",
     "estimate_memory",
     "fp8",
     "get_plan",

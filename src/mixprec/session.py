@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,6 +122,9 @@ class MixedPrecision:
             the cause, instead of looping forever.
         process_group: group for the cross-rank skip decision (default: the default group
             when torch.distributed runs more than one rank).
+        trace_overflow: install an :class:`~mixprec.diagnostics.OverflowTracer` on the
+            model; a skipped step's ``StepResult.overflow`` then names the first module
+            whose output or gradient became inf/NaN (a few percent slower; off by default).
     """
 
     def __init__(
@@ -135,6 +138,7 @@ class MixedPrecision:
         compile: bool = False,
         max_consecutive_skips: int = 50,
         process_group: Any = None,
+        trace_overflow: bool = False,
     ) -> None:
         self.plan = get_plan(plan)
         if not isinstance(grad_accum_steps, int) or isinstance(grad_accum_steps, bool) or grad_accum_steps < 1:
@@ -166,15 +170,28 @@ class MixedPrecision:
         self._last_skip_reason: str | None = None
         self._loss_nonfinite: torch.Tensor | None = None
         self._hooks: list[Any] = []
+        self.trace_overflow = bool(trace_overflow)
         self.tracer: Any = None
 
     # ---------------------------------------------------------------- prepare
-    def prepare(self, model: torch.nn.Module, *optimizers: torch.optim.Optimizer, scheduler: Any = None, criterion: Any = None) -> Any:
+    def prepare(
+        self,
+        model: torch.nn.Module,
+        *optimizers: torch.optim.Optimizer,
+        scheduler: Any = None,
+        criterion: Any = None,
+        ddp: bool | Mapping[str, Any] = False,
+    ) -> Any:
         """Convert ``model`` for the plan and wrap ``optimizers``.
 
         Returns a flat tuple: the model, each optimizer, then ``scheduler`` and
         ``criterion`` when given (a lone model is returned as is). Use the returned
         objects from then on.
+
+        ``ddp=True`` (or a dict of DistributedDataParallel arguments) wraps the converted
+        model in DDP with gradients reduced in ``plan.reduce_dtype``
+        (:func:`mixprec.distributed.wrap_ddp`). An FSDP2 model (``fully_shard``) is
+        recognised and run as :func:`mixprec.distributed.sharded_plan` describes.
         """
         if self.model is not None:
             raise RuntimeError("prepare() was already called on this MixedPrecision; create one per model")
@@ -189,7 +206,10 @@ class MixedPrecision:
         if self.device is None:
             first = next(iter(model.parameters()), None)
             self.device = first.device if first is not None else torch.device("cpu")
-        plan = self.plan
+        from mixprec.distributed.frontdoor import ddp_arguments, plan_for_model
+
+        ddp_kwargs = ddp_arguments(ddp, self.process_group) if ddp is not False else None
+        plan = self.plan = plan_for_model(self.plan, model, ddp=ddp_kwargs is not None)
         fp32_values = plan.convert_model(model)
         if plan.policy is not None and plan.policy.fp32_modules:
             from mixprec.islands import apply_fp32_islands
@@ -198,8 +218,16 @@ class MixedPrecision:
             apply_fp32_islands(model, plan.policy)
             fp32_values = {p: v for p, v in fp32_values.items() if p.dtype != torch.float32}
         self.optimizers = [plan.wrap_optimizer(opt, fp32_values) for opt in optimizers]
+        if self.trace_overflow:  # on the inner model, before DDP/compile wrap it
+            from mixprec.diagnostics import OverflowTracer
+
+            self.tracer = OverflowTracer(model)
         if not plan.uses_autocast and plan.weight_dtype != torch.float32:
             self._hooks.append(model.register_forward_pre_hook(_input_caster(plan.weight_dtype), with_kwargs=True))
+        if ddp_kwargs is not None:  # after the conversion: DDP must see the final dtypes
+            from mixprec.distributed.ddp import wrap_ddp
+
+            model = wrap_ddp(model, plan, **ddp_kwargs)
         self.model = model
         self.scheduler = scheduler
         prepared: Any = torch.compile(model) if self.compile else model
@@ -272,6 +300,10 @@ class MixedPrecision:
     def _total_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         if not grads:
             return torch.zeros((), device=self.device)
+        from mixprec.distributed.fsdp import has_dtensor, total_grad_norm
+
+        if has_dtensor(grads):  # FSDP2 shards: sum squared norms across the shard group
+            return total_grad_norm(grads)
         norms: list[torch.Tensor] = []
         groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for g in grads:
@@ -304,6 +336,14 @@ class MixedPrecision:
         scaler = self.scaler
         loss_bad = self._loss_nonfinite if self._loss_nonfinite is not None else torch.zeros((), dtype=torch.bool)
         self._loss_nonfinite = None
+        if self.plan.family == "fp8":  # every rank computes the next fp8 scales from the same amaxes
+            from mixprec.fp8 import all_reduce_amax
+
+            all_reduce_amax(self.model, self.process_group)
+        for opt in self.optimizers:
+            gather = getattr(opt, "gather_grads", None)
+            if gather is not None:  # master weights without grad hooks (DDP): grads into the fp32 masters
+                gather()
         # One flag for every rank: [non-finite loss, non-finite gradients].
         for opt in self.optimizers:
             scaler.unscale_(opt)

@@ -1,0 +1,319 @@
+"""FSDP2 (``fully_shard``) under a precision plan.
+
+FSDP2 keeps each rank's shard of every parameter in its original dtype and casts the
+all-gathered (unsharded) parameters to ``MixedPrecisionPolicy.param_dtype`` for the
+forward and backward. That is master-weight training by construction: the fp32 shards
+are the masters, the optimizer updates them, and no separate master copy exists.
+:func:`fsdp_policy` derives the policy from a plan:
+
+============  =====================  ======================  ==================================
+plan family   ``param_dtype``        ``reduce_dtype``        how it computes
+============  =====================  ======================  ==================================
+fp32 / tf32   None (fp32)            ``plan.reduce_dtype``   fp32
+``*-mixed``   None (fp32)            ``plan.reduce_dtype``   autocast casts per op, as without FSDP
+``*-master``  the compute dtype      ``plan.reduce_dtype``   bf16/fp16 weights; norm layers in
+                                                              their own fp32 units
+============  =====================  ======================  ==================================
+
+Pure, Kahan / stochastic-rounding and fp8 plans are refused under FSDP2 (their
+optimizer wrappers and fp8 layers are not written for sharded parameters).
+
+>>> from mixprec.distributed import fsdp_policy
+>>> policy = fsdp_policy("bf16-master")
+>>> policy.param_dtype, policy.reduce_dtype
+(torch.bfloat16, torch.float32)
+
+With the front door::
+
+    mp = MixedPrecision("bf16-master")
+    model = fully_shard_model(model, mp.plan, units=(Block,))   # after init_process_group
+    opt = torch.optim.AdamW(model.parameters())                 # over the fp32 shards
+    model, opt = mp.prepare(model, opt)                         # sees FSDP2: no cast, no master copy
+
+The loss scaler unscales and checks the local shards (the found-inf flag is
+all-reduced), and ``StepResult.grad_norm`` is the norm of the whole (unsharded)
+gradient: squared norms of the local shards are summed across the shard group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+
+from mixprec.dtypes import dtype_name
+from mixprec.plans import NORM_LAYERS, Plan, get_plan
+
+__all__ = [
+    "ShardedPlan",
+    "fsdp_policy",
+    "fully_shard_model",
+    "has_dtensor",
+    "is_fsdp",
+    "local_tensor",
+    "sharded_plan",
+    "total_grad_norm",
+]
+
+_FSDP_FAMILIES = ("fp32", "mixed", "master")
+
+
+def _fsdp_api() -> Any:
+    """The module holding ``fully_shard``, ``MixedPrecisionPolicy`` and ``FSDPModule``."""
+    if not dist.is_available():
+        raise RuntimeError("FSDP2 needs torch.distributed, which this torch build lacks")
+    try:
+        import torch.distributed.fsdp as api
+
+        if hasattr(api, "fully_shard"):
+            return api
+    except ImportError:  # pragma: no cover - very old torch
+        pass
+    try:  # torch 2.4 / 2.5
+        import torch.distributed._composable.fsdp as api  # type: ignore[no-redef]
+    except ImportError as e:  # pragma: no cover
+        raise RuntimeError(f"this torch ({torch.__version__}) has no FSDP2 (fully_shard); upgrade to torch >= 2.4") from e
+    return api
+
+
+def fsdp_policy(plan: str | Plan) -> Any:
+    """The ``MixedPrecisionPolicy`` for FSDP2 that makes it compute as ``plan`` says.
+
+    ``param_dtype`` is the plan's weight dtype when that is a low-precision dtype
+    (master plans) and None otherwise; ``reduce_dtype`` is ``plan.reduce_dtype``.
+    """
+    plan = get_plan(plan)
+    family = _base_family(plan)
+    if family not in _FSDP_FAMILIES:
+        raise ValueError(
+            f"plan {plan.name!r} ({family}) is not supported under FSDP2: its optimizer or layers are not "
+            "written for sharded parameters. Use a '*-mixed' or '*-master' plan ('bf16-master' under FSDP2 "
+            "keeps fp32 shards as the master weights and all-gathers bf16)."
+        )
+    weight = plan.weight_dtype
+    param_dtype = None if weight == torch.float32 else weight
+    return _fsdp_api().MixedPrecisionPolicy(
+        param_dtype=param_dtype, reduce_dtype=plan.reduce_dtype, output_dtype=None, cast_forward_inputs=True
+    )
+
+
+def is_fsdp(model: Any) -> bool:
+    """True for a module ``fully_shard`` was applied to (FSDP2)."""
+    if "torch.distributed.fsdp" not in sys.modules and "torch.distributed._composable.fsdp" not in sys.modules:
+        return False  # nothing can have been sharded without importing FSDP
+    model = getattr(model, "_orig_mod", model)
+    try:
+        return isinstance(model, _fsdp_api().FSDPModule)
+    except (RuntimeError, AttributeError):  # pragma: no cover
+        return False
+
+
+def fully_shard_model(
+    model: torch.nn.Module,
+    plan: str | Plan,
+    *,
+    mesh: Any = None,
+    units: Sequence[type[torch.nn.Module]] | Callable[[str, torch.nn.Module], bool] = (),
+    **fully_shard_kwargs: Any,
+) -> torch.nn.Module:
+    """Apply FSDP2 to ``model`` with the policy of ``plan``, bottom-up.
+
+    Args:
+        model: an fp32 model on its device (CPU with gloo, or CUDA with NCCL).
+        plan: the plan the run uses (also pass it to :class:`~mixprec.MixedPrecision`).
+        mesh: a 1-D ``DeviceMesh`` (default: all ranks, on the model's device type).
+        units: module classes (or a ``(qualified_name, module) -> bool`` predicate) that each
+            become their own FSDP unit, e.g. the transformer block class; the root is
+            always one. Master plans also shard every norm layer as an fp32 unit.
+        **fully_shard_kwargs: passed to ``fully_shard`` (``reshard_after_forward``, ...).
+
+    Returns the same module object, now an ``FSDPModule``.
+    """
+    plan = get_plan(plan)
+    api = _fsdp_api()
+    policy = fsdp_policy(plan)
+    if mesh is None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        first = next(iter(model.parameters()), None)
+        device_type = first.device.type if first is not None else "cpu"
+        mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    match = units if callable(units) else _by_class(tuple(units))
+    fp32_policy = api.MixedPrecisionPolicy(param_dtype=None, reduce_dtype=plan.reduce_dtype)
+    modules = list(model.named_modules())
+    for name, module in reversed(modules):  # children before parents
+        if module is model:
+            continue
+        own_params = next(module.parameters(recurse=False), None) is not None
+        if policy.param_dtype is not None and own_params and isinstance(module, NORM_LAYERS):
+            api.fully_shard(module, mesh=mesh, mp_policy=fp32_policy, **fully_shard_kwargs)
+        elif match(name, module):
+            api.fully_shard(module, mesh=mesh, mp_policy=policy, **fully_shard_kwargs)
+    api.fully_shard(model, mesh=mesh, mp_policy=policy, **fully_shard_kwargs)
+    return model
+
+
+def _by_class(classes: tuple[type[torch.nn.Module], ...]) -> Callable[[str, torch.nn.Module], bool]:
+    def match(name: str, module: torch.nn.Module) -> bool:
+        return bool(classes) and isinstance(module, classes)
+
+    return match
+
+
+def _base_family(plan: Plan) -> str:
+    return plan.base_family if isinstance(plan, ShardedPlan) else plan.family
+
+
+@dataclass(frozen=True)
+class ShardedPlan(Plan):
+    """A plan as it runs on an FSDP2 model: FSDP casts, the fp32 shards are the masters.
+
+    Made by :func:`sharded_plan` (the front door does it when it is given an FSDP2 model).
+    The model is not converted and the optimizer is not wrapped; forward and backward
+    run in the base plan's autocast.
+    """
+
+    base: Plan | None = None
+    param_dtype: torch.dtype | None = None
+
+    family: ClassVar[str] = "fsdp2"
+    summary: ClassVar[str] = "FSDP2: fp32 parameter shards (the masters); all-gather and compute per the policy"
+
+    @property
+    def base_family(self) -> str:
+        return self.base.family if self.base is not None else "mixed"
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        return self.param_dtype or torch.float32
+
+    @property
+    def uses_autocast(self) -> bool:
+        return self.base.uses_autocast if self.base is not None else super().uses_autocast
+
+    @property
+    def master_dtype(self) -> torch.dtype | None:
+        return torch.float32 if self.param_dtype is not None else None
+
+    @property
+    def grad_accum_dtype(self) -> torch.dtype:
+        return torch.float32
+
+    def tensor_dtypes(self) -> dict[str, str]:
+        rows = super().tensor_dtypes()
+        gathered = dtype_name(self.weight_dtype)
+        rows["weights"] = f"fp32 shards; all-gathered as {gathered}" + (
+            " (norm layers fp32)" if self.param_dtype is not None else ""
+        )
+        rows["grads"] = f"{gathered} unsharded, reduce-scattered in {dtype_name(self.reduce_dtype)} into fp32 shards"
+        rows["master weights"] = "the fp32 shards" if self.param_dtype is not None else "none"
+        rows["all-reduce"] = f"{dtype_name(self.reduce_dtype)} (reduce-scatter)"
+        return rows
+
+    def fingerprint(self) -> dict[str, str]:
+        base = self.base.fingerprint() if self.base is not None else super().fingerprint()
+        return {**base, "family": f"fsdp2-{self.base_family}", "optimizer": "plain"}
+
+    def convert_model(self, model: torch.nn.Module) -> dict[torch.Tensor, torch.Tensor]:
+        return {}
+
+    def wrap_optimizer(
+        self, optimizer: torch.optim.Optimizer, fp32_values: dict[torch.Tensor, torch.Tensor]
+    ) -> torch.optim.Optimizer:
+        return optimizer
+
+    @contextlib.contextmanager
+    def autocast(self, device_type: str = "cpu") -> Iterator[None]:
+        if self.base is None:
+            with super().autocast(device_type):
+                yield
+            return
+        with self.base.autocast(device_type):
+            yield
+
+
+def sharded_plan(plan: str | Plan) -> ShardedPlan:
+    """``plan`` as it runs on an FSDP2 model (see :class:`ShardedPlan`); refuses unsupported plans."""
+    plan = get_plan(plan)
+    if isinstance(plan, ShardedPlan):
+        return plan
+    policy = fsdp_policy(plan)
+    return ShardedPlan(
+        name=plan.name,
+        compute_dtype=plan.compute_dtype,
+        scaling=plan.scaling,
+        policy=plan.policy,
+        reduce_dtype=plan.reduce_dtype,
+        base=plan,
+        param_dtype=policy.param_dtype,
+    )
+
+
+# ------------------------------------------------------------------ sharded gradients
+def _dtensor_type() -> Any:
+    mod = sys.modules.get("torch.distributed.tensor")
+    return None if mod is None else getattr(mod, "DTensor", None)
+
+
+def has_dtensor(tensors: Sequence[torch.Tensor]) -> bool:
+    """True if any of ``tensors`` is a DTensor (cheap: False without importing DTensor)."""
+    cls = _dtensor_type()
+    return cls is not None and any(isinstance(t, cls) for t in tensors)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (a tensor sharing its storage), or ``t`` itself."""
+    cls = _dtensor_type()
+    if cls is not None and isinstance(t, cls):
+        return t._local_tensor  # the storage itself: in-place ops act on the shard
+    return t
+
+
+def total_grad_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of all of ``grads`` taken together, as if no tensor were sharded.
+
+    Plain tensors count as they are (under DDP they are identical on every rank).
+    For DTensors the squared norms of the local shards are summed over every mesh
+    dimension the tensor is sharded (or partial) on; replicated dimensions are not
+    counted twice. The result is an fp32 0-dim tensor, equal on all ranks.
+    """
+    if not grads:
+        return torch.zeros(())
+    cls = _dtensor_type()
+    device = local_tensor(grads[0]).device
+    total_sq = torch.zeros((), dtype=torch.float32, device=device)
+    plain: list[torch.Tensor] = []
+    sharded: dict[tuple[Any, tuple[Any, ...]], list[torch.Tensor]] = {}
+    for g in grads:
+        if cls is not None and isinstance(g, cls):
+            sharded.setdefault((g.device_mesh, tuple(g.placements)), []).append(g._local_tensor)
+        else:
+            plain.append(g)
+    if plain:
+        total_sq = total_sq + _sum_of_squares(plain, device)
+    for (mesh, placements), locals_ in sharded.items():
+        sq = _sum_of_squares(locals_, device)
+        for mesh_dim, placement in enumerate(placements):
+            if placement.is_replicate():
+                continue
+            dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=mesh.get_group(mesh_dim))
+        total_sq = total_sq + sq
+    return total_sq.sqrt()
+
+
+def _sum_of_squares(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        if t.numel():
+            groups.setdefault((t.device, t.dtype), []).append(t)
+    norms: list[torch.Tensor] = []
+    for ts in groups.values():
+        norms.extend(n.to(device) for n in torch._foreach_norm(ts, 2.0, dtype=torch.float32))
+    if not norms:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    return torch.stack(norms).square().sum()
