@@ -1,0 +1,76 @@
+"""The ``mixprec`` command: ``demo``, ``bench``, ``explain``, ``memory``.
+
+Each subcommand lives in a module of this package that defines ``COMMAND``
+(a :class:`~mixprec.cli._common.Command`); adding one means adding a module and its
+name to :data:`COMMAND_MODULES`. Bad input (an unknown plan or model, an unwritable
+output path, a bad ``--model`` spec) ends with a one-line error on stderr and exit
+status 2, without a traceback.
+
+>>> main(["explain", "bf16-master"])  # doctest: +ELLIPSIS
+plan bf16-master: ...
+  master weights     fp32
+...
+0
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from mixprec.cli._common import Command, global_options
+
+__all__ = ["COMMAND_MODULES", "build_parser", "commands", "main"]
+
+COMMAND_MODULES: tuple[str, ...] = ("demo", "bench", "explain", "memory")
+"""Subcommand modules, in help order (``inspect`` joins here with ``mixprec.cli.inspect``)."""
+
+EXIT_USAGE = 2
+
+
+def commands() -> list[Command]:
+    """The registered subcommands."""
+    return [importlib.import_module(f"mixprec.cli.{name}").COMMAND for name in COMMAND_MODULES]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``mixprec`` and all its subcommands."""
+    import torch
+
+    import mixprec
+
+    parser = argparse.ArgumentParser(
+        prog="mixprec",
+        description="Automatic mixed precision for PyTorch training: demo runs, benchmarks, plan tables, "
+                    "memory estimates.",
+        parents=[global_options(suppress=False)],
+    )
+    parser.add_argument("--version", action="version", version=f"mixprec {mixprec.__version__} (torch {torch.__version__})")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for command in commands():
+        p = sub.add_parser(command.name, help=command.help, description=command.description or command.help,
+                           parents=[global_options(suppress=True)])
+        command.add_arguments(p)
+        p.set_defaults(run=command.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``mixprec`` with ``argv`` (default: the process arguments); returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(None if argv is None else list(argv))
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return int(args.run(args))
+    except (ValueError, OSError, ImportError) as exc:
+        message = " ".join(str(exc).split()) or type(exc).__name__
+        print(f"mixprec {args.command}: error: {message}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"mixprec {args.command}: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,238 @@
+"""The ``mixprec`` command end to end, with tiny settings: demo, bench, explain, memory, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from mixprec.bench import max_batch_for
+from mixprec.cli import COMMAND_MODULES, commands, main
+from mixprec.plans import PLANS, get_plan
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+# Factories for --model module:factory (imported by the CLI as tests.test_cli:NAME).
+def tiny_classifier() -> nn.Module:
+    """A plain module: the CLI makes synthetic data from --input-shape and --num-classes."""
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+
+
+def tiny_task(seed: int) -> tuple[nn.Module, object, nn.Module]:
+    """The (model, batch_fn, criterion) form, seeded."""
+
+    def batch(batch_size: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.randn(batch_size, 4, generator=generator)
+        return x, (x.sum(dim=1) > 0).long()
+
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)), batch, nn.CrossEntropyLoss()
+
+
+NOT_CALLABLE = 3
+
+
+def broken_factory() -> nn.Module:
+    raise RuntimeError("no weights here")
+
+
+def _error_line(capsys: pytest.CaptureFixture[str]) -> str:
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+# ------------------------------------------------------------------ basics
+def test_registry_and_version(capsys: pytest.CaptureFixture[str]) -> None:
+    assert [c.name for c in commands()] == list(COMMAND_MODULES) == ["demo", "bench", "explain", "memory"]
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.startswith("mixprec 0.1.0 (torch ")
+    assert main([]) == 2
+    assert "demo" in capsys.readouterr().err
+
+
+def test_explain_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["explain", "O2"]) == 0
+    out = capsys.readouterr().out
+    assert out == get_plan("fp16-master").explain() + "\n"
+    assert main(["explain"]) == 0
+    listing = capsys.readouterr().out
+    assert all(f"| {name} " in listing for name in PLANS)
+    assert "O2=fp16-master" in listing
+
+
+# -------------------------------------------------------------------- demo
+def test_demo_writes_table_report_and_plots(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "report"
+    code = main(["demo", "--quiet", "--size", "tiny", "--steps", "4", "--batch-size", "8",
+                 "--eval-batch-size", "16", "--out", str(out)])
+    assert code == 0
+    stdout = capsys.readouterr().out
+    assert "| plan " in stdout and "speedup vs fp32" in stdout and "final loss scale" in stdout
+    for plan in ("fp32", "bf16-mixed", "bf16-master", "bf16-kahan"):
+        assert f"| {plan} " in stdout
+    report = (out / "report.md").read_text()
+    assert report.startswith("# mixprec demo: cnn-tiny")
+    for png in ("loss.png", "accuracy.png", "loss_scale.png", "step_time.png"):
+        assert f"]({png})" in report
+        assert (out / png).read_bytes()[:8] == PNG_MAGIC
+    data = json.loads((out / "results.json").read_text())
+    assert [p["plan"] for p in data["plans"]] == ["fp32", "bf16-mixed", "bf16-master", "bf16-kahan"]
+    for p in data["plans"]:
+        assert len(p["losses"]) == len(p["scales"]) == len(p["times_s"]) == 4
+        assert p["eval_steps"] == [0, 1, 2, 3, 4]  # every steps//15 steps, at least every step
+        assert 0.0 <= p["eval_accuracies"][-1] <= 1.0
+        assert p["state_bytes_per_param"]["total"] > 0
+    assert data["plans"][0]["speedup_vs_fp32"] == 1.0
+
+
+def test_demo_is_deterministic_and_adds_fp32(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["--quiet", "--seed", "3", "demo", "--model", "mlp", "--plans", "bf16-mixed,fp16-mixed", "--steps", "3",
+            "--no-plots"]
+    runs = []
+    for name in ("a", "b"):
+        assert main([*args, "--out", str(tmp_path / name)]) == 0
+        runs.append(json.loads((tmp_path / name / "results.json").read_text()))
+    capsys.readouterr()
+    assert not list((tmp_path / "a").glob("*.png"))
+    a, b = runs
+    assert [p["plan"] for p in a["plans"]] == ["fp32", "bf16-mixed", "fp16-mixed"]
+    for pa, pb in zip(a["plans"], b["plans"], strict=True):
+        assert pa["losses"] == pb["losses"] and pa["eval_losses"] == pb["eval_losses"]
+    # fp32 and bf16 plans do not scale; fp16-mixed starts at torch's 2**16.
+    assert a["plans"][1]["scales"] == [1.0] * 3
+    assert a["plans"][2]["scales"][0] in (2.0**16, 2.0**15)
+
+
+def test_demo_with_a_plain_module_factory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["demo", "--quiet", "--model", "tests.test_cli:tiny_classifier", "--input-shape", "8",
+                 "--num-classes", "3", "--plans", "bf16-mixed", "--steps", "3", "--out", str(tmp_path), "--no-plots"])
+    assert code == 0
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["workload"] == "tiny_classifier"
+    assert data["chance"] == pytest.approx(1 / 3)
+    assert all(p["eval_accuracies"][-1] is not None for p in data["plans"])
+    capsys.readouterr()
+
+
+# ------------------------------------------------------------------- bench
+def test_bench_writes_json_and_markdown(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    js, md = tmp_path / "out" / "bench.json", tmp_path / "bench.md"
+    code = main(["bench", "--quiet", "--model", "mlp", "tests.test_cli:tiny_task", "--size", "tiny",
+                 "--plans", "bf16-mixed", "bf16-kahan", "--repeats", "2", "--warmup", "1",
+                 "--memory-budget", "64MiB", "--json", str(js), "--markdown", str(md)])
+    assert code == 0
+    stdout = capsys.readouterr().out
+    assert md.read_text() in stdout and "max batch @ 64.00 MiB" in stdout
+    data = json.loads(js.read_text())
+    assert data["format"] == "mixprec.bench/1"
+    assert data["command"].startswith("mixprec bench")
+    assert data["settings"]["memory_budget_bytes"] == 64 * 2**20
+    rows = data["rows"]
+    assert [(r["model"], r["plan"]) for r in rows] == [
+        (m, p) for m in ("mlp-tiny", "tiny_task") for p in ("fp32", "torch-autocast", "bf16-mixed", "bf16-kahan")
+    ]
+    keys = {"model", "plan", "label", "batch", "params", "step_time_s", "min_step_time_s", "times_s", "speedup_vs_fp32",
+            "speedup_vs_autocast", "peak_memory_bytes", "peak_ratio_vs_fp32", "state_bytes_per_param",
+            "state_ratio_vs_fp32", "estimated_peak_bytes", "peak_bytes_per_sample", "max_batch", "final_loss",
+            "skipped"}
+    for r in rows:
+        assert keys <= set(r)
+        assert len(r["times_s"]) == 2 and r["step_time_s"] >= r["min_step_time_s"] == min(r["times_s"]) > 0
+        if r["plan"] == "torch-autocast":  # the memory tools run MixedPrecision, not the plain loop
+            assert r["peak_memory_bytes"] is None and r["max_batch"] is None
+        else:
+            assert r["peak_memory_bytes"] > 0 and r["estimated_peak_bytes"] > 0
+            assert isinstance(r["max_batch"], int) and r["max_batch"] > 0
+    by = {(r["model"], r["plan"]): r for r in rows}
+    assert by["mlp-tiny", "bf16-kahan"]["peak_ratio_vs_fp32"] < 1.0
+    assert by["mlp-tiny", "fp32"]["speedup_vs_fp32"] == 1.0
+    assert by["mlp-tiny", "torch-autocast"]["speedup_vs_autocast"] == 1.0
+    assert by["mlp-tiny", "torch-autocast"]["label"] == "torch.autocast (bf16)"
+    # AdamW: fp32 4 + 4 + 8 bytes; Kahan: bf16 weight, grad, compensation and two moments.
+    assert by["mlp-tiny", "fp32"]["state_bytes_per_param"]["total"] == pytest.approx(16.0, abs=0.2)
+    assert by["mlp-tiny", "bf16-kahan"]["state_bytes_per_param"]["total"] == pytest.approx(10.0, abs=0.2)
+
+
+def test_max_batch_from_two_points() -> None:
+    # peak = 1 GiB fixed + 10 MiB per sample; a 2 GiB budget leaves room for 102 samples.
+    peaks = [2**30 + 8 * 10 * 2**20, 2**30 + 16 * 10 * 2**20]
+    assert max_batch_for(2 * 2**30, [8, 16], peaks) == (102, float(2**30), 10.0 * 2**20)
+    assert max_batch_for(2**29, [8, 16], peaks)[0] == 0
+
+
+# ------------------------------------------------------------------ memory
+def test_memory_table_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    js = tmp_path / "memory.json"
+    assert main(["memory", "--model", "mlp", "--size", "tiny", "--plans", "fp32", "bf16-master", "bf16-kahan",
+                 "--batch-size", "8", "--json", str(js)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("mlp-tiny: ") and "| plan " in out and "| activations |" in out
+    rows = {r["plan"]: r for r in json.loads(js.read_text())["rows"]}
+    assert list(rows) == ["fp32", "bf16-master", "bf16-kahan"]
+    assert rows["fp32"]["bytes_per_param"] == pytest.approx(16.0, abs=0.2)
+    assert rows["bf16-kahan"]["bytes_per_param"] == pytest.approx(10.0, abs=0.2)
+    assert rows["bf16-master"]["master_weights"] > 0 and rows["fp32"]["master_weights"] == 0
+    assert 0 < rows["bf16-master"]["activations"] < rows["fp32"]["activations"]
+    assert main(["memory", "--model", "mlp", "--size", "tiny", "--plans", "bf16"]) == 0
+    assert "activations not included" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------ bad arguments
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["demo", "--plans", "bf17-mixed"], "mixprec demo: error: unknown precision plan 'bf17-mixed'."),
+        (["demo", "--model", "resnet"], "mixprec demo: error: unknown model 'resnet'; built-in models are gpt, cnn"),
+        (["bench", "--model", "no_such_module_xyz:make"],
+         "mixprec bench: error: --model 'no_such_module_xyz:make': cannot import 'no_such_module_xyz': "
+         "ModuleNotFoundError: No module named 'no_such_module_xyz'"),
+        (["demo", "--model", "tests.test_cli:missing"],
+         "mixprec demo: error: --model 'tests.test_cli:missing': module 'tests.test_cli' has no attribute 'missing'"),
+        (["demo", "--model", "tests.test_cli:NOT_CALLABLE"],
+         "mixprec demo: error: --model 'tests.test_cli:NOT_CALLABLE': 'NOT_CALLABLE' is a int, not a callable factory"),
+        (["demo", "--model", "tests.test_cli:", "--steps", "1"],
+         "mixprec demo: error: --model 'tests.test_cli:': expected a built-in name or module:factory"),
+        (["memory", "--model", "tests.test_cli:tiny_classifier"],
+         "mixprec memory: error: --model 'tests.test_cli:tiny_classifier' returned a plain nn.Module: pass "
+         "--input-shape and --num-classes"),
+        (["memory", "--model", "tests.test_cli:broken_factory"],
+         "mixprec memory: error: --model 'tests.test_cli:broken_factory': the factory raised RuntimeError: "
+         "no weights here"),
+        (["bench", "--memory-budget", "lots"], "mixprec bench: error: cannot read 'lots' as a memory size"),
+        (["explain", "fp64"], "mixprec explain: error: unknown precision plan 'fp64'."),
+    ],
+)
+def test_bad_arguments_exit_with_one_line(argv: list[str], expected: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    assert _error_line(capsys).startswith(expected)
+
+
+def test_unwritable_outputs_fail_before_any_work(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    assert main(["demo", "--out", str(blocker / "report")]) == 2
+    assert _error_line(capsys).startswith(f"mixprec demo: error: cannot write the report folder '{blocker / 'report'}': ")
+    assert main(["bench", "--json", str(blocker / "x.json")]) == 2
+    assert _error_line(capsys).startswith("mixprec bench: error: cannot write the JSON file ")
+
+
+def test_console_script_error_has_no_traceback() -> None:
+    script = Path(sys.executable).with_name("mixprec")
+    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "mixprec.cli"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([*cmd, "demo", "--plans", "nope"], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("mixprec demo: error: unknown precision plan 'nope'.")
