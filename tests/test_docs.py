@@ -38,3 +38,5 @@ def test_readme_tour_runs():
     namespace: dict[str, object] = {}
     exec(compile(blocks[0], "README.md", "exec"), namespace)  # the training-loop tour
     exec(compile(blocks[2], "README.md", "exec"), namespace)  # explain()
+    exec(compile(blocks[4], "README.md", "exec"), namespace)  # custom op lists
+    assert str(namespace["y"].dtype) == "torch.float32" and str(namespace["p"].dtype) == "torch.bfloat16"
