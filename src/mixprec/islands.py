@@ -50,6 +50,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.autocast import _device_type_of
 from mixprec.policy import ModuleRule, OpPolicy, _as_module_rules
 
 __all__ = [
@@ -248,19 +249,6 @@ def _cast_floating_(module: nn.Module, dtype: torch.dtype) -> None:
             t.data = t.data.to(dtype)  # type: ignore[assignment]
             if t.grad is not None:
                 t.grad = t.grad.to(dtype)
-
-
-def _device_type_of(value: Any) -> str | None:
-    if isinstance(value, torch.Tensor):
-        return value.device.type
-    if isinstance(value, list | tuple):
-        for v in value:
-            found = _device_type_of(v)
-            if found is not None:
-                return found
-    elif isinstance(value, dict):
-        return _device_type_of(tuple(value.values()))
-    return None
 
 
 def _module_device_type(module: nn.Module) -> str:

@@ -24,7 +24,7 @@ from mixprec.cli._common import Command, global_options
 
 __all__ = ["COMMAND_MODULES", "build_parser", "commands", "main"]
 
-COMMAND_MODULES: tuple[str, ...] = ("demo", "bench", "explain", "memory")
+COMMAND_MODULES: tuple[str, ...] = ("demo", "bench", "explain", "memory", "inspect")
 """Subcommand modules, in help order (``inspect`` joins here with ``mixprec.cli.inspect``)."""
 
 EXIT_USAGE = 2
