@@ -52,7 +52,7 @@ def _error_line(capsys: pytest.CaptureFixture[str]) -> str:
 
 # ------------------------------------------------------------------ basics
 def test_registry_and_version(capsys: pytest.CaptureFixture[str]) -> None:
-    assert [c.name for c in commands()] == list(COMMAND_MODULES) == ["demo", "bench", "explain", "memory"]
+    assert [c.name for c in commands()] == list(COMMAND_MODULES) == ["demo", "bench", "explain", "memory", "inspect"]
     with pytest.raises(SystemExit) as exc:
         main(["--version"])
     assert exc.value.code == 0

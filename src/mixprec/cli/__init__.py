@@ -1,4 +1,4 @@
-"""The ``mixprec`` command: ``demo``, ``bench``, ``explain``, ``memory``.
+"""The ``mixprec`` command: ``demo``, ``bench``, ``explain``, ``memory``, ``inspect``.
 
 Each subcommand lives in a module of this package that defines ``COMMAND``
 (a :class:`~mixprec.cli._common.Command`); adding one means adding a module and its
