@@ -166,11 +166,12 @@ class KahanOptimizer(LowPrecisionOptimizer):
         return comp
 
     def _expand(self, param: torch.Tensor) -> torch.Tensor:
-        return param.detach().to(torch.float32) + self._compensation(param).to(torch.float32)
+        return param.detach().to(torch.float32).add_(self._compensation(param))
 
     def _store(self, param: torch.Tensor, value32: torch.Tensor, low: torch.Tensor) -> None:
         low.copy_(value32)
-        self._comp[param].copy_(value32 - low.to(torch.float32))
+        # value32 is a temporary of this step: reuse it for the residual
+        self._comp[param].copy_(value32.sub_(low))
 
     def _extra_state(self) -> dict[str, Any]:
         params = list(self.params())

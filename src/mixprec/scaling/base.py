@@ -24,7 +24,7 @@ import enum
 import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -49,15 +49,6 @@ class OptState(enum.Enum):
 class _OptimizerRecord:
     stage: OptState = OptState.READY
     found_inf: torch.Tensor | None = None
-
-
-@dataclass
-class _Counters:
-    """Counters every scaler keeps as tensors (so updating them never syncs)."""
-
-    steps: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.int64))
-    skipped_steps: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.int64))
-    overflow_steps: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.int64))
 
 
 def _resolve_group(process_group: Any) -> Any:
@@ -103,7 +94,10 @@ class LossScaler:
         self._enabled = bool(enabled)
         self._process_group = process_group
         self._scale = torch.full((), float(init_scale), dtype=torch.float32)
-        self._counters = _Counters()
+        # Counters: what the host knows stays a Python int; overflows are a tensor (no sync).
+        self._steps = 0
+        self._forced_skips = 0
+        self._overflow_steps = torch.zeros((), dtype=torch.int64)
         self._records: defaultdict[int, _OptimizerRecord] = defaultdict(_OptimizerRecord)
 
     # ------------------------------------------------------------------ state
@@ -124,8 +118,7 @@ class LossScaler:
             return
         for name, tensor in self._tensors().items():
             setattr(self, name, tensor.to(device))
-        c = self._counters
-        self._counters = _Counters(c.steps.to(device), c.skipped_steps.to(device), c.overflow_steps.to(device))
+        self._overflow_steps = self._overflow_steps.to(device)
 
     def get_scale(self) -> float:
         """The current scale as a Python float. This synchronises with the device."""
@@ -138,12 +131,12 @@ class LossScaler:
     @property
     def skipped_steps(self) -> int:
         """Iterations skipped so far (any cause). Synchronises with the device."""
-        return int(self._counters.skipped_steps.item())
+        return self._forced_skips + int(self._overflow_steps.item())
 
     @property
     def overflow_steps(self) -> int:
         """Iterations whose gradients held inf/NaN. Synchronises with the device."""
-        return int(self._counters.overflow_steps.item())
+        return int(self._overflow_steps.item())
 
     # ---------------------------------------------------------------- scaling
     def scale(self, outputs: T) -> T:
@@ -169,7 +162,6 @@ class LossScaler:
 
     def _check_grads(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor) -> torch.Tensor:
         """Multiply every gradient by ``inv_scale`` in place; return a 0/1 found-inf flag (all ranks agree)."""
-        found_inf = torch.zeros((), dtype=torch.float32, device=self._scale.device)
         groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
         with torch.no_grad():
             for grad in _grad_tensors(optimizer):
@@ -183,8 +175,12 @@ class LossScaler:
                     )
                 dev_found, dev_inv = per_device[device]
                 torch._amp_foreach_non_finite_check_and_unscale_(grads, dev_found, dev_inv)
-            for dev_found, _ in per_device.values():
-                found_inf = torch.maximum(found_inf, dev_found.to(found_inf.device))
+            if len(per_device) == 1 and self._scale.device in per_device:
+                found_inf = per_device[self._scale.device][0]
+            else:
+                found_inf = torch.zeros((), dtype=torch.float32, device=self._scale.device)
+                for dev_found, _ in per_device.values():
+                    found_inf = torch.maximum(found_inf, dev_found.to(found_inf.device))
         group = _resolve_group(self._process_group)
         if group is not None:
             dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)
@@ -303,11 +299,9 @@ class LossScaler:
         for flag in flags[1:]:
             found = found + flag
         found_bool = found > 0
-        c = self._counters
-        c.steps += 1
-        c.skipped_steps += found_bool
-        c.overflow_steps += found_bool
-        self._update_scale(found_bool)
+        self._steps += 1
+        self._overflow_steps += found_bool
+        self._update_scale(found, found_bool)
         self._records.clear()
 
     def skip(self) -> None:
@@ -317,8 +311,8 @@ class LossScaler:
         starts clean. Scaling cannot fix a forward overflow, so the scale is kept.
         """
         self._records.clear()
-        self._counters.steps += 1
-        self._counters.skipped_steps += 1
+        self._steps += 1
+        self._forced_skips += 1
 
     def _set_scale(self, new_scale: float | torch.Tensor) -> None:
         if isinstance(new_scale, torch.Tensor):
@@ -333,26 +327,24 @@ class LossScaler:
             raise ValueError(f"new_scale must be a finite positive number, got {new_scale!r}")
         self._scale.fill_(float(new_scale))
 
-    def _update_scale(self, found_inf: torch.Tensor) -> None:
-        """Evolve the scale given this iteration's 0-dim bool found-inf flag."""
+    def _update_scale(self, found_inf: torch.Tensor, found_bool: torch.Tensor) -> None:
+        """Evolve the scale given this iteration's found-inf count (fp32) and flag (bool)."""
 
     # ------------------------------------------------------------- checkpoint
     def _counter_state(self) -> dict[str, int]:
-        c = self._counters
-        return {
-            "steps": int(c.steps.item()),
-            "skipped_steps": int(c.skipped_steps.item()),
-            "overflow_steps": int(c.overflow_steps.item()),
-        }
+        overflows = int(self._overflow_steps.item())
+        return {"steps": self._steps, "skipped_steps": self._forced_skips + overflows, "overflow_steps": overflows}
 
     def _load_counter_state(self, state: Mapping[str, Any]) -> None:
-        device = self._scale.device
-        self._counters = _Counters(
-            *(
-                torch.tensor(_get_int(state, key, default=0, minimum=0), dtype=torch.int64, device=device)
-                for key in ("steps", "skipped_steps", "overflow_steps")
+        steps = _get_int(state, "steps", default=0, minimum=0)
+        skipped = _get_int(state, "skipped_steps", default=0, minimum=0)
+        overflows = _get_int(state, "overflow_steps", default=0, minimum=0)
+        if skipped < overflows:
+            raise ValueError(
+                f"scaler state_dict has skipped_steps={skipped} < overflow_steps={overflows}; every overflow is a skip"
             )
-        )
+        self._steps, self._forced_skips = steps, skipped - overflows
+        self._overflow_steps = torch.tensor(overflows, dtype=torch.int64, device=self._scale.device)
 
     def state_dict(self) -> dict[str, Any]:
         raise NotImplementedError

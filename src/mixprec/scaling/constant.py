@@ -28,7 +28,7 @@ class ConstantLossScaler(LossScaler):
     def __init__(self, scale: float, *, process_group: Any = None) -> None:
         super().__init__(scale, enabled=True, process_group=process_group)
 
-    def _update_scale(self, found_inf: torch.Tensor) -> None:
+    def _update_scale(self, found_inf: torch.Tensor, found_bool: torch.Tensor) -> None:
         return None
 
     def state_dict(self) -> dict[str, Any]:

@@ -142,7 +142,19 @@ class DynamicLossScaler(LossScaler):
     def hysteresis_mode(self) -> str:
         return self._hysteresis_mode
 
-    def _update_scale(self, found_inf: torch.Tensor) -> None:
+    def _update_scale(self, found_inf: torch.Tensor, found_bool: torch.Tensor) -> None:
+        if self._hysteresis == 1 and self._min_scale is None and self._max_scale is None:
+            # torch's own fused update kernel: one op, and torch's sequence by construction.
+            torch._amp_update_scale_(
+                self._scale,
+                self._growth_tracker,
+                found_inf,
+                self._growth_factor,
+                self._backoff_factor,
+                self._growth_interval,
+            )
+            return
+        found_inf = found_bool
         scale = self._scale
         # Growth: the growth_interval-th consecutive clean step grows the scale (as torch).
         tracker = torch.where(found_inf, 0, self._growth_tracker + 1)
