@@ -76,41 +76,80 @@ class LowPrecisionOptimizer(WrappedOptimizer):
     def _low_params(self) -> list[torch.nn.Parameter]:
         return [p for p in self.params() if p.dtype in LOW_PRECISION_DTYPES]
 
-    def _expand(self, param: torch.Tensor) -> torch.Tensor:
-        return param.detach().to(torch.float32)
+    def _expand_into(self, param: torch.Tensor, out: torch.Tensor) -> None:
+        out.copy_(param)
 
     def _store(self, param: torch.Tensor, value32: torch.Tensor, low: torch.Tensor) -> None:
         low.copy_(value32)
 
-    def _cast_state(self, param: torch.Tensor, dtype: torch.dtype | None) -> None:
-        state = self.optimizer.state.get(param)
-        if not state or dtype is None:
-            return
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor) and value.is_floating_point() and value.shape == param.shape:
-                state[key] = value.to(dtype)
-
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> Any:  # type: ignore[override]
+        """One optimizer step: fp32 parameters as usual, then each low-precision one expanded.
+
+        Low-precision parameters are stepped one at a time, expanded (with gradient and
+        state) into fp32 scratch buffers reused from parameter to parameter, so the fp32
+        working memory is that of the largest parameter, not of the whole model. The
+        inner optimizer's math is per parameter either way, so results do not change;
+        its step hooks run once per low-precision parameter.
+        """
         if closure is not None:
             raise ValueError(f"{type(self).__name__}.step() does not take a closure; compute the loss before step()")
-        entries = []
-        for p in self._low_params():
-            low, grad_low = p.data, p.grad
-            p.data = self._expand(p)
-            if grad_low is not None:
-                p.grad = grad_low.to(torch.float32)
-            self._cast_state(p, torch.float32)
-            entries.append((p, low, grad_low))
+        groups = self.optimizer.param_groups
+        saved = [group["params"] for group in groups]
+        low = [[p for p in params if p.dtype in LOW_PRECISION_DTYPES] for params in saved]
+        if not any(low):
+            return self.optimizer.step()
+        scratch: dict[tuple[int, torch.device], torch.Tensor] = {}
         try:
-            result = self.optimizer.step()
+            for group, params in zip(groups, saved, strict=True):
+                group["params"] = [p for p in params if p.dtype not in LOW_PRECISION_DTYPES]
+            result = self.optimizer.step()  # fp32 parameters (norm layers), unexpanded
+            for group in groups:
+                group["params"] = []
+            for group, params in zip(groups, low, strict=True):
+                for p in params:
+                    group["params"] = [p]
+                    self._step_one(p, scratch)
+                group["params"] = []
         finally:
-            for p, low, grad_low in entries:
-                self._store(p, p.data, low)
-                p.data = low
-                p.grad = grad_low
-                self._cast_state(p, self.state_dtype or torch.float32)
+            for group, params in zip(groups, saved, strict=True):
+                group["params"] = params
         return result
+
+    def _step_one(self, p: torch.nn.Parameter, scratch: dict[tuple[int, torch.device], torch.Tensor]) -> None:
+        def buffer(slot: int) -> torch.Tensor:
+            key = (slot, p.device)
+            buf = scratch.get(key)
+            if buf is None or buf.numel() < p.numel():
+                buf = torch.empty(p.numel(), dtype=torch.float32, device=p.device)
+                scratch[key] = buf
+            return buf[: p.numel()].view(p.shape)
+
+        low, grad_low = p.data, p.grad
+        value32 = buffer(0)
+        self._expand_into(p, value32)
+        p.data = value32
+        if grad_low is not None:
+            p.grad = buffer(1).copy_(grad_low)
+        state = self.optimizer.state.get(p)
+        stored: dict[Any, torch.Tensor] = {}
+        if state:
+            for slot, (key, value) in enumerate(list(state.items()), start=2):
+                if _is_param_state(value, p) and value.dtype != torch.float32:
+                    stored[key] = value
+                    state[key] = buffer(slot).copy_(value)
+        try:
+            self.optimizer.step()
+        finally:
+            self._store(p, value32, low)
+            p.data = low
+            p.grad = grad_low
+            state = self.optimizer.state.get(p)
+            for key, value in list(state.items()) if state else ():
+                if key in stored:
+                    state[key] = stored[key].copy_(value)
+                elif _is_param_state(value, p) and self.state_dtype is not None and value.dtype != self.state_dtype:
+                    state[key] = value.to(self.state_dtype)  # state created by this first step
 
     def _extra_state(self) -> dict[str, Any]:
         return {}
@@ -165,12 +204,12 @@ class KahanOptimizer(LowPrecisionOptimizer):
             self._comp[param] = comp
         return comp
 
-    def _expand(self, param: torch.Tensor) -> torch.Tensor:
-        return param.detach().to(torch.float32).add_(self._compensation(param))
+    def _expand_into(self, param: torch.Tensor, out: torch.Tensor) -> None:
+        out.copy_(param).add_(self._compensation(param))
 
     def _store(self, param: torch.Tensor, value32: torch.Tensor, low: torch.Tensor) -> None:
         low.copy_(value32)
-        # value32 is a temporary of this step: reuse it for the residual
+        # value32 is scratch of this step: reuse it for the residual
         self._comp[param].copy_(value32.sub_(low))
 
     def _extra_state(self) -> dict[str, Any]:
@@ -230,3 +269,7 @@ class StochasticRoundingOptimizer(LowPrecisionOptimizer):
         self._generators = {}
         for dev, state in extra.get("generators", {}).items():
             self._generator(torch.device(dev)).set_state(state)
+
+
+def _is_param_state(value: Any, param: torch.Tensor) -> bool:
+    return isinstance(value, torch.Tensor) and value.is_floating_point() and value.shape == param.shape
