@@ -144,8 +144,8 @@ class LowPrecisionOptimizer(WrappedOptimizer):
             self._store(p, value32, low)
             p.data = low
             p.grad = grad_low
-            state = self.optimizer.state.get(p)
-            for key, value in list(state.items()) if state else ():
+            state = self.optimizer.state.get(p) or {}
+            for key, value in list(state.items()):
                 if key in stored:
                     state[key] = stored[key].copy_(value)
                 elif _is_param_state(value, p) and self.state_dtype is not None and value.dtype != self.state_dtype:
