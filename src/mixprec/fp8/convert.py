@@ -126,10 +126,12 @@ def all_reduce_amax(model: nn.Module, group: object = None) -> None:
     rank computes the same next scales from the same history. A no-op when
     torch.distributed is not initialised or the group has a single rank.
     """
-    layers = list(fp8_layers(model).values())
-    if not layers or not torch.distributed.is_available() or not torch.distributed.is_initialized():
+    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
         return
     if torch.distributed.get_world_size(group) == 1:  # type: ignore[arg-type]
+        return
+    layers = list(fp8_layers(model).values())
+    if not layers:
         return
     latest = torch.cat([layer.fp8_amax_history[:, 0] for layer in layers])
     torch.distributed.all_reduce(latest, op=torch.distributed.ReduceOp.MAX, group=group)  # type: ignore[arg-type]
