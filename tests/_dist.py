@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import os
+import sys
 import tempfile
 from collections.abc import Callable
 from typing import Any
@@ -19,8 +21,16 @@ def _entry(rank: int, world_size: int, init_file: str, fn: Callable[..., Any], a
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
+        # Free DDP reducers and pending work while the group is alive, then leave together.
+        gc.collect()
+        dist.barrier()
     finally:
         dist.destroy_process_group()
+    # Success: skip interpreter finalisation, where torch/gloo C++ destructors of objects
+    # kept alive by reference cycles can abort a worker after its test passed.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int = 2, *args: Any) -> None:
