@@ -42,7 +42,6 @@ True
 
 from __future__ import annotations
 
-import copy
 import fnmatch
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -51,6 +50,7 @@ import torch
 from torch import nn
 
 from mixprec.autocast import _device_type_of
+from mixprec.dtypes import cast_floating
 from mixprec.policy import ModuleRule, OpPolicy, _as_module_rules
 
 __all__ = [
@@ -85,7 +85,7 @@ class FP32Island:
         with torch.autocast(device_type, enabled=False):
             out = base.forward(self, *_to_fp32(args), **_to_fp32(kwargs))  # type: ignore[arg-type]
         if not autocast_was_on and low_input is not None:
-            out = _to_dtype(out, low_input)
+            out = cast_floating(out, low_input)
         return out
 
 
@@ -273,27 +273,5 @@ def _low_precision_dtype(*values: Any) -> torch.dtype | None:
     return None
 
 
-def _to_dtype(value: Any, dtype: torch.dtype) -> Any:
-    if isinstance(value, torch.Tensor):
-        if value.is_floating_point() and value.dtype not in (dtype, torch.float64):
-            return value.to(dtype)
-        return value
-    if isinstance(value, list | tuple):
-        items = [_to_dtype(v, dtype) for v in value]
-        if type(value) in (list, tuple):
-            return type(value)(items)
-        if hasattr(value, "_fields"):  # namedtuple
-            return type(value)(*items)
-        return type(value)(items)
-    if type(value) is dict:
-        return {k: _to_dtype(v, dtype) for k, v in value.items()}
-    if isinstance(value, dict):
-        out = copy.copy(value)  # keeps dict subclasses (model output records) intact
-        for k, v in value.items():
-            out[k] = _to_dtype(v, dtype)
-        return out
-    return value
-
-
 def _to_fp32(value: Any) -> Any:
-    return _to_dtype(value, torch.float32)
+    return cast_floating(value, torch.float32)

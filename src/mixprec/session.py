@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mixprec.dtypes import cast_floating
 from mixprec.plans import Plan, get_plan
 from mixprec.scaling import LossScaler
 
@@ -69,19 +70,11 @@ class _Fp32Criterion(torch.nn.Module):
         self.criterion = criterion
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        args = tuple(_upcast(a) for a in args)
-        kwargs = {k: _upcast(v) for k, v in kwargs.items()}
+        args = cast_floating(args, torch.float32)
+        kwargs = cast_floating(kwargs, torch.float32)
         device_type = _first_device_type(args) or "cpu"
         with torch.autocast(device_type, enabled=False):
             return self.criterion(*args, **kwargs)
-
-
-def _upcast(x: Any) -> Any:
-    if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float64:
-        return x.float()
-    if isinstance(x, list | tuple):
-        return type(x)(_upcast(v) for v in x)
-    return x
 
 
 def _first_device_type(args: Sequence[Any]) -> str | None:
@@ -92,17 +85,8 @@ def _first_device_type(args: Sequence[Any]) -> str | None:
 
 
 def _input_caster(dtype: torch.dtype) -> Any:
-    def cast(x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and x.is_floating_point():
-            return x.to(dtype)
-        if isinstance(x, list | tuple):
-            return type(x)(cast(v) for v in x)
-        if isinstance(x, dict):
-            return {k: cast(v) for k, v in x.items()}
-        return x
-
     def hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
-        return cast(args), cast(kwargs)
+        return cast_floating(args, dtype, include_float64=True), cast_floating(kwargs, dtype, include_float64=True)
 
     return hook
 
