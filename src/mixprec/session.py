@@ -368,8 +368,10 @@ class MixedPrecision:
                 groups.setdefault((g.device, g.dtype), []).append(g)
             for (device, _), gs in groups.items():
                 torch._foreach_mul_(gs, coef.to(device))
+        # The decision is made (finite everywhere) and gradients are unscaled: step directly.
+        # scaler.step() would read each optimizer's found-inf flag on the host once more.
         for opt in self.optimizers:
-            scaler.step(opt)
+            opt.step()
         if scaler.is_enabled():
             scaler.update()
         self._optimizer_steps += 1
