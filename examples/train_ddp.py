@@ -29,6 +29,7 @@ from the sampler's seed and epoch), so the checkpoints need no per-rank RNG stat
 from __future__ import annotations
 
 import argparse
+import gc
 import glob
 import os
 import re
@@ -90,8 +91,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     use_cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if use_cuda else "gloo")  # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR/PORT
-    rank, world = dist.get_rank(), dist.get_world_size()
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if use_cuda:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
@@ -99,7 +98,23 @@ def main(argv: list[str] | None = None) -> int:
     else:
         torch.set_num_threads(1)
         device = torch.device("cpu")
+    try:
+        train(args, device)
+        # The DDP model, its reducer and comm hook lived in train(): collect them (and any
+        # reference cycles) while the process group is still alive, then leave together.
+        # Destroying the group first lets their destructors run against a dead group at
+        # interpreter exit, which can abort the process after a successful run.
+        gc.collect()
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return 0
 
+
+def train(args: argparse.Namespace, device: torch.device) -> None:
+    """The training loop: resume from the latest checkpoint, train, checkpoint periodically."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     task = build_task(args.task, size=args.size, seed=args.seed)
     data = TensorDataset(*task.batch(args.dataset_size, torch.Generator().manual_seed(args.seed)))
     loader = distributed_loader(data, args.batch_size, seed=args.seed)
@@ -152,9 +167,6 @@ def main(argv: list[str] | None = None) -> int:
               f"{stats.calls} bucket reductions, {stats.payload_bytes} bytes", flush=True)
         if args.out is not None:
             save_checkpoint(args.out, model=model, optimizers=[opt], mp=mp, extra={"step": step}, rng=False)
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
 
 
 if __name__ == "__main__":
