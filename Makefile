@@ -4,11 +4,11 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.mixprec-installed
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test test-fast lint bench clean
 
 $(STAMP): pyproject.toml constraints-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints-dev.txt -e '.[cli,dev]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints-dev.txt -e '.[cli,dev,transformers,accelerate,lightning,bench]'
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -18,6 +18,10 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# Unit tests only: no multi-process, slow or third-party-framework tests.
+test-fast: setup
+	$(PY) -m pytest -q -m "not distributed and not slow and not integration"
 
 lint: setup
 	$(VENV)/bin/ruff check src tests benchmarks
