@@ -60,6 +60,40 @@ class WrappedOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable[[], float] | None = None) -> Any:  # type: ignore[override]
         return self.optimizer.step(closure)
 
+    # Hooks the front door (and framework integrations) call around a step. The
+    # defaults do nothing, so a wrapper implements only what its plan needs.
+    def prepare_grads(self) -> None:
+        """Make this step's gradients visible as ``.grad`` of the parameters in ``param_groups``.
+
+        Called once per optimizer step, before unscaling, clipping and the skip decision
+        (a wrapper that keeps its own parameters, such as fp32 masters, gathers the model's
+        gradients into them here). Calling it again before ``step()`` changes nothing.
+        """
+
+    def accumulate_grads(self) -> None:
+        """Called after the backward of a micro-batch that is not an accumulation boundary.
+
+        A wrapper may move the model's low-precision gradients into a wider buffer here, so
+        micro-batches add up in fp32. Never called under DDP (whose reducer owns ``.grad``).
+        """
+
+    def step_nonfinite(self) -> torch.Tensor | None:
+        """After ``step()``: a bool tensor, True when the update would have written a
+        non-finite low-precision weight; the step was then undone and changed nothing.
+
+        None when this wrapper cannot produce non-finite weights from a finite update.
+        """
+        return None
+
+    def undo_step(self) -> None:
+        """Restore parameters and optimizer state to what they were before the last ``step()``.
+
+        Used when another optimizer of the same step refused its update (see
+        :meth:`step_nonfinite`). Only wrappers that return a flag from ``step_nonfinite``
+        support it.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot undo a step")
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
