@@ -435,6 +435,10 @@ class MixedPrecision:
         before_unscale = getattr(self.plan, "before_unscale", None)
         if before_unscale is not None:  # e.g. fp8: every rank computes the next scales from the same amaxes
             before_unscale(self.model, self.process_group)
+        elif self.plan.family == "fp8":
+            from mixprec.fp8 import all_reduce_amax
+
+            all_reduce_amax(self.model, self.process_group)
         for opt in self.optimizers:
             prepare_grads = getattr(opt, "prepare_grads", None)
             if prepare_grads is not None:  # e.g. masters: the model's gradients into the fp32 masters
