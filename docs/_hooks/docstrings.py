@@ -57,8 +57,8 @@ class _DoctestFences(Preprocessor):
 
 
 class _DocstringExtension(Extension):
-    def extendMarkdown(self, md: Markdown) -> None:  # noqa: N802 (Markdown's API name)
-        # Before the fenced-code preprocessors (superfences runs at 32).
+    def extendMarkdown(self, md: Markdown) -> None:
+        # Before the fenced-code preprocessors (superfences registers at 25).
         md.preprocessors.register(_DoctestFences(md), "mixprec_doctest_fences", 40)
 
 
