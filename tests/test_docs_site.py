@@ -181,12 +181,62 @@ def test_nav_lists_every_page_that_exists():
     assert pages - listed <= {"integrations.md"}, f"pages missing from the nav: {sorted(pages - listed)}"
 
 
+# ------------------------------------------------------------------ the docstring hook
+def _load_hook():
+    spec = importlib.util.spec_from_file_location("_docs_hook", DOCS / "_hooks" / "docstrings.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_hook_fences_doctests_and_strips_roles_outside_fences():
+    markdown = pytest.importorskip("markdown")
+    hook = _load_hook()
+    pre = hook._DoctestFences(markdown.Markdown())
+    text = [
+        "See :class:`~mixprec.Plan` and :func:`get_plan`.",
+        "",
+        ">>> [1, 2]",
+        "[1, 2]",
+        "",
+        "```python",
+        ">>> kept as is  # :class:`X`",
+        "```",
+        "    >>> indented",
+        "    3",
+    ]
+    assert pre.run(text) == [
+        "See `mixprec.Plan` and `get_plan`.",
+        "",
+        "```pycon",
+        ">>> [1, 2]",
+        "[1, 2]",
+        "```",
+        "",
+        "```python",
+        ">>> kept as is  # :class:`X`",
+        "```",
+        "    ```pycon",
+        "    >>> indented",
+        "    3",
+        "    ```",
+    ]
+
+
 # ------------------------------------------------------------------ the strict build
 def _mkdocs() -> str | None:
     candidate = Path(sys.executable).with_name("mkdocs")
     if candidate.exists():
         return str(candidate)
     return shutil.which("mkdocs")
+
+
+def _can_unshare_network() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(["unshare", "--map-root-user", "--net", "true"], capture_output=True)
+    return probe.returncode == 0
 
 
 @pytest.mark.slow
@@ -198,8 +248,11 @@ def test_mkdocs_build_is_strict_and_offline(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), NO_MKDOCS_2_WARNING="1")
     # No network during the build: a proxy that refuses every connection makes any fetch fail.
     env.update(HTTP_PROXY="http://127.0.0.1:9", HTTPS_PROXY="http://127.0.0.1:9", NO_PROXY="")
+    cmd = [_mkdocs(), "build", "--strict", "--site-dir", str(tmp_path / "site")]
+    if _can_unshare_network():  # stronger: a private network namespace with no interface up
+        cmd = ["unshare", "--map-root-user", "--net", *cmd]
     out = subprocess.run(
-        [_mkdocs(), "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cmd,
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )
     log = out.stdout + out.stderr
