@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.mixprec-installed
 
 $(STAMP): pyproject.toml constraints-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints-dev.txt -e '.[cli,dev,transformers,accelerate,lightning,bench]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints-dev.txt -e '.[cli,dev,docs,transformers,accelerate,lightning,bench]'
 	touch $(STAMP)
 
 setup: $(STAMP)
