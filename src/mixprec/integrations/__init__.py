@@ -60,3 +60,13 @@ def as_mixed_precision(precision: Any, **kwargs: Any) -> Any:
         f"precision must be a plan name such as 'bf16-mixed', a mixprec.Plan or a mixprec.MixedPrecision, "
         f"got {type(precision).__name__}"
     )
+
+
+def _check_mp(mp: Any) -> None:
+    if mp.grad_accum_steps != 1:
+        raise ValueError(
+            f"MixedPrecision(grad_accum_steps={mp.grad_accum_steps}) under a framework loop would divide the "
+            "loss twice; the framework accumulates: use MixedPrecision(grad_accum_steps=1) and set the "
+            "framework's own accumulation (Accelerator(gradient_accumulation_steps=...), "
+            "TrainingArguments(gradient_accumulation_steps=...), Trainer(accumulate_grad_batches=...))"
+        )

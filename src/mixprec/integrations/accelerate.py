@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from mixprec.integrations import _require, as_mixed_precision
+from mixprec.integrations import _check_mp, _require, as_mixed_precision
 
 _require("accelerate", "accelerate", "mixprec.integrations.accelerate")
 
@@ -76,16 +76,6 @@ def _check_accelerator(accelerator: Any) -> None:
         raise ValueError(
             f"Accelerator(mixed_precision={mixed!r}) and mixprec would both run the precision; "
             "create the Accelerator with mixed_precision='no' and choose the plan in MixedPrecision(...)"
-        )
-
-
-def _check_mp(mp: MixedPrecision) -> None:
-    if mp.grad_accum_steps != 1:
-        raise ValueError(
-            f"MixedPrecision(grad_accum_steps={mp.grad_accum_steps}) under a framework loop would divide the "
-            "loss twice; the framework accumulates: use MixedPrecision(grad_accum_steps=1) and set the "
-            "framework's own accumulation (Accelerator(gradient_accumulation_steps=...), "
-            "TrainingArguments(gradient_accumulation_steps=...), Trainer(accumulate_grad_batches=...))"
         )
 
 
