@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,10 +30,15 @@ import torch.distributed as dist
 from mixprec.dtypes import cast_floating
 from mixprec.plans import Plan, get_plan
 from mixprec.scaling import LossScaler
+from mixprec.scaling.base import _grad_tensors
 
 __all__ = ["MixedPrecision", "StepResult"]
 
 _STATE_FORMAT = "mixprec.MixedPrecision/1"
+# Loss-scaler settings a resumed run must agree on (the counters are state, these are configuration).
+_SCALER_SETTINGS = (
+    "growth_factor", "backoff_factor", "growth_interval", "hysteresis", "hysteresis_mode", "min_scale", "max_scale",
+)
 
 
 @dataclass(frozen=True)
@@ -109,6 +115,12 @@ class MixedPrecision:
         trace_overflow: install an :class:`~mixprec.diagnostics.OverflowTracer` on the
             model; a skipped step's ``StepResult.overflow`` then names the first module
             whose output or gradient became inf/NaN (a few percent slower; off by default).
+
+    The one-line path is :meth:`prepare`, :meth:`autocast`, :meth:`backward`, :meth:`step`.
+    Frameworks that own the loop use the halves: :meth:`prepare_model`,
+    :meth:`prepare_optimizers`, :meth:`scale_loss` (or :meth:`backward`), :meth:`unscale_`
+    (then clip or log true gradients) and :meth:`step`; :attr:`last_step_skipped` tells a
+    scheduler or logger whether the update happened.
     """
 
     def __init__(
@@ -128,16 +140,26 @@ class MixedPrecision:
         if not isinstance(grad_accum_steps, int) or isinstance(grad_accum_steps, bool) or grad_accum_steps < 1:
             raise ValueError(f"grad_accum_steps must be an integer >= 1, got {grad_accum_steps!r}")
         if clip_grad_norm is not None and (
-            not isinstance(clip_grad_norm, int | float) or not clip_grad_norm > 0 or not math.isfinite(clip_grad_norm)
+            not isinstance(clip_grad_norm, int | float)
+            or isinstance(clip_grad_norm, bool)
+            or not clip_grad_norm > 0
+            or not math.isfinite(clip_grad_norm)
         ):
             raise ValueError(f"clip_grad_norm must be a positive finite number or None, got {clip_grad_norm!r}")
-        if not isinstance(max_consecutive_skips, int) or max_consecutive_skips < 1:
+        if (
+            not isinstance(max_consecutive_skips, int)
+            or isinstance(max_consecutive_skips, bool)
+            or max_consecutive_skips < 1
+        ):
             raise ValueError(f"max_consecutive_skips must be an integer >= 1, got {max_consecutive_skips!r}")
         if scaler is not None and not isinstance(scaler, LossScaler):
             raise TypeError(
                 f"scaler must be a mixprec LossScaler (DynamicLossScaler, ConstantLossScaler, NoOpScaler), "
                 f"got {type(scaler).__name__}"
             )
+        for name, flag in (("compile", compile), ("trace_overflow", trace_overflow)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name}= must be True or False, got {flag!r}")
         self.grad_accum_steps = grad_accum_steps
         self.clip_grad_norm = None if clip_grad_norm is None else float(clip_grad_norm)
         self.max_consecutive_skips = max_consecutive_skips
@@ -148,13 +170,20 @@ class MixedPrecision:
         self.model: torch.nn.Module | None = None
         self.optimizers: list[torch.optim.Optimizer] = []
         self.scheduler: Any = None
+        self.last_result: StepResult | None = None
         self._micro = 0
         self._optimizer_steps = 0
         self._consecutive_skips = 0
         self._last_skip_reason: str | None = None
         self._loss_nonfinite: torch.Tensor | None = None
+        self._unscaled = False
+        self._fp32_values: dict[torch.Tensor, torch.Tensor] = {}
+        self._model_params: set[torch.Tensor] = set()
+        self._ddp = False
+        self._buffers = _BufferGuard()
+        self._warned_zero_grads = False
         self._hooks: list[Any] = []
-        self.trace_overflow = bool(trace_overflow)
+        self.trace_overflow = trace_overflow
         self.tracer: Any = None
 
     # ---------------------------------------------------------------- prepare
@@ -177,16 +206,33 @@ class MixedPrecision:
         (:func:`mixprec.distributed.wrap_ddp`). An FSDP2 model (``fully_shard``) is
         recognised and run as :func:`mixprec.distributed.sharded_plan` describes.
         """
-        if self.model is not None:
-            raise RuntimeError("prepare() was already called on this MixedPrecision; create one per model")
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"prepare() expects an nn.Module first, got {type(model).__name__}")
         for opt in optimizers:
             if not isinstance(opt, torch.optim.Optimizer):
                 raise TypeError(
                     f"prepare() expects torch optimizers after the model, got {type(opt).__name__}; "
                     "pass scheduler= and criterion= by keyword"
                 )
+        prepared = self.prepare_model(model, ddp=ddp)
+        wrapped = self._wrap_optimizers(optimizers)
+        self.scheduler = scheduler
+        out: list[Any] = [prepared, *wrapped]
+        if scheduler is not None:
+            out.append(scheduler)
+        if criterion is not None:
+            out.append(_Fp32Criterion(criterion))
+        return out[0] if len(out) == 1 else tuple(out)
+
+    def prepare_model(self, model: torch.nn.Module, *, ddp: bool | Mapping[str, Any] = False) -> Any:
+        """The model half of :meth:`prepare`: convert ``model`` for the plan and return it.
+
+        For frameworks that convert the model before they see the optimizer: the fp32
+        values that seed master weights are kept until :meth:`prepare_optimizers`.
+        A framework may wrap the returned model in DistributedDataParallel itself.
+        """
+        if self.model is not None:
+            raise RuntimeError("prepare() was already called on this MixedPrecision; create one per model")
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"prepare() expects an nn.Module first, got {type(model).__name__}")
         if self.device is None:
             first = next(iter(model.parameters()), None)
             self.device = first.device if first is not None else torch.device("cpu")
@@ -201,26 +247,66 @@ class MixedPrecision:
             # After the conversion: islands turn their own parameters back to fp32.
             apply_fp32_islands(model, plan.policy)
             fp32_values = {p: v for p, v in fp32_values.items() if p.dtype != torch.float32}
-        self.optimizers = [plan.wrap_optimizer(opt, fp32_values) for opt in optimizers]
+        self._fp32_values = fp32_values
+        self._model_params = {p for p in model.parameters()}
         if self.trace_overflow:  # on the inner model, before DDP/compile wrap it
             from mixprec.diagnostics import OverflowTracer
 
             self.tracer = OverflowTracer(model)
         if not plan.uses_autocast and plan.weight_dtype != torch.float32:
             self._hooks.append(model.register_forward_pre_hook(_input_caster(plan.weight_dtype), with_kwargs=True))
+        from mixprec.distributed.ddp import is_ddp
+
+        self._ddp = ddp_kwargs is not None or is_ddp(model)
         if ddp_kwargs is not None:  # after the conversion: DDP must see the final dtypes
             from mixprec.distributed.ddp import wrap_ddp
 
             model = wrap_ddp(model, plan, **ddp_kwargs)
         self.model = model
-        self.scheduler = scheduler
         prepared: Any = torch.compile(model) if self.compile else model
-        out: list[Any] = [prepared, *self.optimizers]
-        if scheduler is not None:
-            out.append(scheduler)
-        if criterion is not None:
-            out.append(_Fp32Criterion(criterion))
-        return out[0] if len(out) == 1 else tuple(out)
+        # A skipped step must not keep what its forward wrote into buffers (BatchNorm statistics).
+        self._buffers.install(prepared, model)
+        return prepared
+
+    def prepare_optimizers(self, *optimizers: torch.optim.Optimizer) -> Any:
+        """The optimizer half of :meth:`prepare`: wrap ``optimizers`` for the plan.
+
+        Call it after :meth:`prepare_model`, once or several times (each optimizer once).
+        Returns the wrapped optimizer, or a tuple of them when several were given; use
+        these from then on.
+        """
+        if self.model is None:
+            raise RuntimeError(
+                "prepare_optimizers() called before prepare_model(); convert the model first, "
+                "then wrap the optimizers over its parameters"
+            )
+        for opt in optimizers:
+            if not isinstance(opt, torch.optim.Optimizer):
+                raise TypeError(f"prepare_optimizers() expects torch optimizers, got {type(opt).__name__}")
+        wrapped = self._wrap_optimizers(optimizers)
+        return wrapped[0] if len(wrapped) == 1 else tuple(wrapped)
+
+    def _wrap_optimizers(self, optimizers: Sequence[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
+        seen = {id(o) for o in self.optimizers} | {id(getattr(o, "optimizer", o)) for o in self.optimizers}
+        for opt in optimizers:
+            if id(opt) in seen:
+                raise ValueError(
+                    f"the same {type(opt).__name__} was passed twice to prepare(); it would step twice per "
+                    "iteration. Pass each optimizer once"
+                )
+            seen.add(id(opt))
+            foreign = [p for g in opt.param_groups for p in g["params"] if p not in self._model_params]
+            if foreign:
+                raise ValueError(
+                    f"{len(foreign)} parameter(s) of the {type(opt).__name__} passed to prepare() are not "
+                    "parameters of the prepared model (was the optimizer built over another model or a copy?). "
+                    "Build the optimizer over model.parameters() of the model you pass to prepare()"
+                )
+        wrapped = [self.plan.wrap_optimizer(opt, self._fp32_values) for opt in optimizers]
+        self.optimizers.extend(wrapped)
+        if wrapped:  # the fp32 seeds are used; do not keep a second copy of the model alive
+            self._fp32_values = {}
+        return wrapped
 
     # --------------------------------------------------------------- forward
     @property
@@ -245,41 +331,65 @@ class MixedPrecision:
             yield
 
     # -------------------------------------------------------------- backward
-    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """Backward of one micro-batch's mean loss (scaled, and divided by grad_accum_steps)."""
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss to call ``.backward()`` on, for frameworks that run backward themselves.
+
+        Records whether the loss is finite (a non-finite loss skips the step), then
+        multiplies by the loss scale (fp16 plans). Unlike :meth:`backward` it does not
+        divide by ``grad_accum_steps``: a framework that accumulates divides itself. Run
+        the backward inside :meth:`backward_context` and call :meth:`micro_batch_done`
+        after it (or use :meth:`backward`, which does all three).
+        """
+        return self._scale_loss(loss, "scale_loss()")
+
+    def _scale_loss(self, loss: torch.Tensor, caller: str) -> torch.Tensor:
         if not isinstance(loss, torch.Tensor):
-            raise TypeError(f"backward() expects the loss tensor, got {type(loss).__name__}")
+            raise TypeError(f"{caller} expects the loss tensor, got {type(loss).__name__}")
         if loss.numel() != 1:
             raise ValueError(
-                f"backward() expects a scalar loss, got shape {tuple(loss.shape)}; reduce it (e.g. loss.mean()) first"
+                f"{caller} expects a scalar loss, got shape {tuple(loss.shape)}; reduce it (e.g. loss.mean()) first"
+            )
+        if self._unscaled:
+            raise RuntimeError(
+                "a backward after unscale_() in the same step would mix scaled and unscaled gradients; "
+                "call step() first"
             )
         with torch.no_grad():
             bad = ~torch.isfinite(loss.detach().float())
             self._loss_nonfinite = bad if self._loss_nonfinite is None else self._loss_nonfinite | bad
-        if self.grad_accum_steps > 1:
-            loss = loss / self.grad_accum_steps
-        with self._backward_context():
-            self.scaler.scale(loss).backward(**kwargs)
-        self._micro += 1
+        return self.scaler.scale(loss)
 
-    def _backward_context(self) -> contextlib.AbstractContextManager[Any]:
-        # A custom op policy must also hold where backward recomputes the forward
-        # (activation checkpointing); without one, torch restores autocast itself.
+    def backward_context(self) -> contextlib.AbstractContextManager[Any]:
+        """The context a backward runs in: a custom op policy also holds where backward
+        recomputes the forward (activation checkpointing); torch restores plain autocast itself."""
         if self.plan.policy is None or not self.plan.uses_autocast:
             return contextlib.nullcontext()
         from mixprec.autocast import autocast_backward
 
         return autocast_backward(self.plan.policy)
 
+    def micro_batch_done(self) -> None:
+        """Count one finished backward; between accumulation boundaries, let the optimizer
+        wrappers move low-precision gradients into wider accumulators (not under DDP)."""
+        self._micro += 1
+        if self._micro % self.grad_accum_steps != 0 and not self._ddp:
+            for opt in self.optimizers:
+                accumulate = getattr(opt, "accumulate_grads", None)
+                if accumulate is not None:
+                    accumulate()
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """Backward of one micro-batch's mean loss (scaled, and divided by grad_accum_steps)."""
+        scaled = self._scale_loss(loss, "backward()")
+        if self.grad_accum_steps > 1:
+            scaled = scaled / self.grad_accum_steps
+        with self.backward_context():
+            scaled.backward(**kwargs)
+        self.micro_batch_done()
+
     # ------------------------------------------------------------------ step
     def _grads(self) -> list[torch.Tensor]:
-        grads = []
-        for opt in self.optimizers:
-            for group in opt.param_groups:
-                for p in group["params"]:
-                    if p.grad is not None:
-                        grads.append(p.grad._values() if p.grad.is_sparse else p.grad)
-        return grads
+        return [g for opt in self.optimizers for g in _grad_tensors(opt)]
 
     def _total_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         if not grads:
@@ -288,13 +398,10 @@ class MixedPrecision:
 
         if has_dtensor(grads):  # FSDP2 shards: sum squared norms across the shard group
             return total_grad_norm(grads)
-        norms: list[torch.Tensor] = []
-        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-        for g in grads:
-            groups.setdefault((g.device, g.dtype), []).append(g)
         target = grads[0].device
-        for gs in groups.values():
-            norms.extend(n.to(target) for n in torch._foreach_norm(gs, 2.0, dtype=torch.float32))
+        norms = [
+            n.to(target) for gs in _by_device_dtype(grads).values() for n in torch._foreach_norm(gs, 2.0, dtype=torch.float32)
+        ]
         return torch.linalg.vector_norm(torch.stack(norms), 2.0)
 
     def _all_ranks_max(self, flag: torch.Tensor) -> torch.Tensor:
@@ -305,10 +412,69 @@ class MixedPrecision:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         return flag
 
+    def _check_ready(self, what: str) -> None:
+        if self.model is None:
+            raise RuntimeError(f"{what} called before prepare(); call mp.prepare(model, optimizer) first")
+        if not self.optimizers:
+            raise RuntimeError(
+                f"{what} called with no optimizer: nothing would train. Pass the optimizer to "
+                "mp.prepare(model, optimizer) or mp.prepare_optimizers(optimizer)"
+            )
+
+    def unscale_(self) -> None:
+        """Gather and unscale every optimizer's gradients once for this step (idempotent).
+
+        Afterwards ``.grad`` of the optimizers' parameters hold true gradients, so a
+        framework's clipping, logging and hooks can run; :meth:`step` does not unscale again.
+        """
+        self._check_ready("unscale_()")
+        if self._unscaled:
+            return
+        if self._micro == 0:
+            raise RuntimeError("unscale_() called before any backward(); call mp.backward(loss) first")
+        before_unscale = getattr(self.plan, "before_unscale", None)
+        if before_unscale is not None:  # e.g. fp8: every rank computes the next scales from the same amaxes
+            before_unscale(self.model, self.process_group)
+        for opt in self.optimizers:
+            prepare_grads = getattr(opt, "prepare_grads", None)
+            if prepare_grads is not None:  # e.g. masters: the model's gradients into the fp32 masters
+                prepare_grads()
+        for opt in self.optimizers:
+            self.scaler.unscale_(opt)
+        self._unscaled = True
+
+    def grad_norm(self) -> torch.Tensor:
+        """The true (unscaled) total 2-norm of every optimizer's gradients (unscales first)."""
+        self.unscale_()
+        return self._total_norm(self._grads())
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Unscale, then clip the true gradients to a total norm of ``max_norm``; returns the norm
+        before clipping (as ``torch.nn.utils.clip_grad_norm_``). A non-finite norm clips nothing:
+        the step will be skipped."""
+        if not isinstance(max_norm, int | float) or isinstance(max_norm, bool) or not max_norm > 0:
+            raise ValueError(f"max_norm must be a positive number, got {max_norm!r}")
+        norm = self.grad_norm()
+        self._clip(self._grads(), norm, float(max_norm))
+        return norm
+
+    @staticmethod
+    def _clip(grads: list[torch.Tensor], norm: torch.Tensor, max_norm: float) -> None:
+        if not grads:
+            return
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        coef = torch.where(torch.isfinite(coef), coef, torch.ones_like(coef))
+        for (device, _), gs in _by_device_dtype(grads).items():
+            torch._foreach_mul_(gs, coef.to(device))
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the last :meth:`step` at an accumulation boundary skipped the update."""
+        return self.last_result is not None and self.last_result.skipped
+
     def step(self) -> StepResult:
         """At an accumulation boundary: unscale, check, clip, step every optimizer (or none), clear grads."""
-        if self.model is None:
-            raise RuntimeError("step() called before prepare(); call mp.prepare(model, optimizer) first")
+        self._check_ready("step()")
         if self._micro == 0 or self._micro % self.grad_accum_steps != 0:
             if self._micro == 0:
                 raise RuntimeError("step() called before any backward(); call mp.backward(loss) first")
@@ -316,74 +482,100 @@ class MixedPrecision:
                 stepped=False, skipped=False, scale=self.scaler.get_scale(), grad_norm=None,
                 accumulating=True, optimizer_steps=self._optimizer_steps,
             )
-        self._micro = 0
-        scaler = self.scaler
-        loss_bad = self._loss_nonfinite if self._loss_nonfinite is not None else torch.zeros((), dtype=torch.bool)
-        self._loss_nonfinite = None
-        if self.plan.family == "fp8":  # every rank computes the next fp8 scales from the same amaxes
-            from mixprec.fp8 import all_reduce_amax
-
-            all_reduce_amax(self.model, self.process_group)
-        for opt in self.optimizers:
-            gather = getattr(opt, "gather_grads", None)
-            if gather is not None:  # master weights without grad hooks (DDP): grads into the fp32 masters
-                gather()
-        # One flag for every rank: [non-finite loss, non-finite gradients].
-        for opt in self.optimizers:
-            scaler.unscale_(opt)
+        self.unscale_()
         grads = self._grads()
         norm = self._total_norm(grads)
+        reason = self._skip_reason(norm)
+        if reason is None:
+            if self.clip_grad_norm is not None:
+                self._clip(grads, norm, self.clip_grad_norm)
+            reason = self._apply_update()
+        result = self._finish(reason, norm)
+        self.last_result = result
+        return result
+
+    def _skip_reason(self, norm: torch.Tensor) -> str | None:
+        """The one skip decision for every optimizer and rank: one collective, one host read."""
+        loss_bad = self._loss_nonfinite if self._loss_nonfinite is not None else torch.zeros((), dtype=torch.bool)
         flags = torch.stack([loss_bad.to(norm.device).float(), (~torch.isfinite(norm)).float()])
-        if scaler.is_enabled():
-            combined = scaler.sync_found_inf(self.optimizers) if self.optimizers else None
-            if combined is not None:
-                flags[1] = torch.maximum(flags[1], combined.to(flags.device))
-        flags = self._all_ranks_max(flags)
-        nonfinite_loss, overflow = (bool(v) for v in flags.tolist())
+        nonfinite_flag = getattr(self.plan, "nonfinite_flag", None)
+        plan_flag = nonfinite_flag(self.model) if nonfinite_flag is not None else None
+        if plan_flag is not None:  # e.g. an fp8 layer saw a non-finite amax
+            flags[1] = torch.maximum(flags[1], plan_flag.to(flags.device).float())
+        if self.scaler.is_enabled():
+            combined = self.scaler.sync_found_inf(self.optimizers)
+            flags[1] = torch.maximum(flags[1], combined.to(flags.device))
+        nonfinite_loss, overflow = (bool(v) for v in self._all_ranks_max(flags).tolist())
+        if nonfinite_loss:
+            return "nonfinite_loss"
+        return "overflow" if overflow else None
 
-        overflow_info = None
-        if nonfinite_loss or overflow:
-            reason = "nonfinite_loss" if nonfinite_loss else "overflow"
-            if self.tracer is not None:
-                overflow_info = self.tracer.first_overflow()
-            if nonfinite_loss:
-                scaler.skip()  # scaling cannot fix a forward overflow: keep the scale
-            elif scaler.is_enabled():
-                scaler.update()
-            else:
-                scaler.skip()
-            self._clear_grads()
-            self._consecutive_skips += 1
-            self._last_skip_reason = reason
-            self._check_skips(reason, float(norm))
-            return StepResult(
-                stepped=False, skipped=True, scale=scaler.get_scale(), grad_norm=float(norm),
-                skip_reason=reason, optimizer_steps=self._optimizer_steps, overflow=overflow_info,
-            )
-
-        if self.clip_grad_norm is not None and grads:
-            coef = (self.clip_grad_norm / (norm + 1e-6)).clamp(max=1.0)
-            groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-            for g in grads:
-                groups.setdefault((g.device, g.dtype), []).append(g)
-            for (device, _), gs in groups.items():
-                torch._foreach_mul_(gs, coef.to(device))
-        # The decision is made (finite everywhere) and gradients are unscaled: step directly.
-        # scaler.step() would read each optimizer's found-inf flag on the host once more.
+    def _apply_update(self) -> str | None:
+        """Step every optimizer; undo them all if one refused a non-finite low-precision weight."""
+        # The decision is made and gradients are unscaled: step directly (scaler.step() would
+        # read each optimizer's found-inf flag on the host once more).
         for opt in self.optimizers:
             opt.step()
-        if scaler.is_enabled():
-            scaler.update()
-        self._optimizer_steps += 1
-        self._consecutive_skips = 0
-        if self.scheduler is not None:
-            self.scheduler.step()
+        refusals = [f for opt in self.optimizers if (f := _step_nonfinite(opt)) is not None]
+        if not refusals:
+            return None
+        refused = torch.stack([f.reshape(()).float().to(refusals[0].device) for f in refusals]).amax()
+        if not bool(self._all_ranks_max(refused)):
+            return None
+        for opt in self.optimizers:
+            flag = _step_nonfinite(opt)
+            if flag is None or not bool(flag):
+                opt.undo_step()  # type: ignore[attr-defined]
+        return "nonfinite_weights"
+
+    def _finish(self, reason: str | None, norm: torch.Tensor) -> StepResult:
+        scaler = self.scaler
+        overflow_info = None
+        if reason is None:
+            if scaler.is_enabled():
+                scaler.update()
+            self._optimizer_steps += 1
+            self._consecutive_skips = 0
+            if self.scheduler is not None:
+                self.scheduler.step()
+            if self.tracer is not None:
+                self.tracer.reset()
+        else:
+            if self.tracer is not None:
+                overflow_info = self.tracer.first_overflow()
+            if reason == "overflow" and scaler.is_enabled():
+                scaler.update()
+            else:
+                scaler.skip()  # scaling cannot fix a forward overflow: keep the scale
+            self._buffers.restore()
+            self._consecutive_skips += 1
+            self._last_skip_reason = reason
+        after_step = getattr(self.plan, "after_step", None)
+        if after_step is not None:
+            after_step(self.model)
+        self._buffers.commit()
+        self._micro = 0
+        self._loss_nonfinite = None
+        self._unscaled = False
         self._clear_grads()
-        if self.tracer is not None:
-            self.tracer.reset()
+        grad_norm = float(norm)
+        if reason is not None:
+            self._check_skips(reason, grad_norm)
+        elif grad_norm == 0.0 and scaler.is_enabled() and not self._warned_zero_grads:
+            self._warn_zero_grads()
         return StepResult(
-            stepped=True, skipped=False, scale=scaler.get_scale(), grad_norm=float(norm),
-            optimizer_steps=self._optimizer_steps,
+            stepped=reason is None, skipped=reason is not None, scale=scaler.get_scale(), grad_norm=grad_norm,
+            skip_reason=reason, optimizer_steps=self._optimizer_steps, overflow=overflow_info,
+        )
+
+    def _warn_zero_grads(self) -> None:
+        self._warned_zero_grads = True
+        warnings.warn(
+            f"an optimizer step ran on all-zero gradients with loss scale {self.scaler.get_scale():g}: "
+            "with fp16 the gradients may have underflowed (the scale is too small or the loss is zero). "
+            "Check the loss, raise min_scale= of the DynamicLossScaler, or use a bf16 plan.",
+            RuntimeWarning,
+            stacklevel=3,
         )
 
     def _clear_grads(self) -> None:
@@ -402,6 +594,12 @@ class MixedPrecision:
                 "overflows, which loss scaling cannot fix. Look for activations beyond the dtype's range "
                 "(mixprec.trace_overflow names the first module), keep that part in fp32 with "
                 "OpPolicy(fp32_modules=...), or lower the learning rate."
+            )
+        if reason == "nonfinite_weights":
+            raise RuntimeError(
+                f"{n} consecutive steps were skipped because the update would have written inf/NaN into "
+                "the low-precision weights: they outgrow the dtype's range. Lower the learning rate, add "
+                "weight decay, or use a bf16 or master-weight plan."
             )
         raise RuntimeError(
             f"{n} consecutive steps were skipped because the gradients were inf/NaN (last norm {norm}); "
@@ -438,9 +636,31 @@ class MixedPrecision:
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any], *, allow_plan_change: bool = False) -> None:
-        """Restore what :meth:`state_dict` saved. A checkpoint from another plan is refused
-        unless ``allow_plan_change=True`` (then the loss-scaler state is kept only if compatible)."""
-        if not isinstance(state_dict, dict) or state_dict.get("format") != _STATE_FORMAT:
+        """Restore what :meth:`state_dict` saved; all or nothing (a failure changes nothing).
+
+        A checkpoint from another plan, or whose loss-scaler settings differ from this
+        run's (``hysteresis``, ``growth_interval``, ...), is refused unless
+        ``allow_plan_change=True``: then the loss-scaler state is kept only if the scaling
+        kind matches, and this run's scaler settings win over the saved ones.
+        """
+        scaler_state = self._validated_scaler_state(state_dict, allow_plan_change)
+        if scaler_state is not None:
+            self.scaler.load_state_dict(scaler_state)
+        self._optimizer_steps = int(state_dict.get("optimizer_steps", 0))
+        self._consecutive_skips = int(state_dict.get("consecutive_skips", 0))
+        self._micro = 0
+        self._loss_nonfinite = None
+        self._unscaled = False
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(state_dict["scheduler"])
+
+    def validate_state_dict(self, state_dict: Any, *, allow_plan_change: bool = False) -> None:
+        """Raise ValueError/TypeError if :meth:`load_state_dict` would refuse ``state_dict``; change nothing."""
+        self._validated_scaler_state(state_dict, allow_plan_change)
+
+    def _validated_scaler_state(self, state_dict: Any, allow_plan_change: bool) -> dict[str, Any] | None:
+        """Check everything ``load_state_dict`` needs; return the scaler state to load (or None)."""
+        if not isinstance(state_dict, Mapping) or state_dict.get("format") != _STATE_FORMAT:
             raise ValueError(
                 "not a MixedPrecision state_dict (missing or wrong 'format'); pass what MixedPrecision.state_dict() returned"
             )
@@ -458,12 +678,122 @@ class MixedPrecision:
                 "purpose, load the model weights, start the optimizer fresh, and call "
                 "load_state_dict(sd, allow_plan_change=True)."
             )
-        scaler_state = state_dict.get("scaler", {})
-        if not allow_plan_change or (saved_fp or {}).get("scaling") == ours["scaling"]:
-            self.scaler.load_state_dict(scaler_state)
-        self._optimizer_steps = int(state_dict.get("optimizer_steps", 0))
-        self._consecutive_skips = int(state_dict.get("consecutive_skips", 0))
-        self._micro = 0
-        self._loss_nonfinite = None
-        if self.scheduler is not None and "scheduler" in state_dict:
-            self.scheduler.load_state_dict(state_dict["scheduler"])
+        for key in ("optimizer_steps", "consecutive_skips"):
+            value = state_dict.get(key, 0)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"state_dict[{key!r}] must be a non-negative integer, got {value!r}")
+        has_saved = "scheduler" in state_dict
+        if has_saved and self.scheduler is None:
+            raise ValueError(
+                "this checkpoint holds LR scheduler state, but no scheduler was given to prepare(): it would be "
+                "dropped and the learning rate would restart. Pass scheduler= to prepare() (or set mp.scheduler) "
+                "before loading"
+            )
+        if self.scheduler is not None and not has_saved:
+            raise ValueError(
+                "a scheduler was given to prepare(), but this checkpoint holds no scheduler state: the learning "
+                "rate would restart from its first value. Load a checkpoint saved with the scheduler, or load "
+                "without one"
+            )
+        if has_saved and not isinstance(state_dict["scheduler"], Mapping):
+            raise ValueError(f"state_dict['scheduler'] must be a dict, got {type(state_dict['scheduler']).__name__}")
+        saved = state_dict.get("scaler", {})
+        if not isinstance(saved, Mapping):
+            raise ValueError(f"state_dict['scaler'] must be a dict, got {type(saved).__name__}")
+        if allow_plan_change and (saved_fp or {}).get("scaling") != ours["scaling"]:
+            return None
+        saved = dict(saved)
+        current = self.scaler.state_dict()
+        changed = {
+            k: (saved[k], v) for k, v in current.items() if k in _SCALER_SETTINGS and k in saved and saved[k] != v
+        }
+        if changed:
+            if not allow_plan_change:
+                diffs = ", ".join(f"{k}: saved {a!r} vs now {b!r}" for k, (a, b) in changed.items())
+                raise ValueError(
+                    f"this checkpoint's loss scaler was configured differently ({diffs}); resuming would "
+                    "silently replace this run's settings with the saved ones. Use the saved settings, or call "
+                    "load_state_dict(sd, allow_plan_change=True) to keep this run's settings and the saved counters"
+                )
+            saved.update({k: current[k] for k in changed})
+            interval = saved.get("growth_interval")
+            if isinstance(interval, int) and isinstance(saved.get("_growth_tracker"), int):
+                saved["_growth_tracker"] = min(saved["_growth_tracker"], interval - 1)
+        validate = getattr(self.scaler, "validate_state_dict", None)
+        if validate is not None:
+            validate(saved)
+        return saved
+
+
+def _by_device_dtype(tensors: list[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    return groups
+
+
+def _step_nonfinite(opt: torch.optim.Optimizer) -> torch.Tensor | None:
+    check = getattr(opt, "step_nonfinite", None)
+    return check() if check is not None else None
+
+
+class _BufferGuard:
+    """Keeps what a skipped step's forward wrote into persistent buffers from sticking.
+
+    BatchNorm updates its running statistics in forward, before anyone knows whether the
+    step will be skipped. The guard copies the model's persistent buffers at the first
+    training-mode forward of each step (a forward pre-hook on the prepared model) and
+    copies them back when the step is skipped. Models without persistent buffers get no hook.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: list[torch.Tensor] = []
+        self._saved: list[torch.Tensor] = []
+        self._taken = False
+        self._module: torch.nn.Module | None = None
+
+    def install(self, prepared: torch.nn.Module, inner: torch.nn.Module) -> None:
+        buffers = [b for _, b in _persistent_buffers(inner)]
+        if not buffers:
+            return
+        self._buffers = buffers
+        self._module = inner
+        prepared.register_forward_pre_hook(self._pre_forward)
+
+    @torch.compiler.disable
+    def _pre_forward(self, module: torch.nn.Module, args: Any) -> None:
+        if self._taken or self._module is None or not self._module.training:
+            return
+        with torch.no_grad():
+            if len(self._saved) != len(self._buffers) or any(
+                s.shape != b.shape or s.dtype != b.dtype or s.device != b.device
+                for s, b in zip(self._saved, self._buffers, strict=True)
+            ):
+                self._saved = [b.detach().clone() for b in self._buffers]
+            else:
+                for s, b in zip(self._saved, self._buffers, strict=True):
+                    s.copy_(b)
+        self._taken = True
+
+    def restore(self) -> None:
+        if not self._taken:
+            return
+        with torch.no_grad():
+            for s, b in zip(self._saved, self._buffers, strict=True):
+                b.copy_(s)
+
+    def commit(self) -> None:
+        self._taken = False
+
+
+def _persistent_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    out = []
+    seen: set[int] = set()
+    for mod_name, module in model.named_modules():
+        skip: set[str] = getattr(module, "_non_persistent_buffers_set", set())
+        for name, buf in module.named_buffers(recurse=False):
+            if buf is None or name in skip or id(buf) in seen:
+                continue
+            seen.add(id(buf))
+            out.append((f"{mod_name}.{name}" if mod_name else name, buf))
+    return out

@@ -1,0 +1,257 @@
+"""The composable front door (prepare_model / prepare_optimizers / unscale_ / last_step_skipped),
+side-effect-free skips and all-or-nothing session state loading."""
+
+from __future__ import annotations
+
+import copy
+import re
+import warnings
+
+import pytest
+import torch
+
+from mixprec import DynamicLossScaler, MixedPrecision
+
+ALL_PLANS = (
+    "fp32", "bf16-mixed", "fp16-mixed", "bf16-master", "fp16-master", "bf16-pure", "fp16-pure",
+    "bf16-kahan", "bf16-sr", "fp8-mixed", "tf32",
+)
+
+
+class BNNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(8, 16)
+        self.bn = torch.nn.BatchNorm1d(16)
+        self.fc2 = torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.bn(self.fc1(x))))
+
+
+def _train_step(mp: MixedPrecision, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor):
+    with mp.autocast():
+        loss = torch.nn.functional.mse_loss(model(x).float(), y)
+    mp.backward(loss)
+    return mp.step()
+
+
+@pytest.mark.parametrize("plan", ALL_PLANS)
+def test_skipped_step_leaves_batchnorm_statistics_untouched(plan):
+    torch.manual_seed(0)
+    model = BNNet()
+    mp = MixedPrecision(plan)
+    model, opt = mp.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01))
+    x, y = torch.randn(16, 8), torch.randn(16, 4)
+    assert _train_step(mp, model, x, y).stepped
+    bn = model.bn
+    before = {k: v.clone() for k, v in bn.state_dict().items()}
+    bad = x.clone()
+    bad[3, 2] = float("nan")
+    result = _train_step(mp, model, bad, y)
+    assert result.skipped
+    for key, value in bn.state_dict().items():
+        assert torch.equal(value, before[key]), f"{key} changed by a skipped step"
+    assert _train_step(mp, model, x, y).stepped
+    model.eval()
+    with torch.no_grad(), mp.autocast():
+        assert torch.isfinite(model(x).float()).all()
+
+
+def test_eval_forward_between_steps_is_not_undone_by_a_later_skip():
+    torch.manual_seed(0)
+    model = BNNet()
+    mp = MixedPrecision("fp32")
+    model, opt = mp.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01))
+    x, y = torch.randn(16, 8), torch.randn(16, 4)
+    _train_step(mp, model, x, y)
+    after_good = model.bn.running_mean.clone()
+    bad = x.clone()
+    bad[0, 0] = float("inf")
+    assert _train_step(mp, model, bad, y).skipped
+    torch.testing.assert_close(model.bn.running_mean, after_good, rtol=0, atol=0)
+    assert _train_step(mp, model, x, y).stepped
+    assert not torch.equal(model.bn.running_mean, after_good)
+
+
+@pytest.mark.parametrize("plan", ["fp32", "bf16-master", "fp16-mixed", "bf16-kahan"])
+def test_prepare_in_two_halves_equals_prepare(plan):
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
+    data = [(torch.randn(4, 8), torch.randn(4, 4)) for _ in range(5)]
+
+    def run(split: bool) -> list[torch.Tensor]:
+        model = copy.deepcopy(base)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        mp = MixedPrecision(plan)
+        if split:
+            model = mp.prepare_model(model)
+            opt = mp.prepare_optimizers(opt)
+        else:
+            model, opt = mp.prepare(model, opt)
+        for x, y in data:
+            assert _train_step(mp, model, x, y).stepped
+        return [p.detach().float().clone() for p in model.parameters()]
+
+    for a, b in zip(run(False), run(True), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_master_weights_are_seeded_from_fp32_values_between_the_halves():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    exact = model.weight.detach().clone()
+    mp = MixedPrecision("bf16-master")
+    model = mp.prepare_model(model)
+    assert model.weight.dtype == torch.bfloat16
+    opt = mp.prepare_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
+    assert torch.equal(opt.master_of(model.weight), exact)
+
+
+def test_unscale_gives_true_gradients_once_and_step_does_not_unscale_again():
+    torch.manual_seed(0)
+    base = torch.nn.Linear(8, 4)
+    x, y = torch.randn(6, 8), torch.randn(6, 4)
+
+    ref = copy.deepcopy(base)
+    torch.nn.functional.mse_loss(ref(x), y).backward()
+
+    model = copy.deepcopy(base)
+    mp = MixedPrecision("fp32", scaler=DynamicLossScaler(init_scale=2.0**10))
+    model, opt = mp.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    mp.backward(torch.nn.functional.mse_loss(model(x), y))
+    mp.unscale_()
+    mp.unscale_()  # idempotent
+    torch.testing.assert_close(model.weight.grad, ref.weight.grad)
+    norm = mp.grad_norm()
+    expected = torch.linalg.vector_norm(torch.stack([ref.weight.grad.norm(), ref.bias.grad.norm()]))
+    torch.testing.assert_close(norm, expected)
+    with torch.no_grad():
+        stepped = ref.weight - 0.1 * ref.weight.grad
+    result = mp.step()
+    assert result.stepped and not mp.last_step_skipped
+    torch.testing.assert_close(model.weight.detach(), stepped)
+    torch.testing.assert_close(result.grad_norm, float(expected))
+
+
+def test_clip_grad_norm_clips_true_gradients_under_a_large_scale():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    mp = MixedPrecision("fp16-mixed", scaler=DynamicLossScaler(init_scale=2.0**16))
+    model, opt = mp.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with mp.autocast():
+        loss = model(torch.randn(6, 8)).float().pow(2).mean()
+    mp.backward(loss)
+    norm = mp.clip_grad_norm_(1e-3)
+    assert 1e-3 < float(norm) < 100  # the true norm, not scaled by 65536
+    clipped = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
+    torch.testing.assert_close(float(clipped), 1e-3, rtol=1e-3, atol=0)
+    assert mp.step().stepped
+
+
+def test_backward_after_unscale_in_the_same_step_is_an_error():
+    model = torch.nn.Linear(2, 2)
+    mp = MixedPrecision("fp16-mixed")
+    model, opt = mp.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    mp.backward(model(torch.ones(1, 2)).sum())
+    mp.unscale_()
+    with pytest.raises(RuntimeError, match=re.escape("a backward after unscale_() in the same step")):
+        mp.backward(model(torch.ones(1, 2)).sum())
+
+
+def test_skipped_step_holds_the_scheduler_and_is_reported():
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    mp = MixedPrecision("fp16-mixed", scaler=DynamicLossScaler(init_scale=2.0**20))
+    model, opt, sched = mp.prepare(model, opt, scheduler=sched)
+    mp.backward(model(torch.ones(1, 2)).sum())
+    with torch.no_grad():  # an overflowing gradient
+        model.weight.grad.fill_(float("inf"))
+    result = mp.step()
+    assert result.skipped and mp.last_step_skipped
+    assert opt.param_groups[0]["lr"] == 1.0
+    mp.backward(model(torch.ones(1, 2)).sum())
+    assert mp.step().stepped and not mp.last_step_skipped
+    assert opt.param_groups[0]["lr"] == 0.5
+
+
+def test_misuse_is_an_error_not_a_silent_no_op():
+    model = torch.nn.Linear(2, 2)
+    mp = MixedPrecision("bf16-mixed")
+    mp.prepare_model(model)
+    mp.backward(model(torch.ones(1, 2)).sum())
+    with pytest.raises(RuntimeError, match=re.escape("step() called with no optimizer: nothing would train")):
+        mp.step()
+
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=re.escape("the same SGD was passed twice to prepare()")):
+        MixedPrecision("bf16-mixed").prepare(model, opt, opt)
+
+    other = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=re.escape("2 parameter(s) of the SGD passed to prepare() are not parameters")):
+        MixedPrecision("bf16-mixed").prepare(model, torch.optim.SGD(other.parameters(), lr=0.1))
+
+    with pytest.raises(RuntimeError, match=re.escape("prepare_optimizers() called before prepare_model()")):
+        MixedPrecision("bf16-mixed").prepare_optimizers(opt)
+
+    with pytest.raises(TypeError, match=re.escape("trace_overflow= must be True or False, got 'yes'")):
+        MixedPrecision("bf16-mixed", trace_overflow="yes")  # type: ignore[arg-type]
+
+
+def _session(plan="fp16-mixed", scheduler=False, **scaler_kwargs):
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1) if scheduler else None
+    scaler = DynamicLossScaler(**scaler_kwargs) if scaler_kwargs else None
+    mp = MixedPrecision(plan, scaler=scaler)
+    mp.prepare(model, opt, scheduler=sched)
+    return mp
+
+
+def test_checkpoint_scheduler_state_is_never_dropped_silently():
+    saved = _session(scheduler=True).state_dict()
+    mp = _session(scheduler=False)
+    with pytest.raises(ValueError, match=re.escape("this checkpoint holds LR scheduler state, but no scheduler")):
+        mp.load_state_dict(saved)
+    without = _session(scheduler=False).state_dict()
+    with pytest.raises(ValueError, match=re.escape("a scheduler was given to prepare(), but this checkpoint holds")):
+        _session(scheduler=True).load_state_dict(without)
+
+
+def test_scaler_settings_must_match_to_resume_and_a_refusal_changes_nothing():
+    saved_mp = _session(init_scale=2.0**10, hysteresis=1)
+    saved_mp._optimizer_steps = 7
+    saved = saved_mp.state_dict()
+    mp = _session(init_scale=2.0**4, hysteresis=2)
+    before_scaler, before_steps = mp.scaler.state_dict(), mp.optimizer_steps
+    with pytest.raises(ValueError, match=re.escape("hysteresis: saved 1 vs now 2")):
+        mp.load_state_dict(saved)
+    assert mp.scaler.state_dict() == before_scaler and mp.optimizer_steps == before_steps
+    mp.load_state_dict(saved, allow_plan_change=True)  # this run's settings, the saved counters
+    assert mp.scaler.state_dict()["hysteresis"] == 2
+    assert mp.scaler.get_scale() == 2.0**10 and mp.optimizer_steps == 7
+
+
+def test_bad_counters_in_state_dict_are_refused_before_anything_changes():
+    mp = _session()
+    sd = mp.state_dict()
+    sd["optimizer_steps"] = float("inf")
+    before = mp.scaler.state_dict()
+    with pytest.raises(ValueError, match=re.escape("state_dict['optimizer_steps'] must be a non-negative integer")):
+        mp.load_state_dict(sd)
+    assert mp.scaler.state_dict() == before
+
+
+def test_stepping_on_all_zero_gradients_with_loss_scaling_warns_once():
+    model = torch.nn.Linear(2, 2)
+    mp = MixedPrecision("fp16-mixed")
+    model, opt = mp.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.warns(RuntimeWarning, match="an optimizer step ran on all-zero gradients with loss scale"):
+        mp.backward(model(torch.ones(1, 2)).sum() * 0.0)
+        assert mp.step().stepped
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mp.backward(model(torch.ones(1, 2)).sum() * 0.0)
+        mp.step()
