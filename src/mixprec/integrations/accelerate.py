@@ -41,7 +41,6 @@ the accelerator's precision hooks to mixprec:
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -157,6 +156,7 @@ class _MixprecAcceleratorMixin:
         loss = loss / self.gradient_accumulation_steps  # type: ignore[attr-defined]
         with mp.backward_context():
             mp.scale_loss(loss).backward(**kwargs)
+        mp.micro_batch_done()
         self._mixprec.pending = True
         if not self.sync_gradients and not self._mixprec.distributed:  # type: ignore[attr-defined]
             # micro-batches add up where the plan says (fp32 for master plans)
@@ -267,23 +267,19 @@ def prepare(accelerator: Any, mp: MixedPrecision | str | Any, *args: Any, device
             f"prepare() got {len(models)} models; a MixedPrecision converts one model: "
             "wrap them in one nn.Module or use one Accelerator per model"
         )
-    converted: list[Any] = []
     optimizers = [a for a in args if isinstance(a, torch.optim.Optimizer) and not isinstance(a, AcceleratedOptimizer)]
     if optimizers and not models and session.model is None:
         raise ValueError("prepare() got optimizers but no model; pass the model in the same call (mixprec converts it first)")
-    for a in args:
-        if isinstance(a, torch.nn.Module):
-            if session.model is None:
-                session.prepare_model(a)
-            _autocast_forward(session, a)
-    wrapped: dict[int, Any] = {}
+    replaced: dict[int, Any] = {}
+    for model in models:
+        _autocast_forward(session, model)
+        if session.model is None:
+            replaced[id(model)] = session.prepare_model(model)  # torch.compile(model) with compile=True
     fresh = [o for o in optimizers if not any(o is p for p in session.optimizers)]
     if fresh:
         out = session.prepare_optimizers(*fresh)
         out = out if isinstance(out, tuple) else (out,)
-        wrapped = {id(o): w for o, w in zip(fresh, out, strict=True)}
-    converted = [wrapped.get(id(a), a) for a in args]
+        replaced.update({id(o): w for o, w in zip(fresh, out, strict=True)})
+    converted = [replaced.get(id(a), a) for a in args]
     kwargs = {} if device_placement is None else {"device_placement": device_placement}
-    with contextlib.nullcontext():
-        result = accelerator.prepare(*converted, **kwargs)
-    return result
+    return accelerator.prepare(*converted, **kwargs)

@@ -87,8 +87,8 @@ class MixprecPrecision(Precision):
     # ------------------------------------------------------------ setup
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
         if self.mp.model is None:
-            self.mp.prepare_model(module)
-        elif self.mp.model is not module:
+            return self.mp.prepare_model(module)
+        if self.mp.model is not module:
             raise ValueError(
                 "this MixprecPrecision already converted another model; use one plugin per model"
             )
@@ -162,6 +162,7 @@ class MixprecPrecision(Precision):
                 model.backward(scaled, *rest, **kwargs)
             else:
                 scaled.backward(*args, **kwargs)
+        self.mp.micro_batch_done()
         self._pending = True
         if self._accumulating(model):
             for opt in self.mp.optimizers:
@@ -233,7 +234,7 @@ class MixprecPrecision(Precision):
         with self._only(optimizer):
             self.mp.unscale_()
 
-    def main_params(self, optimizer: Any) -> Iterator[torch.Tensor]:
+    def main_params(self, optimizer: Any) -> Iterator[torch.nn.Parameter]:
         for group in _inner(optimizer).param_groups:
             yield from group["params"]
 

@@ -89,7 +89,7 @@ class MixprecTrainer(Trainer):
             inner = getattr(optimizer, "optimizer", None)  # already through Accelerate
             if not any(inner is o for o in self.mp.optimizers):
                 self.optimizer = self.mp.prepare_optimizers(optimizer)
-        return self.optimizer
+        return self.optimizer  # type: ignore[return-value]
 
     def autocast_smart_context_manager(self, cache_enabled: bool | None = True) -> contextlib.AbstractContextManager:
         return self.mp.autocast()
