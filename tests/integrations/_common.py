@@ -78,7 +78,10 @@ def reference_run(
         precision, grad_accum_steps=grad_accum_steps, clip_grad_norm=clip
     )
     opt, sched = (opt_factory or (lambda m: make_optimizer(m, lr)))(model)
-    model, opt, sched = mp.prepare(model, opt, scheduler=sched)
+    if sched is None:
+        model, opt = mp.prepare(model, opt)
+    else:
+        model, opt, sched = mp.prepare(model, opt, scheduler=sched)
     losses, results = [], []
     for batch in batches:
         with mp.autocast():
@@ -92,7 +95,7 @@ def reference_run(
         "losses": losses,
         "results": results,
         "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
-        "lr": sched.get_last_lr()[0],
+        "lr": None if sched is None else sched.get_last_lr()[0],
         "mp": mp,
     }
 

@@ -55,10 +55,11 @@ __all__ = ["MixprecPrecision", "setup"]
 
 def _inner(optimizer: Any) -> Any:
     """The optimizer under Lightning's / Fabric's wrappers."""
-    for attr in ("_optimizer", "optimizer"):
-        while type(optimizer).__name__ in ("LightningOptimizer", "_FabricOptimizer"):
-            optimizer = getattr(optimizer, attr, optimizer)
-            break
+    from lightning.fabric.wrappers import _FabricOptimizer
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    while isinstance(optimizer, LightningOptimizer | _FabricOptimizer):
+        optimizer = optimizer._optimizer
     return optimizer
 
 
@@ -247,8 +248,19 @@ class MixprecPrecision(Precision):
             self.clip_grad_by_value(optimizer, clip_val)
 
     def clip_grad_by_norm(self, optimizer: Any, clip_val: int | float) -> None:
+        self.clip_grad_norm_(optimizer, clip_val)
+
+    def clip_grad_norm_(self, optimizer: Any, max_norm: int | float) -> torch.Tensor:
+        """Unscale ``optimizer``'s gradients and clip them by their true total norm (computed
+        in fp32); returns the norm before clipping.
+
+        Under Fabric, ``fabric.clip_gradients`` unscales through this plugin but computes the
+        norm with ``torch.nn.utils.clip_grad_norm_``, in the gradients' dtype: with bf16
+        weights (bf16-pure, bf16-kahan, bf16-sr) call ``plugin.clip_grad_norm_(optimizer, max_norm)``
+        for the fp32 norm mixprec's own loop uses.
+        """
         with self._only(optimizer):
-            self.mp.clip_grad_norm_(float(clip_val))
+            return self.mp.clip_grad_norm_(float(max_norm))
 
     def clip_grad_by_value(self, optimizer: Any, clip_val: int | float) -> None:
         with self._only(optimizer):
