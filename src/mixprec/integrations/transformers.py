@@ -68,18 +68,18 @@ class MixprecTrainer(Trainer):
     def __init__(self, *args: Any, precision: str | Any = "bf16-mixed", **kwargs: Any) -> None:
         self.mp: MixedPrecision = as_mixed_precision(precision)
         super().__init__(*args, **kwargs)
-        for flag in ("fp16", "bf16", "fp16_full_eval", "bf16_full_eval"):
-            if getattr(self.args, flag, False):
-                raise ValueError(
-                    f"TrainingArguments({flag}=True) and MixprecTrainer(precision={self.mp.plan.name!r}) would "
-                    f"both run the precision; drop {flag}=True (the plan decides the dtypes)"
-                )
         if self.model is None:
             raise ValueError("MixprecTrainer needs model=...; model_init is not supported")
         self.mp.prepare_model(self.model)
 
     # -------------------------------------------------------------- wiring
     def create_accelerator_and_postprocess(self) -> None:
+        for flag in ("fp16", "bf16", "fp16_full_eval", "bf16_full_eval"):
+            if getattr(self.args, flag, False):
+                raise ValueError(
+                    f"TrainingArguments({flag}=True) and MixprecTrainer(precision={self.mp.plan.name!r}) would "
+                    f"both run the precision; drop {flag}=True (the plan decides the dtypes)"
+                )
         super().create_accelerator_and_postprocess()
         attach(self.accelerator, self.mp)
 
