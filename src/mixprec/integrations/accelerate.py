@@ -25,7 +25,7 @@ the accelerator's precision hooks to mixprec:
 >>> from mixprec import MixedPrecision
 >>> from mixprec.integrations.accelerate import prepare
 >>> accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
->>> mp = MixedPrecision("fp16-mixed")
+>>> mp = MixedPrecision("bf16-mixed")
 >>> model = torch.nn.Linear(4, 1)
 >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
 >>> model, opt = prepare(accelerator, mp, model, opt)
@@ -35,8 +35,10 @@ the accelerator's precision hooks to mixprec:
 ...         accelerator.backward(loss)
 ...         opt.step()
 ...         opt.zero_grad()
->>> mp.optimizer_steps
+>>> mp.optimizer_steps  # 4 micro-batches, accumulation 2
 2
+>>> from accelerate.state import AcceleratorState, GradientState
+>>> AcceleratorState._reset_state(True); GradientState._reset_state()
 """
 
 from __future__ import annotations
