@@ -158,3 +158,43 @@ def test_missing_framework_names_the_extra(monkeypatch):
     monkeypatch.undo()
     importlib.import_module("mixprec.integrations.accelerate")
     assert mixprec.integrations is not None
+
+
+def test_two_optimizers_one_skip_decision():
+    model, data = TinyMLP(), mlp_data(12)
+
+    def opts(m):
+        first = torch.optim.AdamW(m.fc1.parameters(), lr=1e-2)
+        rest = torch.optim.SGD([*m.norm.parameters(), *m.fc2.parameters()], lr=1e-2)
+        return first, rest
+
+    def session():
+        return MixedPrecision("fp16-master", scaler=DynamicLossScaler(init_scale=2.0**24))
+
+    ref_model = copy.deepcopy(model)
+    ref = session()
+    ref_model, *_ = ref.prepare(ref_model, *opts(ref_model))
+    want = []
+    for x, y in data:
+        with ref.autocast():
+            loss = mse(ref_model(x), y)
+        want.append(loss.item())
+        ref.backward(loss)
+        ref.step()
+
+    acc = Accelerator(cpu=True)
+    mp = session()
+    net = copy.deepcopy(model)
+    net, opt_a, opt_b = prepare(acc, mp, net, *opts(net))
+    got = []
+    for x, y in data:
+        loss = mse(net(x), y)
+        got.append(loss.item())
+        acc.backward(loss)
+        opt_a.step()  # steps both (or neither): one decision for the iteration
+        opt_b.step()  # no-op
+        assert opt_a.step_was_skipped == opt_b.step_was_skipped == mp.last_step_skipped
+    assert mp.scaler.skipped_steps >= 3
+    assert mp.optimizer_steps == ref.optimizer_steps == 12 - mp.scaler.skipped_steps
+    assert_close_losses(got, want, exact=True)
+    assert_same_params(dict(net.named_parameters()), dict(ref_model.named_parameters()))

@@ -149,12 +149,12 @@ def test_gradient_accumulation_matches_and_accumulates_in_fp32(tmp_path):
 def test_custom_op_list_with_gradient_checkpointing(tmp_path, monkeypatch):
     model, data = gpt2(), token_batches(20)
     want = reference(model, data, make_plan("custom"))
-    got = hf_run(copy.deepcopy(model), data, make_plan("custom"), tmp_path, gradient_checkpointing=True)
+    got = hf_run(copy.deepcopy(model), data, make_plan("custom"), tmp_path, activation_checkpointing=True)
     check_same(got, want)
     # without the plan's backward policy, recomputation runs torch's default op lists
     monkeypatch.setattr(MixedPrecision, "backward_context", lambda self: contextlib.nullcontext())
     with pytest.raises(CheckpointError, match="different metadata"):
-        hf_run(copy.deepcopy(model), data[:2], make_plan("custom"), tmp_path, gradient_checkpointing=True)
+        hf_run(copy.deepcopy(model), data[:2], make_plan("custom"), tmp_path, activation_checkpointing=True)
 
 
 @pytest.mark.parametrize(
