@@ -82,7 +82,6 @@ class MixprecPrecision(Precision):
         self._held_classes: dict[type, type] = {}
         self._skipped: dict[int, bool] = {}  # id(wrapped optimizer) -> its last step was skipped
         self._pending = False
-        self._in_optimizer_step = False
         self.last_result: StepResult | None = None
 
     # ------------------------------------------------------------ setup
