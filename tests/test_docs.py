@@ -40,3 +40,6 @@ def test_readme_tour_runs():
     exec(compile(blocks[2], "README.md", "exec"), namespace)  # explain()
     exec(compile(blocks[4], "README.md", "exec"), namespace)  # custom op lists
     assert str(namespace["y"].dtype) == "torch.float32" and str(namespace["p"].dtype) == "torch.bfloat16"
+    exec(compile(blocks[5], "README.md", "exec"), namespace)  # a loop the user does not own
+    lr = namespace["optimizer"].param_groups[0]["lr"]
+    assert lr == (0.1 if namespace["result"].skipped else 0.1 * 0.1)  # the scheduler moved only on a real step

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mixprec.buffers import BufferGuard
 from mixprec.dtypes import cast_floating
 from mixprec.plans import Plan, get_plan
 from mixprec.scaling import LossScaler
@@ -180,7 +181,7 @@ class MixedPrecision:
         self._fp32_values: dict[torch.Tensor, torch.Tensor] = {}
         self._model_params: set[torch.Tensor] = set()
         self._ddp = False
-        self._buffers = _BufferGuard()
+        self._buffers = BufferGuard()
         self._warned_zero_grads = False
         self._hooks: list[Any] = []
         self.trace_overflow = trace_overflow
@@ -435,6 +436,10 @@ class MixedPrecision:
         before_unscale = getattr(self.plan, "before_unscale", None)
         if before_unscale is not None:  # e.g. fp8: every rank computes the next scales from the same amaxes
             before_unscale(self.model, self.process_group)
+        elif self.plan.family == "fp8" and self.model is not None:
+            from mixprec.fp8 import all_reduce_amax
+
+            all_reduce_amax(self.model, self.process_group)
         for opt in self.optimizers:
             prepare_grads = getattr(opt, "prepare_grads", None)
             if prepare_grads is not None:  # e.g. masters: the model's gradients into the fp32 masters
@@ -735,65 +740,3 @@ def _by_device_dtype(tensors: list[torch.Tensor]) -> dict[tuple[torch.device, to
 def _step_nonfinite(opt: torch.optim.Optimizer) -> torch.Tensor | None:
     check = getattr(opt, "step_nonfinite", None)
     return check() if check is not None else None
-
-
-class _BufferGuard:
-    """Keeps what a skipped step's forward wrote into persistent buffers from sticking.
-
-    BatchNorm updates its running statistics in forward, before anyone knows whether the
-    step will be skipped. The guard copies the model's persistent buffers at the first
-    training-mode forward of each step (a forward pre-hook on the prepared model) and
-    copies them back when the step is skipped. Models without persistent buffers get no hook.
-    """
-
-    def __init__(self) -> None:
-        self._buffers: list[torch.Tensor] = []
-        self._saved: list[torch.Tensor] = []
-        self._taken = False
-        self._module: torch.nn.Module | None = None
-
-    def install(self, prepared: torch.nn.Module, inner: torch.nn.Module) -> None:
-        buffers = [b for _, b in _persistent_buffers(inner)]
-        if not buffers:
-            return
-        self._buffers = buffers
-        self._module = inner
-        prepared.register_forward_pre_hook(self._pre_forward)
-
-    @torch.compiler.disable
-    def _pre_forward(self, module: torch.nn.Module, args: Any) -> None:
-        if self._taken or self._module is None or not self._module.training:
-            return
-        with torch.no_grad():
-            if len(self._saved) != len(self._buffers) or any(
-                s.shape != b.shape or s.dtype != b.dtype or s.device != b.device
-                for s, b in zip(self._saved, self._buffers, strict=True)
-            ):
-                self._saved = [b.detach().clone() for b in self._buffers]
-            else:
-                for s, b in zip(self._saved, self._buffers, strict=True):
-                    s.copy_(b)
-        self._taken = True
-
-    def restore(self) -> None:
-        if not self._taken:
-            return
-        with torch.no_grad():
-            for s, b in zip(self._saved, self._buffers, strict=True):
-                b.copy_(s)
-
-    def commit(self) -> None:
-        self._taken = False
-
-
-def _persistent_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    out = []
-    seen: set[int] = set()
-    for mod_name, module in model.named_modules():
-        skip: set[str] = getattr(module, "_non_persistent_buffers_set", set())
-        for name, buf in module.named_buffers(recurse=False):
-            if buf is None or name in skip or id(buf) in seen:
-                continue
-            seen.add(id(buf))
-            out.append((f"{mod_name}.{name}" if mod_name else name, buf))
-    return out

@@ -1,0 +1,104 @@
+"""Every plan under DDP, two ways: ``prepare(..., ddp=True)`` and a DDP that a framework wraps
+around the model after ``prepare_model`` (as Accelerate does). Replicas must stay bit-identical
+after every step and equal one process on the concatenated batch within the plan's tolerance."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from mixprec import MixedPrecision
+from tests._dist import run_ranks
+
+WORLD, STEPS, PER_RANK = 2, 4, 4
+PLANS = (
+    "bf16-mixed", "fp16-mixed", "bf16-master", "fp16-master", "bf16-pure", "fp16-pure",
+    "bf16-kahan", "bf16-sr", "fp8-mixed",
+)
+# Max abs difference of any weight vs one process: DDP averages gradients in another order
+# (and, for a framework's DDP, in the gradient dtype), so low-precision weights may differ by
+# an ulp or so of the weights (|w| < 1 here: bf16 ulp <= 2**-8).
+TOLERANCE = {
+    "bf16-mixed": 1e-4, "fp16-mixed": 1e-4, "fp8-mixed": 1e-4,
+    "bf16-master": 2e-2, "fp16-master": 4e-3, "bf16-pure": 2e-2, "fp16-pure": 4e-3,
+    "bf16-kahan": 2e-2, "bf16-sr": 2e-2,
+}
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.GELU(), torch.nn.Linear(32, 8)
+    )
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(WORLD * PER_RANK, 16, generator=g), torch.randn(WORLD * PER_RANK, 8, generator=g)
+
+
+def _train(plan: str, rank: int, mode: str) -> list[dict[str, torch.Tensor]]:
+    """mode: "prepare" (ddp=True), "wrapped" (framework DDP after prepare_model) or "single"."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mp = MixedPrecision(plan)
+    if mode == "prepare":
+        model, opt = mp.prepare(model, opt, ddp=True)
+    else:
+        model = mp.prepare_model(model)
+        opt = mp.prepare_optimizers(opt)
+        if mode == "wrapped":
+            model = DistributedDataParallel(model)
+    history = []
+    for step in range(STEPS):
+        x, y = _batch(step)
+        if mode != "single":
+            x, y = x[rank * PER_RANK:(rank + 1) * PER_RANK], y[rank * PER_RANK:(rank + 1) * PER_RANK]
+        with mp.autocast():
+            loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        mp.backward(loss)
+        assert mp.step().stepped, (plan, mode, step)
+        inner = getattr(model, "module", model)
+        history.append({n: p.detach().float().clone() for n, p in inner.named_parameters()})
+    return history
+
+
+def _worker(rank: int, world: int, out: str) -> None:
+    results: dict[str, object] = {}
+    for plan in PLANS:
+        for mode in ("prepare", "wrapped"):
+            try:
+                results[f"{plan}/{mode}"] = _train(plan, rank, mode)
+            except Exception as exc:  # reported by the test of that plan, the others still run
+                results[f"{plan}/{mode}"] = f"{type(exc).__name__}: {exc}"
+            torch.distributed.barrier()
+    torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+
+
+@pytest.fixture(scope="module")
+def ddp_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ddp_plans")
+    run_ranks(_worker, WORLD, str(out))
+    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", ["prepare", "wrapped"])
+@pytest.mark.parametrize("plan", PLANS)
+def test_every_plan_under_ddp_keeps_replicas_identical_and_matches_one_process(ddp_results, plan, mode):
+    r0, r1 = (r[f"{plan}/{mode}"] for r in ddp_results)
+    for r in (r0, r1):
+        assert not isinstance(r, str), f"{plan} {mode} failed on a rank: {r[:400]}"
+    for step, (a, b) in enumerate(zip(r0, r1, strict=True)):
+        for name in a:
+            assert torch.equal(a[name], b[name]), f"{plan} {mode}: replicas differ at step {step} in {name}"
+    single = _train(plan, 0, "single")
+    for name, value in r0[-1].items():
+        diff = (value - single[-1][name]).abs().max().item()
+        assert diff <= TOLERANCE[plan], f"{plan} {mode}: {name} differs from one process by {diff}"
+    first = copy.deepcopy(single[0])
+    assert any(not torch.equal(first[n], r0[-1][n]) for n in first), "nothing trained"
