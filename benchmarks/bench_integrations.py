@@ -1,0 +1,184 @@
+"""Step time of each integration vs the framework's own bf16 precision, side by side.
+
+Every row trains the same small model on the same generated data with the framework's
+loop twice: once with mixprec's ``bf16-mixed`` plan through the integration, once with the
+framework's own bf16 (``TrainingArguments(bf16=True)``, Lightning ``precision="bf16-mixed"``,
+``Accelerator(mixed_precision="bf16")``). Runs alternate (mixprec, native, mixprec, ...)
+so machine noise hits both sides alike; a step is timed from the framework's own hooks
+(batch start to batch end), the first steps of each run are warm-up, and the median
+step time over all rounds is reported with the ratio mixprec / native.
+
+    python benchmarks/bench_integrations.py                    # all three, Markdown table
+    python benchmarks/bench_integrations.py --frameworks accelerate --steps 40 --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+
+SEQ, BATCH, VOCAB = 32, 8, 256
+
+
+def _gpt2() -> torch.nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=VOCAB, n_positions=SEQ,
+                                      bos_token_id=0, eos_token_id=0))
+
+
+def _tokens(n: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (n * BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+
+
+def _reset_accelerate() -> None:
+    with contextlib.suppress(ImportError):
+        from accelerate.state import AcceleratorState, GradientState
+
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+
+
+# ----------------------------------------------------------------- transformers
+def run_transformers(mixprec: bool, steps: int) -> list[float]:
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers.utils import logging as hf_logging
+
+    from mixprec.integrations.transformers import MixprecTrainer
+
+    hf_logging.set_verbosity_error()
+    _reset_accelerate()
+    times: list[float] = []
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            times.append(time.perf_counter() - self.t0)
+
+    rows = [{"input_ids": t, "labels": t} for t in _tokens(steps)]
+    args = TrainingArguments(
+        output_dir=tempfile.mkdtemp(), per_device_train_batch_size=BATCH, max_steps=steps, report_to=[],
+        use_cpu=True, save_strategy="no", logging_strategy="no", disable_tqdm=True, bf16=not mixprec,
+    )
+    kwargs = {"model": _gpt2(), "args": args, "train_dataset": rows, "callbacks": [Clock()]}
+    trainer = MixprecTrainer(precision="bf16-mixed", **kwargs) if mixprec else Trainer(**kwargs)
+    trainer.train()
+    return times
+
+
+# -------------------------------------------------------------------- lightning
+def run_lightning(mixprec: bool, steps: int) -> list[float]:
+    import lightning as L
+
+    from mixprec.integrations.lightning import MixprecPrecision
+
+    times: list[float] = []
+
+    class LM(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = _gpt2()
+
+        def training_step(self, batch, batch_idx):
+            (x,) = batch
+            return self.model(input_ids=x, labels=x).loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+    class Clock(L.Callback):
+        def on_train_batch_start(self, *args):
+            self.t0 = time.perf_counter()
+
+        def on_train_batch_end(self, *args):
+            times.append(time.perf_counter() - self.t0)
+
+    precision = {"plugins": [MixprecPrecision("bf16-mixed")]} if mixprec else {"precision": "bf16-mixed"}
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[Clock()], **precision)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(_tokens(steps)), batch_size=BATCH)
+    trainer.fit(LM(), loader)
+    return times
+
+
+# ------------------------------------------------------------------- accelerate
+def run_accelerate(mixprec: bool, steps: int) -> list[float]:
+    from accelerate import Accelerator
+
+    from mixprec.integrations.accelerate import prepare
+
+    _reset_accelerate()
+    accelerator = Accelerator(cpu=True, mixed_precision="no" if mixprec else "bf16")
+    model = _gpt2()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(_tokens(steps)), batch_size=BATCH)
+    if mixprec:
+        model, opt, loader = prepare(accelerator, "bf16-mixed", model, opt, loader)
+    else:
+        model, opt, loader = accelerator.prepare(model, opt, loader)
+    times = []
+    for (x,) in loader:
+        t0 = time.perf_counter()
+        with accelerator.accumulate(model):
+            loss = model(input_ids=x, labels=x).loss
+            accelerator.backward(loss)
+            accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+RUNNERS: dict[str, tuple[Callable[[bool, int], list[float]], str]] = {
+    "transformers": (run_transformers, "Trainer(TrainingArguments(bf16=True))"),
+    "lightning": (run_lightning, 'Trainer(precision="bf16-mixed")'),
+    "accelerate": (run_accelerate, 'Accelerator(mixed_precision="bf16")'),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--frameworks", nargs="+", default=list(RUNNERS), choices=list(RUNNERS))
+    parser.add_argument("--steps", type=int, default=30, help="steps per run (default: 30)")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed first steps of each run (default: 5)")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating run pairs (default: 3)")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore")
+    import logging
+
+    logging.disable(logging.WARNING)
+    print(f"GPT-2 2x128, batch {BATCH}x{SEQ}, CPU, {args.steps} steps x {args.rounds} rounds per side, "
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads\n")
+    print("| framework | native bf16 | native ms/step | mixprec bf16-mixed ms/step | ratio |")
+    print("|---|---|---:|---:|---:|")
+    for name in args.frameworks:
+        runner, native = RUNNERS[name]
+        ours: list[float] = []
+        theirs: list[float] = []
+        for _ in range(args.rounds):
+            ours += runner(True, args.steps)[args.warmup:]
+            theirs += runner(False, args.steps)[args.warmup:]
+        a, b = statistics.median(ours) * 1e3, statistics.median(theirs) * 1e3
+        print(f"| {name} | `{native}` | {b:.1f} | {a:.1f} | {a / b:.3f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,287 @@
+"""mixprec under a Hugging Face Accelerate training loop.
+
+Accelerate keeps its loop (``accumulate()``, ``backward``, ``clip_grad_norm_``,
+``optimizer.step()``, ``scheduler.step()``, ``save_state``); mixprec owns the precision.
+:func:`prepare` does the two ``prepare`` calls in the one correct order (mixprec
+converts the model and wraps the optimizers, then Accelerate wraps them) and hands
+the accelerator's precision hooks to mixprec:
+
+- ``accelerator.backward(loss)`` divides by the accumulation steps as Accelerate does,
+  scales the loss (fp16 plans) and runs backward under the plan's backward policy
+  (custom op lists stay in force while activation checkpointing recomputes);
+- ``accelerator.clip_grad_norm_`` / ``clip_grad_value_`` / ``unscale_gradients`` act on
+  the true (unscaled, gathered) gradients and return the true norm;
+- ``optimizer.step()`` is :meth:`mixprec.MixedPrecision.step` at the steps where
+  ``accelerator.sync_gradients`` is True (inside ``accelerator.accumulate()``) and does
+  nothing in between; with several optimizers the first ``step()`` of an iteration
+  steps all of them or none (one skip decision) and the others' ``step()`` is a no-op;
+- ``optimizer.step_was_skipped`` / ``accelerator.optimizer_step_was_skipped`` report
+  mixprec's skip, so Accelerate's scheduler wrapper holds the learning rate on
+  skipped steps;
+- the MixedPrecision is registered for ``save_state`` / ``load_state``.
+
+>>> import torch
+>>> from accelerate import Accelerator
+>>> from mixprec import MixedPrecision
+>>> from mixprec.integrations.accelerate import prepare
+>>> accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+>>> mp = MixedPrecision("bf16-mixed")
+>>> model = torch.nn.Linear(4, 1)
+>>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+>>> model, opt = prepare(accelerator, mp, model, opt)
+>>> for _ in range(4):
+...     with accelerator.accumulate(model):
+...         loss = model(torch.randn(8, 4)).pow(2).mean()
+...         accelerator.backward(loss)
+...         opt.step()
+...         opt.zero_grad()
+>>> mp.optimizer_steps  # 4 micro-batches, accumulation 2
+2
+>>> from accelerate.state import AcceleratorState, GradientState
+>>> AcceleratorState._reset_state(True); GradientState._reset_state()
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from mixprec.integrations import _check_mp, _require, as_mixed_precision
+
+_require("accelerate", "accelerate", "mixprec.integrations.accelerate")
+
+from accelerate import Accelerator  # noqa: E402
+from accelerate.optimizer import AcceleratedOptimizer  # noqa: E402
+
+from mixprec.session import MixedPrecision, StepResult  # noqa: E402
+
+__all__ = ["MixprecAcceleratedOptimizer", "attach", "prepare"]
+
+
+def _plain_module(model: torch.nn.Module) -> torch.nn.Module:
+    while True:
+        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        if not isinstance(inner, torch.nn.Module):
+            return model
+        model = inner
+
+
+def _check_accelerator(accelerator: Any) -> None:
+    if not isinstance(accelerator, Accelerator):
+        raise TypeError(f"accelerator must be an accelerate.Accelerator, got {type(accelerator).__name__}")
+    mixed = str(getattr(accelerator, "mixed_precision", "no"))
+    if mixed != "no":
+        raise ValueError(
+            f"Accelerator(mixed_precision={mixed!r}) and mixprec would both run the precision; "
+            "create the Accelerator with mixed_precision='no' and choose the plan in MixedPrecision(...)"
+        )
+
+
+class _Link:
+    """What an accelerator knows about its MixedPrecision between calls."""
+
+    def __init__(self, mp: MixedPrecision) -> None:
+        self.mp = mp
+        self.pending = False  # a backward happened since the last step
+        self.distributed = False
+
+    def step(self) -> StepResult | None:
+        if not self.pending:
+            return None
+        self.pending = False
+        return self.mp.step()
+
+
+class MixprecAcceleratedOptimizer(AcceleratedOptimizer):
+    """Accelerate's optimizer wrapper whose ``step()`` is :meth:`MixedPrecision.step`.
+
+    ``step()`` runs only where ``sync_gradients`` is True; ``step_was_skipped`` is
+    mixprec's skip decision (so ``AcceleratedScheduler`` holds the learning rate).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, link: _Link, device_placement: bool = True) -> None:
+        super().__init__(optimizer, device_placement=device_placement, scaler=None)
+        self._link = link
+
+    def step(self, closure: Callable[[], Any] | None = None) -> None:  # type: ignore[override]
+        if closure is not None:
+            raise ValueError(
+                "optimizer.step(closure) is not supported under mixprec: compute the loss, call "
+                "accelerator.backward(loss), then optimizer.step()"
+            )
+        if self.gradient_state.sync_gradients:
+            self._link.step()
+
+    @property
+    def step_was_skipped(self) -> bool:
+        return bool(self._link.mp.last_step_skipped)
+
+    @property
+    def last_result(self) -> StepResult | None:
+        """The StepResult of the last mixprec step (None before the first)."""
+        return self._link.mp.last_result
+
+
+class _MixprecAcceleratorMixin:
+    """Methods an attached accelerator takes from mixprec (see :func:`attach`)."""
+
+    _mixprec: _Link
+
+    @property
+    def mixed_precision_session(self) -> MixedPrecision:
+        return self._mixprec.mp
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None) -> Any:
+        if getattr(optimizer, "_is_accelerate_prepared", False) or isinstance(optimizer, AcceleratedOptimizer):
+            if optimizer not in self._optimizers:  # type: ignore[attr-defined]
+                self._optimizers.append(optimizer)  # type: ignore[attr-defined]
+            return optimizer
+        mp = self._mixprec.mp
+        if not any(optimizer is o for o in mp.optimizers):
+            if mp.model is None:
+                raise RuntimeError(
+                    "an optimizer reached accelerator.prepare() before mixprec converted the model: "
+                    "use mixprec.integrations.accelerate.prepare(accelerator, mp, model, optimizer, ...)"
+                )
+            optimizer = mp.prepare_optimizers(optimizer)
+        if device_placement is None:
+            device_placement = self.device_placement  # type: ignore[attr-defined]
+        wrapped = MixprecAcceleratedOptimizer(optimizer, self._mixprec, device_placement=device_placement)
+        self._optimizers.append(wrapped)  # type: ignore[attr-defined]
+        return wrapped
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        mp = self._mixprec.mp
+        loss = loss / self.gradient_accumulation_steps  # type: ignore[attr-defined]
+        with mp.backward_context():
+            mp.scale_loss(loss).backward(**kwargs)
+        mp.micro_batch_done()
+        self._mixprec.pending = True
+        if not self.sync_gradients and not self._mixprec.distributed:  # type: ignore[attr-defined]
+            # micro-batches add up where the plan says (fp32 for master plans)
+            for opt in mp.optimizers:
+                hook = getattr(opt, "accumulate_grads", None)
+                if hook is not None:
+                    hook()
+
+    def _check_boundary(self, what: str) -> None:
+        if not self.sync_gradients:  # type: ignore[attr-defined]
+            raise RuntimeError(
+                f"accelerator.{what} was called in the middle of gradient accumulation "
+                "(accelerator.sync_gradients is False): the gradients are partial sums. Call it only when "
+                "accelerator.sync_gradients is True, right before optimizer.step()"
+            )
+
+    def unscale_gradients(self, optimizer: Any = None) -> None:
+        self._check_boundary("unscale_gradients()")
+        self._mixprec.mp.unscale_()
+
+    def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2) -> torch.Tensor:
+        if norm_type != 2:
+            raise ValueError(f"mixprec clips by the 2-norm; got norm_type={norm_type!r}: pass norm_type=2")
+        self._check_boundary("clip_grad_norm_()")
+        _check_parameters(self._mixprec.mp, parameters)
+        return self._mixprec.mp.clip_grad_norm_(float(max_norm))
+
+    def clip_grad_value_(self, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
+        self._check_boundary("clip_grad_value_()")
+        _check_parameters(self._mixprec.mp, parameters)
+        mp = self._mixprec.mp
+        mp.unscale_()
+        grads = [p.grad for opt in mp.optimizers for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        torch.nn.utils.clip_grad_value_([g for g in grads], clip_value)  # type: ignore[arg-type]
+
+
+def _check_parameters(mp: MixedPrecision, parameters: Iterable[torch.Tensor]) -> None:
+    """mixprec clips every gradient of the prepared optimizers (the masters' under master plans)."""
+    if mp.model is None:
+        return
+    given = {id(p) for p in parameters}
+    trainable = {id(p) for p in _plain_module(mp.model).parameters() if p.requires_grad}
+    optimized = {id(p) for opt in mp.optimizers for g in opt.param_groups for p in g["params"]}
+    if not (trainable <= given or optimized <= given):
+        raise ValueError(
+            "mixprec clips all gradients of the prepared model together (the true norm of the whole model); "
+            "a subset of the parameters was passed. Pass model.parameters()"
+        )
+
+
+_ATTACHED: dict[type, type] = {}
+
+
+def attach(accelerator: Any, mp: MixedPrecision | str | Any) -> MixedPrecision:
+    """Hand ``accelerator``'s precision hooks to mixprec; returns the MixedPrecision.
+
+    The accelerator must have ``mixed_precision='no'``. :func:`prepare` calls this; use it
+    directly only when another library creates and prepares through the accelerator
+    (``MixprecTrainer`` does). Attaching twice with the same MixedPrecision is a no-op.
+    """
+    _check_accelerator(accelerator)
+    existing: _Link | None = getattr(accelerator, "_mixprec", None)
+    if existing is not None:
+        if mp is existing.mp:
+            return existing.mp
+        raise ValueError("this Accelerator already runs under another MixedPrecision; use one per accelerator")
+    session = as_mixed_precision(mp) if not isinstance(mp, MixedPrecision) else mp
+    _check_mp(session)
+    cls = type(accelerator)
+    sub = _ATTACHED.get(cls)
+    if sub is None:
+        sub = type(f"Mixprec{cls.__name__}", (_MixprecAcceleratorMixin, cls), {"__module__": __name__})
+        _ATTACHED[cls] = sub
+    link = _Link(session)
+    link.distributed = bool(getattr(accelerator, "use_distributed", False))
+    accelerator._mixprec = link
+    accelerator.__class__ = sub
+    accelerator.register_for_checkpointing(session)
+    return session
+
+
+def _autocast_forward(mp: MixedPrecision, module: torch.nn.Module) -> None:
+    forward = module.forward
+    if getattr(forward, "_mixprec_autocast", False):
+        return
+
+    @functools.wraps(forward)
+    def autocast_forward(*args: Any, **kwargs: Any) -> Any:
+        with mp.autocast():
+            return forward(*args, **kwargs)
+
+    autocast_forward._mixprec_autocast = True  # type: ignore[attr-defined]
+    module.forward = autocast_forward  # type: ignore[method-assign]
+
+
+def prepare(accelerator: Any, mp: MixedPrecision | str | Any, *args: Any, device_placement: Any = None) -> Any:
+    """mixprec's prepare, then ``accelerator.prepare``, for the same objects.
+
+    ``args`` are what ``accelerator.prepare`` takes (one model, optimizers, schedulers,
+    data loaders, in any order); returns them prepared, in the same order (one object
+    alone is returned as is). The model's forward then runs under the plan's autocast,
+    so the loop needs no ``with mp.autocast()``.
+    """
+    session = attach(accelerator, mp)
+    models = [a for a in args if isinstance(a, torch.nn.Module)]
+    if len(models) > 1:
+        raise ValueError(
+            f"prepare() got {len(models)} models; a MixedPrecision converts one model: "
+            "wrap them in one nn.Module or use one Accelerator per model"
+        )
+    optimizers = [a for a in args if isinstance(a, torch.optim.Optimizer) and not isinstance(a, AcceleratedOptimizer)]
+    if optimizers and not models and session.model is None:
+        raise ValueError("prepare() got optimizers but no model; pass the model in the same call (mixprec converts it first)")
+    replaced: dict[int, Any] = {}
+    for model in models:
+        _autocast_forward(session, model)
+        if session.model is None:
+            replaced[id(model)] = session.prepare_model(model)  # torch.compile(model) with compile=True
+    fresh = [o for o in optimizers if not any(o is p for p in session.optimizers)]
+    if fresh:
+        out = session.prepare_optimizers(*fresh)
+        out = out if isinstance(out, tuple) else (out,)
+        replaced.update({id(o): w for o, w in zip(fresh, out, strict=True)})
+    converted = [replaced.get(id(a), a) for a in args]
+    kwargs = {} if device_placement is None else {"device_placement": device_placement}
+    return accelerator.prepare(*converted, **kwargs)

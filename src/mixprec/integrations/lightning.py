@@ -1,0 +1,293 @@
+"""Any mixprec plan in the Lightning ``Trainer`` and in Fabric, as a precision plugin.
+
+Lightning ``Trainer``::
+
+    from mixprec.integrations.lightning import MixprecPrecision
+    trainer = L.Trainer(plugins=[MixprecPrecision("fp16-mixed")], gradient_clip_val=1.0, ...)
+
+Fabric (``setup`` wraps the optimizers for the plan before Fabric sees them)::
+
+    from mixprec.integrations.lightning import MixprecPrecision, setup
+    fabric = L.Fabric(plugins=[MixprecPrecision("bf16-master")], accelerator="cpu")
+    model, optimizer = setup(fabric, model, optimizer)
+
+What the plugin guarantees:
+
+- the model is converted for the plan (``convert_module``) and the optimizers are wrapped
+  (``connect``, or :func:`setup` under Fabric); the forward runs under the plan's autocast;
+- ``backward`` scales the loss (fp16 plans) and runs under the plan's backward policy
+  (custom op lists hold during activation-checkpoint recomputation);
+  ``on_before_backward`` sees the true loss;
+- at the optimizer step the gradients are unscaled (and gathered into fp32 masters)
+  *before* ``on_before_optimizer_step`` and before gradient clipping
+  (``gradient_clip_val`` / ``self.clip_gradients`` / ``fabric.clip_gradients``), so hooks,
+  loggers and clipping see true gradients;
+- one skip decision per step; step-interval LR schedulers are held on skipped steps;
+- ``accumulate_grad_batches`` is Lightning's, with micro-batches added up in fp32 under
+  master plans;
+- several optimizers (manual optimisation): each ``opt.step()`` is one mixprec step of
+  that optimizer alone: its gradients are unscaled and checked, it steps or skips, and
+  the loss scale is updated, exactly as ``torch.amp.GradScaler`` is used in Lightning's
+  own AMP plugin (one ``scaler.step(opt)`` + ``update()`` per ``opt.step()``);
+- the MixedPrecision state is saved in Lightning / Fabric checkpoints and restored on resume.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Generator, Iterable, Iterator
+from typing import Any
+
+import torch
+
+from mixprec.integrations import _check_mp, _require, as_mixed_precision
+
+_require("lightning", "lightning", "mixprec.integrations.lightning")
+
+import lightning.pytorch as pl  # noqa: E402
+from lightning.pytorch.plugins.precision import Precision  # noqa: E402
+from lightning.pytorch.utilities import GradClipAlgorithmType  # noqa: E402
+
+from mixprec.session import MixedPrecision, StepResult  # noqa: E402
+
+__all__ = ["MixprecPrecision", "setup"]
+
+
+def _inner(optimizer: Any) -> Any:
+    """The optimizer under Lightning's / Fabric's wrappers."""
+    from lightning.fabric.wrappers import _FabricOptimizer
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    while isinstance(optimizer, LightningOptimizer | _FabricOptimizer):
+        optimizer = optimizer._optimizer
+    return optimizer
+
+
+class MixprecPrecision(Precision):
+    """Precision plugin running a mixprec plan (Lightning ``Trainer`` and Fabric).
+
+    Args:
+        precision: a plan name ("bf16-mixed", "fp16-mixed", "bf16-master", ...), a
+            :class:`mixprec.Plan` or a :class:`mixprec.MixedPrecision` (with
+            ``grad_accum_steps=1``: accumulation is the Trainer's ``accumulate_grad_batches``).
+
+    ``plugin.mp`` is the MixedPrecision; ``plugin.last_result`` the last step's
+    :class:`mixprec.StepResult`.
+    """
+
+    def __init__(self, precision: str | Any = "bf16-mixed") -> None:
+        self.mp: MixedPrecision = as_mixed_precision(precision)
+        _check_mp(self.mp)
+        self.precision = "32-true"  # what Lightning reads for logging and dtype defaults: mixprec keeps fp32 I/O
+        self._held_classes: dict[type, type] = {}
+        self._skipped: dict[int, bool] = {}  # id(wrapped optimizer) -> its last step was skipped
+        self._pending = False
+        self.last_result: StepResult | None = None
+
+    # ------------------------------------------------------------ setup
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        if self.mp.model is None:
+            return self.mp.prepare_model(module)
+        if self.mp.model is not module:
+            raise ValueError(
+                "this MixprecPrecision already converted another model; use one plugin per model"
+            )
+        return module
+
+    def _wrap(self, optimizers: Iterable[Any]) -> list[Any]:
+        out = []
+        for opt in optimizers:
+            if any(opt is o for o in self.mp.optimizers):
+                out.append(opt)
+                continue
+            if self.mp.model is None:
+                raise RuntimeError("optimizers reached the mixprec plugin before the model was converted")
+            out.append(self.mp.prepare_optimizers(opt))
+        return out
+
+    def connect(self, model: torch.nn.Module, optimizers: list[Any], lr_schedulers: list[Any]) -> tuple[Any, list[Any], list[Any]]:
+        wrapped = self._wrap(optimizers)
+        for config in lr_schedulers:
+            if getattr(config, "interval", "step") == "step":
+                self._hold_on_skip(config.scheduler)
+        return model, wrapped, lr_schedulers
+
+    def _hold_on_skip(self, scheduler: Any) -> None:
+        """Make ``scheduler.step()`` a no-op right after a skipped step of its optimizer.
+
+        The scheduler keeps its identity and its ``state_dict`` (only its class gains a
+        ``step`` that asks the plugin first), so Lightning's checkpointing is unchanged.
+        """
+        cls = type(scheduler)
+        if getattr(cls, "_mixprec_held", False):
+            return
+        held = self._held_classes.get(cls)
+        if held is None:
+            plugin = self
+
+            def step(sched: Any, *args: Any, **kwargs: Any) -> Any:
+                if plugin._scheduler_should_hold(sched):
+                    return None
+                return cls.step(sched, *args, **kwargs)
+
+            held = type(cls.__name__, (cls,), {"step": step, "_mixprec_held": True, "__module__": cls.__module__})
+            self._held_classes[cls] = held
+        scheduler.__class__ = held
+
+    def _scheduler_should_hold(self, scheduler: Any) -> bool:
+        target = getattr(scheduler, "optimizer", None)
+        for opt in self.mp.optimizers:
+            if opt is target or getattr(opt, "optimizer", None) is target:
+                return self._skipped.get(id(opt), False)
+        return bool(self.mp.last_step_skipped)
+
+    # ---------------------------------------------------------- forward
+    @contextlib.contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        with self.mp.autocast():
+            yield
+
+    # --------------------------------------------------------- backward
+    def pre_backward(self, tensor: torch.Tensor, module: Any) -> Any:
+        if isinstance(module, pl.LightningModule):
+            super().pre_backward(tensor, module)  # on_before_backward sees the true loss
+        return tensor  # scaled in backward(): Fabric ignores what pre_backward returns
+
+    def backward(self, tensor: torch.Tensor, model: Any, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        # Lightning: backward(tensor, model, optimizer, *args); Fabric: backward(tensor, model, *args)
+        scaled = self.mp.scale_loss(tensor)
+        with self.mp.backward_context():
+            if isinstance(model, pl.LightningModule):
+                rest = args[1:]  # args[0] is the optimizer (None in manual optimisation)
+                model.backward(scaled, *rest, **kwargs)
+            else:
+                scaled.backward(*args, **kwargs)
+        self.mp.micro_batch_done()
+        self._pending = True
+        if self._accumulating(model):
+            for opt in self.mp.optimizers:
+                hook = getattr(opt, "accumulate_grads", None)
+                if hook is not None:
+                    hook()
+
+    def post_backward(self, tensor: torch.Tensor, module: Any) -> Any:
+        if isinstance(module, pl.LightningModule):
+            return super().post_backward(tensor, module)  # on_after_backward
+        return tensor.detach()
+
+    def _accumulating(self, model: Any) -> bool:
+        """True for a Lightning micro-batch that is not an accumulation boundary (automatic optimisation)."""
+        if not isinstance(model, pl.LightningModule) or not model.automatic_optimization:
+            return False
+        trainer = model._trainer
+        if trainer is None or trainer.world_size > 1:  # DDP's reducer owns .grad
+            return False
+        return bool(trainer.fit_loop.epoch_loop._should_accumulate())
+
+    # ------------------------------------------------------------- step
+    @contextlib.contextmanager
+    def _only(self, optimizer: Any) -> Iterator[Any]:
+        """Narrow the MixedPrecision to one optimizer while it steps (manual optimisation)."""
+        target = _inner(optimizer)
+        mine = [o for o in self.mp.optimizers if o is target]
+        if not mine:
+            raise RuntimeError(
+                f"the optimizer {type(target).__name__} was not prepared by mixprec: under Fabric create them with "
+                "mixprec.integrations.lightning.setup(fabric, model, *optimizers)"
+            )
+        if len(self.mp.optimizers) == 1:
+            yield mine[0]
+            return
+        everything = self.mp.optimizers
+        self.mp.optimizers = mine
+        try:
+            yield mine[0]
+        finally:
+            self.mp.optimizers = everything
+
+    def _step(self, optimizer: Any) -> StepResult:
+        with self._only(optimizer) as opt:
+            result = self.mp.step()
+            self._skipped[id(opt)] = bool(result.skipped)
+        self._pending = False
+        self.last_result = result
+        return result
+
+    def optimizer_step(self, optimizer: Any, model: Any = None, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:  # type: ignore[override]
+        if kwargs:
+            raise ValueError(f"mixprec steps the optimizer itself; optimizer.step() arguments {sorted(kwargs)} are not supported")
+        closure_result = closure() if closure is not None else None
+        lightning = isinstance(model, pl.LightningModule)
+        if lightning and closure_result is None and model.automatic_optimization:
+            return None  # training_step returned None: no backward, nothing to step
+        if not self._pending:
+            return closure_result  # manual optimisation: step() without a backward since the last step
+        with self._only(optimizer):
+            self.mp.unscale_()  # true gradients before the hooks and clipping
+        if lightning:
+            self._after_closure(model, optimizer)  # on_before_optimizer_step, then configure_gradient_clipping
+        self._step(optimizer)
+        return closure_result
+
+    # -------------------------------------------------------- clipping
+    def unscale_gradients(self, optimizer: Any) -> None:
+        with self._only(optimizer):
+            self.mp.unscale_()
+
+    def main_params(self, optimizer: Any) -> Iterator[torch.nn.Parameter]:
+        for group in _inner(optimizer).param_groups:
+            yield from group["params"]
+
+    def clip_gradients(self, optimizer: Any, clip_val: int | float = 0.0, gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM) -> None:
+        if clip_val <= 0:
+            return
+        if gradient_clip_algorithm == GradClipAlgorithmType.NORM:
+            self.clip_grad_by_norm(optimizer, clip_val)
+        else:
+            self.clip_grad_by_value(optimizer, clip_val)
+
+    def clip_grad_by_norm(self, optimizer: Any, clip_val: int | float) -> None:
+        self.clip_grad_norm_(optimizer, clip_val)
+
+    def clip_grad_norm_(self, optimizer: Any, max_norm: int | float) -> torch.Tensor:
+        """Unscale ``optimizer``'s gradients and clip them by their true total norm (computed
+        in fp32); returns the norm before clipping.
+
+        Under Fabric, ``fabric.clip_gradients`` unscales through this plugin but computes the
+        norm with ``torch.nn.utils.clip_grad_norm_``, in the gradients' dtype: with bf16
+        weights (bf16-pure, bf16-kahan, bf16-sr) call ``plugin.clip_grad_norm_(optimizer, max_norm)``
+        for the fp32 norm mixprec's own loop uses.
+        """
+        with self._only(optimizer):
+            return self.mp.clip_grad_norm_(float(max_norm))
+
+    def clip_grad_by_value(self, optimizer: Any, clip_val: int | float) -> None:
+        with self._only(optimizer):
+            self.mp.unscale_()
+        grads = [p.grad for p in self.main_params(optimizer) if p.grad is not None]
+        torch.nn.utils.clip_grad_value_(grads, clip_val)  # type: ignore[arg-type]
+
+    # ------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        return self.mp.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.mp.load_state_dict(state_dict)
+
+
+def setup(fabric: Any, module: torch.nn.Module, *optimizers: torch.optim.Optimizer, **kwargs: Any) -> Any:
+    """``fabric.setup(module, *optimizers)`` with the optimizers wrapped for the plan first.
+
+    Fabric gives a precision plugin the model but never the optimizers; this converts the
+    model, wraps the optimizers (fp32 masters, Kahan / stochastic rounding) and then lets
+    Fabric set them up. Returns what ``fabric.setup`` returns.
+    """
+    plugin = getattr(fabric, "_precision", None)
+    if not isinstance(plugin, MixprecPrecision):
+        raise ValueError(
+            "setup() needs a Fabric created with plugins=[MixprecPrecision(...)]; "
+            f"this one runs {type(plugin).__name__}"
+        )
+    plugin.convert_module(module)
+    wrapped = plugin._wrap(optimizers)
+    return fabric.setup(module, *wrapped, **kwargs)
