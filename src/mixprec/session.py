@@ -369,15 +369,36 @@ class MixedPrecision:
 
         return autocast_backward(self.plan.policy)
 
-    def micro_batch_done(self) -> None:
+    def micro_batch_done(self, boundary: bool | None = None) -> None:
         """Count one finished backward; between accumulation boundaries, let the optimizer
-        wrappers move low-precision gradients into wider accumulators (not under DDP)."""
+        wrappers move low-precision gradients into wider accumulators (not under DDP).
+
+        ``boundary`` says whether this backward ends the accumulation window; by default
+        ``grad_accum_steps`` decides. A framework that decides the boundary itself passes it.
+        """
         self._micro += 1
-        if self._micro % self.grad_accum_steps != 0 and not self._ddp:
+        if boundary is None:
+            boundary = self._micro % self.grad_accum_steps == 0
+        if not boundary and not self.is_ddp:
             for opt in self.optimizers:
                 accumulate = getattr(opt, "accumulate_grads", None)
                 if accumulate is not None:
                     accumulate()
+
+    @property
+    def is_ddp(self) -> bool:
+        """Whether the model's gradients are reduced by DDP (whose reducer owns ``.grad``).
+
+        True after ``prepare(..., ddp=True)`` or for a model that arrived DDP-wrapped; a
+        framework that wraps the prepared model in DDP itself sets it to True.
+        """
+        return self._ddp
+
+    @is_ddp.setter
+    def is_ddp(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise TypeError(f"is_ddp must be True or False, got {value!r}")
+        self._ddp = value
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """Backward of one micro-batch's mean loss (scaled, and divided by grad_accum_steps)."""

@@ -158,14 +158,9 @@ class _MixprecAcceleratorMixin:
         loss = loss / self.gradient_accumulation_steps  # type: ignore[attr-defined]
         with mp.backward_context():
             mp.scale_loss(loss).backward(**kwargs)
-        mp.micro_batch_done()
+        # micro-batches add up where the plan says (fp32 for master plans; not under DDP)
+        mp.micro_batch_done(boundary=bool(self.sync_gradients))  # type: ignore[attr-defined]
         self._mixprec.pending = True
-        if not self.sync_gradients and not self._mixprec.distributed:  # type: ignore[attr-defined]
-            # micro-batches add up where the plan says (fp32 for master plans)
-            for opt in mp.optimizers:
-                hook = getattr(opt, "accumulate_grads", None)
-                if hook is not None:
-                    hook()
 
     def _check_boundary(self, what: str) -> None:
         if not self.sync_gradients:  # type: ignore[attr-defined]
@@ -234,6 +229,7 @@ def attach(accelerator: Any, mp: MixedPrecision | str | Any) -> MixedPrecision:
         _ATTACHED[cls] = sub
     link = _Link(session)
     link.distributed = bool(getattr(accelerator, "use_distributed", False))
+    link.mp.is_ddp = link.mp.is_ddp or link.distributed
     accelerator._mixprec = link
     accelerator.__class__ = sub
     accelerator.register_for_checkpointing(session)

@@ -162,13 +162,8 @@ class MixprecPrecision(Precision):
                 model.backward(scaled, *rest, **kwargs)
             else:
                 scaled.backward(*args, **kwargs)
-        self.mp.micro_batch_done()
+        self.mp.micro_batch_done(boundary=not self._accumulating(model))
         self._pending = True
-        if self._accumulating(model):
-            for opt in self.mp.optimizers:
-                hook = getattr(opt, "accumulate_grads", None)
-                if hook is not None:
-                    hook()
 
     def post_backward(self, tensor: torch.Tensor, module: Any) -> Any:
         if isinstance(module, pl.LightningModule):
