@@ -173,6 +173,7 @@ class DynamicLossScaler(LossScaler):
         max_scale: float | None = None,
         process_group: Any = None,
     ) -> None:
+        device_arg = device
         if isinstance(device, numbers.Real) and not isinstance(device, bool):
             # mixprec's positional init_scale: DynamicLossScaler(1024.0).
             if init_scale is not None:
@@ -181,11 +182,11 @@ class DynamicLossScaler(LossScaler):
                     f"init_scale={show(init_scale)}; the first positional argument is torch's device "
                     "('cuda', 'cpu') or init_scale alone: pass the other settings by keyword"
                 )
-            device, init_scale = None, device
+            device_arg, init_scale = None, device  # type: ignore[assignment]
         if init_scale is None:
             init_scale = _DEFAULT_INIT_SCALE
         config = _config(growth_factor, backoff_factor, growth_interval, hysteresis, hysteresis_mode, min_scale, max_scale)
-        super().__init__(init_scale, enabled=enabled, process_group=process_group, device=device)
+        super().__init__(init_scale, enabled=enabled, process_group=process_group, device=device_arg)  # type: ignore[arg-type]
         _check_within("init_scale", float(init_scale), show(init_scale), config)
         self._apply_config(config)
         self._growth_tracker = torch.zeros((), dtype=torch.int32)
@@ -374,7 +375,7 @@ class DynamicLossScaler(LossScaler):
         for key in ("min_scale", "max_scale"):
             bound = state_dict.get(key)
             bounds.append(None if bound is None else checks.state_number(state_dict, key))
-        config = _config(
+        settings = (
             checks.state_number(state_dict, "growth_factor"),
             checks.state_number(state_dict, "backoff_factor"),
             checks.state_int(state_dict, "growth_interval", minimum=1, maximum=checks.INT32_MAX),
@@ -383,6 +384,10 @@ class DynamicLossScaler(LossScaler):
             bounds[0],
             bounds[1],
         )
+        try:
+            config = _config(*settings)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"scaler state_dict: {exc}") from None
         _check_within("state_dict['scale']", scale, show(scale), config)
         tracker = checks.state_int(state_dict, "_growth_tracker", maximum=checks.INT32_MAX)
         if tracker >= config.growth_interval:
