@@ -182,6 +182,10 @@ class DynamicLossScaler(LossScaler):
                     f"init_scale={show(init_scale)}; the first positional argument is torch's device "
                     "('cuda', 'cpu') or init_scale alone: pass the other settings by keyword"
                 )
+            try:
+                checks.scale_value("init_scale", device, "pass e.g. init_scale=65536.0 (2**16, torch's default)")
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"{exc} (a number as the first argument, device, is taken as init_scale)") from None
             device_arg, init_scale = None, device  # type: ignore[assignment]
         if init_scale is None:
             init_scale = _DEFAULT_INIT_SCALE
