@@ -792,3 +792,13 @@ def test_last_step_skipped_with_a_fused_optimizer_reads_once():
     for poison in (None, INF):
         _train_step(model, opt, s, 0, poison)
     assert s.last_step_skipped is True and s.get_scale() == 2.0**7
+
+
+def test_bounds_are_fp32_so_a_clamped_scale_reloads():
+    """A bound that is not an fp32 value is rounded like the scale, so a scale clamped to it reloads."""
+    s = DynamicLossScaler(init_scale=1.0, max_scale=1.0000001, growth_interval=1, hysteresis=2)
+    _scale_sequence(s, [False])
+    assert s.get_scale() == s.state_dict()["max_scale"] == _f32(1.0000001)
+    fresh = DynamicLossScaler()
+    fresh.load_state_dict(s.state_dict())
+    assert fresh.state_dict() == s.state_dict()

@@ -51,14 +51,19 @@ def real(name: str, value: object, fix: str) -> float:
         raise ValueError(f"{name}={show(value)} does not fit in a float; {fix}") from None
 
 
+def fp32(x: float) -> float:
+    """``x`` rounded to the nearest fp32 value (the scale and its bounds are fp32)."""
+    return float(torch.tensor(x, dtype=torch.float32))
+
+
 def scale_value(name: str, value: object, fix: str) -> float:
-    """A loss scale: a finite number in [SCALE_FLOOR, SCALE_CEILING]."""
+    """A loss scale: a finite number in [SCALE_FLOOR, SCALE_CEILING], rounded to fp32."""
     x = real(name, value, fix)
     if not math.isfinite(x) or x <= 0:
         raise ValueError(f"{name} must be a finite positive number, got {show(value)}; {fix}")
     if not SCALE_FLOOR <= x <= SCALE_CEILING:
         raise ValueError(f"{name}={show(value)} is outside the usable range {_SCALE_RANGE}; {fix}")
-    return x
+    return fp32(x)
 
 
 def positive_int(name: str, value: object, fix: str, maximum: int = INT32_MAX) -> int:
@@ -184,4 +189,4 @@ def state_scale(state: Mapping[str, Any], key: str) -> float:
         raise ValueError(f"scaler state_dict[{key!r}] must be finite and positive, got {show(state[key])}; {fix}")
     if not SCALE_FLOOR <= x <= SCALE_CEILING:
         raise ValueError(f"scaler state_dict[{key!r}]={show(state[key])} is outside the usable range {_SCALE_RANGE}; {fix}")
-    return x
+    return fp32(x)

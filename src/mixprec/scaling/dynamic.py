@@ -191,7 +191,7 @@ class DynamicLossScaler(LossScaler):
             init_scale = _DEFAULT_INIT_SCALE
         config = _config(growth_factor, backoff_factor, growth_interval, hysteresis, hysteresis_mode, min_scale, max_scale)
         super().__init__(init_scale, enabled=enabled, process_group=process_group, device=device_arg)  # type: ignore[arg-type]
-        _check_within("init_scale", float(init_scale), show(init_scale), config)
+        _check_within("init_scale", self._scale.item(), show(init_scale), config)
         self._apply_config(config)
         self._growth_tracker = torch.zeros((), dtype=torch.int32)
         self._hysteresis_tracker = torch.full((), self._initial_hysteresis_tracker(), dtype=torch.int32)
