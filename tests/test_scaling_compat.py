@@ -455,3 +455,66 @@ def test_grad_scaler_pass_itself(make_scaler):
     scaler.step(o2)
     scaler.update()
     assert seen == {"1": (True, False, False), "2": (True, True)}
+
+
+# ------------------------------------------------------ frameworks that drive a GradScaler
+def _overflow_then_clean(step_fn, scaler, w, opt) -> list[tuple[Any, list[float], float]]:
+    seen = []
+    for bad in (False, True, False):
+        scaler.scale((w * (INF if bad else 1.0)).sum()).backward()
+        seen.append((step_fn(), w.tolist(), scaler.get_scale()))
+        opt.zero_grad()
+    return seen
+
+
+@pytest.mark.integration
+def test_accelerate_accelerated_optimizer_drives_it_like_gradscaler(make_scaler):
+    """AcceleratedOptimizer.step(): scaler.step(optimizer, closure), update(), and its skip detection."""
+    accelerate = pytest.importorskip("accelerate")
+    from accelerate.optimizer import AcceleratedOptimizer
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    try:
+        accelerate.Accelerator(cpu=True)
+        w = torch.nn.Parameter(torch.ones(2))
+        opt = torch.optim.SGD([w], lr=0.5)
+        scaler = make_scaler(init_scale=8.0)
+        aopt = AcceleratedOptimizer(opt, device_placement=False, scaler=scaler)
+
+        def step():
+            aopt.step()
+            return aopt.step_was_skipped
+
+        assert _overflow_then_clean(step, scaler, w, opt) == [
+            (False, [0.5, 0.5], 8.0), (True, [0.5, 0.5], 4.0), (False, [0.0, 0.0], 4.0)
+        ]
+    finally:  # accelerate's state is process-wide: leave none behind
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+
+
+@pytest.mark.integration
+def test_lightning_fabric_precision_plugin_drives_it_like_gradscaler(make_scaler):
+    """Fabric's MixedPrecision("16-mixed"): backward/scale, unscale_gradients, optimizer_step, state_dict."""
+    pytest.importorskip("lightning")
+    from lightning.fabric.plugins.precision.amp import MixedPrecision
+
+    w = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([w], lr=0.5)
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=make_scaler(init_scale=8.0))
+
+    def step():
+        plugin.unscale_gradients(opt)
+        return plugin.optimizer_step(opt)
+
+    seen = []
+    for bad in (False, True, False):
+        plugin.backward((w * (INF if bad else 1.0)).sum(), None)
+        seen.append((step(), w.tolist(), plugin.scaler.get_scale()))
+        opt.zero_grad()
+    assert seen == [(None, [0.5, 0.5], 8.0), (None, [0.5, 0.5], 4.0), (None, [0.0, 0.0], 4.0)]
+    state = plugin.state_dict()
+    plugin.load_state_dict(state)
+    assert plugin.state_dict() == state and state["scale"] == 4.0
