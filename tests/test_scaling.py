@@ -443,3 +443,362 @@ def test_hot_path_never_synchronises(monkeypatch):
         opt.zero_grad()
     monkeypatch.undo()
     assert s.get_scale() == 2.0**9  # and the state machine still did its job
+
+
+# --------------------------------------------------------------------------- robustness
+# Every argument and state key is checked before anything changes; the scale stays in
+# [SCALE_FLOOR, SCALE_CEILING]; GradScaler code runs unchanged.
+from mixprec.scaling import SCALE_CEILING, SCALE_FLOOR  # noqa: E402
+
+NAN = float("nan")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"init_scale": 1e39}, ValueError, "init_scale=1e+39 is outside the usable range"),
+        ({"init_scale": 1e-50}, ValueError, "init_scale=1e-50 is outside the usable range"),
+        ({"init_scale": 2.0**-130}, ValueError, "init_scale=7.346839692639297e-40 is outside the usable range"),
+        ({"init_scale": NAN}, ValueError, "init_scale must be a finite positive number, got nan"),
+        ({"init_scale": INF}, ValueError, "init_scale must be a finite positive number, got inf"),
+        ({"init_scale": 0.0}, ValueError, "init_scale must be a finite positive number, got 0.0"),
+        ({"init_scale": "big"}, TypeError, "init_scale must be a number, got 'big' (str)"),
+        ({"init_scale": 10**400}, ValueError, "does not fit in a float"),
+        ({"growth_factor": INF}, ValueError, "growth_factor must be a finite number > 1, got inf"),
+        ({"growth_factor": NAN}, ValueError, "growth_factor must be a finite number > 1, got nan"),
+        ({"growth_factor": 1e300}, ValueError, "growth_factor=1e+300 is larger than the fp32 maximum"),
+        ({"growth_factor": None}, TypeError, "growth_factor must be a number, got None"),
+        ({"backoff_factor": 1e-300}, ValueError, "backoff_factor=1e-300 is below 2**-126"),
+        ({"backoff_factor": NAN}, ValueError, "backoff_factor must be in (0, 1), got nan"),
+        ({"backoff_factor": -0.5}, ValueError, "backoff_factor must be in (0, 1), got -0.5"),
+        ({"growth_interval": 2.5}, TypeError, "growth_interval must be an integer, got 2.5 (float)"),
+        ({"growth_interval": True}, TypeError, "growth_interval must be an integer, got True (bool)"),
+        ({"growth_interval": 2**40}, ValueError, "growth_interval must be an integer <= 2147483647"),
+        ({"hysteresis": "2"}, TypeError, "hysteresis must be an integer, got '2' (str)"),
+        ({"hysteresis": -3}, ValueError, "hysteresis must be an integer >= 1, got -3"),
+        ({"hysteresis_mode": 3}, ValueError, "hysteresis_mode must be one of ('consecutive', 'since_growth'), got 3"),
+        ({"min_scale": 0.0}, ValueError, "min_scale must be a finite positive number, got 0.0"),
+        ({"max_scale": INF}, ValueError, "max_scale must be a finite positive number, got inf"),
+        ({"init_scale": 4.0, "max_scale": 2.0}, ValueError, "init_scale=4.0 is above max_scale=2.0"),
+        ({"enabled": "no"}, TypeError, "enabled must be True or False, got 'no' (str)"),
+        ({"enabled": 1}, TypeError, "enabled must be True or False, got 1 (int)"),
+        ({"enabled": None}, TypeError, "enabled must be True or False, got None"),
+    ],
+)
+def test_constructor_rejects_bad_arguments_naming_them(kwargs, error, message):
+    with pytest.raises(error, match=re.escape(message)) as info:
+        DynamicLossScaler(**kwargs)
+    assert type(info.value) is error
+    assert "pass" in str(info.value) or "swap" in str(info.value) or "raise" in str(info.value) or "lower" in str(info.value)
+
+
+def test_range_ends_are_accepted():
+    assert DynamicLossScaler(init_scale=SCALE_FLOOR).get_scale() == SCALE_FLOOR == 2.0**-126
+    assert DynamicLossScaler(init_scale=SCALE_CEILING).get_scale() == SCALE_CEILING
+    assert DynamicLossScaler(backoff_factor=SCALE_FLOOR).get_backoff_factor() == SCALE_FLOOR
+
+
+@pytest.mark.parametrize(
+    ("scale", "error", "message"),
+    [
+        (1e39, ValueError, "scale=1e+39 is outside the usable range"),
+        (0.0, ValueError, "scale must be a finite positive number, got 0.0"),
+        ("x", TypeError, "scale must be a number, got 'x' (str)"),
+    ],
+)
+def test_constant_scaler_rejects_bad_scale(scale, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        ConstantLossScaler(scale)
+
+
+@pytest.mark.parametrize(
+    ("new_scale", "error", "message"),
+    [
+        (torch.tensor(NAN), ValueError, "new_scale must be a finite positive number, got nan"),
+        (torch.tensor(INF), ValueError, "new_scale must be a finite positive number, got inf"),
+        (torch.tensor(0.0), ValueError, "new_scale must be a finite positive number, got 0.0"),
+        (torch.tensor(-2.0), ValueError, "new_scale must be a finite positive number, got -2.0"),
+        (torch.tensor(1e-40), ValueError, "is outside the usable range"),
+        (NAN, ValueError, "new_scale must be a finite positive number, got nan"),
+        (1e39, ValueError, "new_scale=1e+39 is outside the usable range"),
+        ("8", TypeError, "new_scale must be a number or a one-element tensor, got '8' (str)"),
+        (torch.tensor(True), TypeError, "new_scale must be a real-valued tensor"),
+    ],
+)
+def test_update_new_scale_rejects_unusable_scales(new_scale, error, message):
+    s = DynamicLossScaler(init_scale=4.0)
+    with pytest.raises(error, match=re.escape(message)):
+        s.update(new_scale)
+    assert s.get_scale() == 4.0
+    s.update(torch.tensor(16))  # an integer tensor is a scale too
+    assert s.get_scale() == 16.0
+
+
+def _overflow_steps(scaler, params, opt, n: int) -> None:
+    for _ in range(n):
+        scaler.scale(sum(p.sum() for p in params)).backward()
+        params[0].grad[0] = INF
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"hysteresis": 2}, {"max_scale": 1.0}])
+def test_scale_is_floored_and_overflows_still_counted_there(kwargs):
+    """Backoff stops at SCALE_FLOOR (torch's scale would go subnormal, then 0 -> NaN weights)."""
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([w], lr=0.1)
+    s = DynamicLossScaler(init_scale=2.0**-120, growth_interval=3, **kwargs)
+    _overflow_steps(s, [w], opt, 30)
+    assert s.get_scale() == SCALE_FLOOR
+    assert s.overflow_steps == 30 and s.skipped_steps == 30 and s.last_step_skipped
+    assert torch.equal(w.detach(), torch.ones(3))
+    for _ in range(2):  # clean steps at the floor: finite gradients, finite weights, not skipped
+        s.scale(w.sum()).backward()
+        s.step(opt)
+        s.update()
+        opt.zero_grad()
+        assert not s.last_step_skipped
+    assert torch.isfinite(w).all() and not torch.equal(w.detach(), torch.ones(3))
+    assert s.overflow_steps == 30 and s.skipped_steps == 30
+
+
+def test_growth_never_leaves_fp32():
+    for kwargs in ({}, {"hysteresis": 2}):
+        s = DynamicLossScaler(init_scale=SCALE_CEILING, growth_interval=1, growth_factor=16.0, **kwargs)
+        assert _scale_sequence(s, [False, False]) == [SCALE_CEILING, SCALE_CEILING]
+
+
+def _state_snapshot(s) -> dict:
+    return {
+        "state": s.state_dict(),
+        "attrs": (s.get_growth_factor(), s.get_backoff_factor(), s.get_growth_interval(), s.hysteresis),
+    }
+
+
+def _bad_states():
+    base = DynamicLossScaler(init_scale=256.0, growth_factor=3.0, backoff_factor=0.25, growth_interval=5).state_dict()
+    cases = {
+        "tracker overflows int32": {"_growth_tracker": 10**30},
+        "tracker above interval": {"_growth_tracker": 5},
+        "scale too big": {"scale": 1e39},
+        "scale zero (torch run that collapsed)": {"scale": 0.0},
+        "scale subnormal": {"scale": 1e-40},
+        "interval inf": {"growth_interval": INF},
+        "interval huge int": {"growth_interval": 10**400},
+        "steps huge": {"steps": 10**400},
+        "hysteresis tracker too big": {"_hysteresis_tracker": 1},
+        "counters inconsistent": {"skipped_steps": 1, "overflow_steps": 2, "steps": 3},
+        "more skips than steps": {"skipped_steps": 5, "steps": 3},
+        "mode junk": {"hysteresis_mode": ["consecutive"]},
+        "min above max": {"min_scale": 8.0, "max_scale": 4.0},
+        "scale outside bounds": {"max_scale": 100.0},
+        "unknown key": {"growth_intervall": 3},
+        "nan factor": {"backoff_factor": NAN},
+    }
+    for name, patch in cases.items():
+        sd = dict(base)
+        sd.update(patch)
+        yield pytest.param(sd, id=name)
+
+
+@pytest.mark.parametrize("bad", list(_bad_states()))
+def test_failed_load_changes_nothing(bad):
+    s = DynamicLossScaler(init_scale=8.0, growth_factor=1.5, backoff_factor=0.75, growth_interval=7, hysteresis=3)
+    _scale_sequence(s, [False, True, False])
+    before = _state_snapshot(s)
+    with pytest.raises((ValueError, TypeError)) as info:
+        s.load_state_dict(bad)
+    assert "state_dict" in str(info.value)
+    assert _state_snapshot(s) == before
+
+
+def test_load_names_every_missing_key():
+    s = DynamicLossScaler()
+    with pytest.raises(
+        ValueError, match=re.escape("scaler state_dict is missing 'backoff_factor', 'growth_interval'")
+    ):
+        s.load_state_dict({"scale": 2.0, "growth_factor": 2.0, "_growth_tracker": 0})
+    with pytest.raises(ValueError, match=re.escape("The state_dict is empty")):
+        s.load_state_dict({})
+
+
+def test_constant_scaler_failed_load_changes_nothing():
+    s = ConstantLossScaler(128.0)
+    good = ConstantLossScaler(4.0).state_dict()
+    for patch in ({"skipped_steps": 1, "overflow_steps": 2, "steps": 3}, {"steps": 10**400}, {"extra": 1}):
+        before = s.state_dict()
+        with pytest.raises(ValueError, match="state_dict"):
+            s.load_state_dict({**good, **patch})
+        assert s.state_dict() == before and s.get_scale() == 128.0
+
+
+# --------------------------------------------------------------- torch.amp.GradScaler drop-in
+def test_torch_device_argument_and_positional_order():
+    assert DynamicLossScaler("cpu", init_scale=8.0).get_scale() == 8.0
+    assert DynamicLossScaler(device="cpu").get_scale() == 2.0**16
+    assert DynamicLossScaler(torch.device("cpu"), 4.0).get_scale() == 4.0
+    # torch's positional order after device: init_scale, growth_factor, backoff_factor, growth_interval, enabled
+    s = DynamicLossScaler("cuda", 1024.0, 3.0, 0.25, 7, True)
+    t = torch.amp.GradScaler("cpu", 1024.0, 3.0, 0.25, 7, True)
+    assert (s.get_scale(), s.get_growth_factor(), s.get_backoff_factor(), s.get_growth_interval()) == (
+        t.get_scale(), t.get_growth_factor(), t.get_backoff_factor(), t.get_growth_interval())
+    assert s._device == "cuda"  # where torch would put it; the state follows the loss
+    assert not DynamicLossScaler("cpu", 2.0, 2.0, 0.5, 10, False).is_enabled()
+    assert DynamicLossScaler(1024.0).get_scale() == 1024.0  # mixprec's positional init_scale
+    with pytest.raises(TypeError, match=re.escape("pass the other settings by keyword")):
+        DynamicLossScaler(1024.0, 3.0)
+    with pytest.raises(ValueError, match=re.escape("device='gpu' is not a device torch knows")):
+        DynamicLossScaler("gpu")
+    with pytest.raises(TypeError, match=re.escape("device must be a str or torch.device")):
+        DynamicLossScaler([1])
+
+
+def test_setters_match_torch_and_check_values():
+    s = DynamicLossScaler(init_scale=2.0, growth_interval=4)
+    _scale_sequence(s, [False, False, False])  # tracker 3
+    s.set_growth_factor(4.0)
+    s.set_backoff_factor(0.125)
+    s.set_growth_interval(2)  # tracker capped at 1: the next clean step grows
+    assert (s.get_growth_factor(), s.get_backoff_factor(), s.get_growth_interval()) == (4.0, 0.125, 2)
+    assert s._get_growth_tracker() == 1
+    assert _scale_sequence(s, [False, True]) == [8.0, 1.0]
+    with pytest.raises(ValueError, match=re.escape("growth_factor must be a finite number > 1, got 0.5")):
+        s.set_growth_factor(0.5)
+    with pytest.raises(ValueError, match=re.escape("backoff_factor must be in (0, 1), got 2.0")):
+        s.set_backoff_factor(2.0)
+    with pytest.raises(TypeError, match=re.escape("growth_interval must be an integer, got '3'")):
+        s.set_growth_interval("3")
+    assert (s.get_growth_factor(), s.get_backoff_factor(), s.get_growth_interval()) == (4.0, 0.125, 2)
+    assert torch.equal(s._get_scale_async(), torch.tensor(1.0))
+
+
+def test_loading_into_a_disabled_scaler_is_a_no_op_as_in_torch():
+    sd = DynamicLossScaler(init_scale=32.0).state_dict()
+    ours, ref = DynamicLossScaler(enabled=False), torch.amp.GradScaler("cpu", enabled=False)
+    ours.load_state_dict(sd)
+    ref.load_state_dict(sd)
+    assert ours.state_dict() == ref.state_dict() == {} and ours.get_scale() == ref.get_scale() == 1.0
+
+
+def test_accelerate_checkpoint_path():
+    """accelerate's FSDP2 load: load_state_dict, then scaler._lazy_init_scale_growth_tracker(scaler._device)."""
+    s = DynamicLossScaler("cpu")
+    buf = io.BytesIO()
+    torch.save(DynamicLossScaler(init_scale=64.0).state_dict(), buf)
+    buf.seek(0)
+    s.load_state_dict(torch.load(buf, weights_only=True))
+    s._lazy_init_scale_growth_tracker(s._device)
+    assert s.get_scale() == 64.0 and s._scale.device.type == "cpu"
+
+
+def test_step_rejects_what_is_not_an_optimizer():
+    for scaler in (DynamicLossScaler(), DynamicLossScaler(enabled=False), NoOpScaler(), ConstantLossScaler(2.0)):
+        with pytest.raises(TypeError, match=re.escape("step() expects a torch.optim.Optimizer")) as info:
+            scaler.step("sgd")
+        assert "got 'sgd' (str)" in str(info.value) and "scaler.step(optimizer)" in str(info.value)
+        with pytest.raises(TypeError, match=re.escape("unscale_() expects a torch.optim.Optimizer")):
+            scaler.unscale_(None)
+
+
+class _AttrOptimizer(torch.optim.Optimizer):
+    """Declares torch's _step_supports_amp_scaling, records what the scaler hands it, and does SGD."""
+
+    def __init__(self, params):
+        super().__init__(params, {"lr": 0.5})
+        self._step_supports_amp_scaling = True
+        self.seen: list[tuple[float | None, float]] = []
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        scale = self.grad_scale  # None when unscale_() already ran
+        self.seen.append((None if scale is None else float(scale), float(self.found_inf)))
+        if self.found_inf.item():
+            return None
+        for p in self.param_groups[0]["params"]:
+            grad = p.grad if scale is None else p.grad / scale
+            p.add_(grad, alpha=-0.5)
+        return "stepped"
+
+
+class _KwargOptimizer(torch.optim.Optimizer):
+    def __init__(self, params):
+        super().__init__(params, {"lr": 0.5})
+        self._step_supports_amp_scaling = True
+        self.seen: list[tuple[str, bool, bool]] = []
+
+    def step(self, closure=None, *, grad_scaler=None):
+        found = grad_scaler._check_inf_per_device(self)
+        self.seen.append((type(grad_scaler).__name__, hasattr(self, "grad_scale"), sum(v.item() for v in found.values()) > 0))
+        return None
+
+
+@pytest.mark.parametrize("unscale_first", [False, True])
+def test_optimizers_that_unscale_themselves_get_what_torch_gives(unscale_first):
+    seen = []
+    for scaler in (torch.amp.GradScaler("cpu", init_scale=4.0, growth_interval=1), DynamicLossScaler(init_scale=4.0, growth_interval=1)):
+        w = torch.nn.Parameter(torch.ones(2))
+        opt = _AttrOptimizer([w])
+        for bad in (False, True, False):
+            scaler.scale((w * (INF if bad else 1.0)).sum()).backward()
+            if unscale_first:
+                scaler.unscale_(opt)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        assert not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")
+        seen.append((opt.seen, w.tolist(), scaler.get_scale()))
+    assert seen[0] == seen[1]
+
+
+def test_grad_scaler_keyword_contract_as_torch():
+    seen = []
+    for scaler in (torch.amp.GradScaler("cpu", init_scale=2.0), DynamicLossScaler(init_scale=2.0)):
+        w = torch.nn.Parameter(torch.ones(2))
+        opt = _KwargOptimizer([w])
+        scaler.scale((w * INF).sum()).backward()
+        with pytest.warns(FutureWarning, match="GradScaler is going to stop passing itself"):
+            scaler.step(opt)
+        scaler.update()
+        assert opt.seen == [(type(scaler).__name__, False, True)]  # the scaler itself, no attributes
+        seen.append(scaler.get_scale())
+    assert seen == [1.0, 1.0]  # the recorded inf check backed the scale off
+
+
+def test_last_step_skipped_without_a_sync_for_ordinary_optimizers(monkeypatch):
+    w = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([w], lr=0.1)
+    s = DynamicLossScaler(init_scale=8.0)
+    assert s.last_step_skipped is False
+    results = []
+    for bad in (False, True, False):
+        s.scale((w * (INF if bad else 1.0)).sum()).backward()
+        s.step(opt)
+        s.update()
+        opt.zero_grad()
+        with monkeypatch.context() as m:  # step() already read the flag: the property does not sync
+            m.setattr(torch.Tensor, "item", lambda *a: pytest.fail("host sync"))
+            results.append(s.last_step_skipped)
+    assert results == [False, True, False]
+    s.skip()
+    assert s.last_step_skipped is True
+
+
+def test_last_step_skipped_with_a_fused_optimizer_reads_once():
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    s = DynamicLossScaler(init_scale=2.0**8)
+    x, y = _data(0)
+    for poison in (None, INF):
+        _train_step(model, opt, s, 0, poison)
+    assert s.last_step_skipped is True and s.get_scale() == 2.0**7
+
+
+def test_bounds_are_fp32_so_a_clamped_scale_reloads():
+    """A bound that is not an fp32 value is rounded like the scale, so a scale clamped to it reloads."""
+    s = DynamicLossScaler(init_scale=1.0, max_scale=1.0000001, growth_interval=1, hysteresis=2)
+    _scale_sequence(s, [False])
+    assert s.get_scale() == s.state_dict()["max_scale"] == _f32(1.0000001)
+    fresh = DynamicLossScaler()
+    fresh.load_state_dict(s.state_dict())
+    assert fresh.state_dict() == s.state_dict()

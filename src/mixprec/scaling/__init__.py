@@ -1,11 +1,14 @@
 """Loss scalers: dynamic (with hysteresis and bounds), constant, and the no-op identity."""
 
+from mixprec.scaling._checks import SCALE_CEILING, SCALE_FLOOR
 from mixprec.scaling.base import LossScaler, OptState
 from mixprec.scaling.constant import ConstantLossScaler, NoOpScaler
 from mixprec.scaling.dynamic import HYSTERESIS_MODES, DynamicLossScaler
 
 __all__ = [
     "HYSTERESIS_MODES",
+    "SCALE_CEILING",
+    "SCALE_FLOOR",
     "ConstantLossScaler",
     "DynamicLossScaler",
     "LossScaler",

@@ -16,12 +16,17 @@ The scale and every counter live in tensors, so none of ``scale``, ``unscale_``,
 ``update`` (nor ``step`` with an optimizer that accepts ``grad_scale`` /
 ``found_inf``, such as ``torch.optim.AdamW(fused=True)``) waits for the device.
 :meth:`LossScaler.get_scale` is the documented synchronisation point.
+
+The scale always stays in [:data:`SCALE_FLOOR`, :data:`SCALE_CEILING`] = [2**-126, fp32 max],
+where both the scale and its reciprocal are finite fp32 numbers.
 """
 
 from __future__ import annotations
 
 import enum
-import math
+import inspect
+import numbers
+import warnings
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -30,7 +35,9 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-__all__ = ["LossScaler", "OptState"]
+from mixprec.scaling._checks import SCALE_CEILING, SCALE_FLOOR, boolean, scale_value, show
+
+__all__ = ["SCALE_CEILING", "SCALE_FLOOR", "LossScaler", "OptState"]
 
 T = TypeVar("T")
 
@@ -49,6 +56,8 @@ class OptState(enum.Enum):
 class _OptimizerRecord:
     stage: OptState = OptState.READY
     found_inf: torch.Tensor | None = None
+    # The found-inf flag as the host read it in step() (None: not read, e.g. fused optimizers).
+    host_found: bool | None = None
 
 
 def _resolve_group(process_group: Any) -> Any:
@@ -78,6 +87,29 @@ def _grad_tensors(optimizer: torch.optim.Optimizer) -> Iterable[torch.Tensor]:
                 yield grad
 
 
+def _check_optimizer(optimizer: object, call: str) -> None:
+    if not hasattr(optimizer, "param_groups") or not callable(getattr(optimizer, "step", None)):
+        raise TypeError(
+            f"{call}() expects a torch.optim.Optimizer (an object with step() and param_groups), "
+            f"got {show(optimizer)} ({type(optimizer).__name__}); pass the optimizer instance itself, "
+            f"e.g. scaler.{call}(optimizer)"
+        )
+
+
+def _parse_device(device: object) -> torch.device | None:
+    if device is None:
+        return None
+    if not isinstance(device, str | torch.device):
+        raise TypeError(
+            f"device must be a str or torch.device such as 'cuda' or 'cpu', got {show(device)} "
+            f"({type(device).__name__}); pass e.g. device='cuda'"
+        )
+    try:
+        return torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"device={show(device)} is not a device torch knows; pass e.g. device='cuda' or 'cpu'") from None
+
+
 class LossScaler:
     """Base class: the state machine shared by dynamic, constant and no-op scalers.
 
@@ -86,19 +118,28 @@ class LossScaler:
     ``scale`` returns its input, ``step`` calls ``optimizer.step()``.
     """
 
-    def __init__(self, init_scale: float, *, enabled: bool = True, process_group: Any = None) -> None:
-        if not isinstance(init_scale, int | float) or isinstance(init_scale, bool):
-            raise TypeError(f"init_scale must be a number, got {init_scale!r}")
-        if not math.isfinite(init_scale) or init_scale <= 0:
-            raise ValueError(f"init_scale must be a finite positive number, got {init_scale!r}")
-        self._enabled = bool(enabled)
+    def __init__(
+        self,
+        init_scale: float,
+        *,
+        enabled: bool = True,
+        process_group: Any = None,
+        device: str | torch.device | None = None,
+    ) -> None:
+        value = scale_value("init_scale", init_scale, "pass e.g. init_scale=65536.0 (2**16, torch's default)")
+        self._enabled = boolean("enabled", enabled, "pass enabled=True or enabled=False")
+        # The device torch's GradScaler was asked for. The state moves to the loss's device on
+        # the first scale() (as torch initialises it lazily there), so no device is touched here.
+        self._device_hint = _parse_device(device)
         self._process_group = process_group
-        self._scale = torch.full((), float(init_scale), dtype=torch.float32)
+        self._scale = torch.full((), value, dtype=torch.float32)
         # Counters: what the host knows stays a Python int; overflows are a tensor (no sync).
         self._steps = 0
         self._forced_skips = 0
         self._overflow_steps = torch.zeros((), dtype=torch.int64)
         self._records: defaultdict[int, _OptimizerRecord] = defaultdict(_OptimizerRecord)
+        # Whether the last iteration skipped: a host bool when known without a sync, else a tensor.
+        self._last_skipped: bool | torch.Tensor = False
 
     # ------------------------------------------------------------------ state
     def is_enabled(self) -> bool:
@@ -107,7 +148,15 @@ class LossScaler:
 
     @property
     def device(self) -> torch.device:
+        """Where the state tensors live now (the loss's device after the first ``scale()``)."""
         return self._scale.device
+
+    @property
+    def _device(self) -> str:
+        """torch's ``GradScaler._device``: the device type the scale lives (or will live) on."""
+        if self._device_hint is not None and self._scale.device.type == "cpu":
+            return self._device_hint.type
+        return self._scale.device.type
 
     def _tensors(self) -> dict[str, torch.Tensor]:
         """Every state tensor, by attribute name (moved together to the loss's device)."""
@@ -120,12 +169,23 @@ class LossScaler:
             setattr(self, name, tensor.to(device))
         self._overflow_steps = self._overflow_steps.to(device)
 
+    def _lazy_init_scale_growth_tracker(self, dev: str | torch.device) -> None:
+        """torch's hook for creating the state on ``dev`` (Accelerate calls it after loading): move it there."""
+        parsed = _parse_device(dev)
+        if parsed is None:
+            raise TypeError("_lazy_init_scale_growth_tracker() needs a device, got None; pass e.g. 'cuda'")
+        self._to_device(parsed)
+
     def get_scale(self) -> float:
         """The current scale as a Python float. This synchronises with the device."""
         return float(self._scale.item()) if self._enabled else 1.0
 
     def scale_tensor(self) -> torch.Tensor:
         """The current scale as a 0-dim fp32 tensor (no synchronisation)."""
+        return self._scale
+
+    def _get_scale_async(self) -> torch.Tensor:
+        """torch's name for :meth:`scale_tensor` (used by optimizers that unscale themselves)."""
         return self._scale
 
     @property
@@ -137,6 +197,22 @@ class LossScaler:
     def overflow_steps(self) -> int:
         """Iterations whose gradients held inf/NaN. Synchronises with the device."""
         return int(self._overflow_steps.item())
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the last iteration (ended by ``update()`` or ``skip()``) skipped its step.
+
+        With several optimizers: whether any of them skipped. False before the first
+        iteration and for a disabled scaler. Free (no synchronisation) after ``skip()`` and
+        after ``step()`` with an ordinary optimizer, whose flag ``step()`` already read; after
+        a fused optimizer's ``step()`` or ``sync_found_inf()`` it reads one flag from the
+        device, once (the answer is cached).
+        """
+        value = self._last_skipped
+        if isinstance(value, torch.Tensor):
+            value = bool(value.item())
+            self._last_skipped = value
+        return value
 
     # ---------------------------------------------------------------- scaling
     def scale(self, outputs: T) -> T:
@@ -186,12 +262,19 @@ class LossScaler:
             dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)
         return found_inf
 
+    def _inv_scale(self) -> torch.Tensor:
+        if self._scale.device.type in _FP64_RECIPROCAL_UNSUPPORTED:
+            return self._scale.reciprocal()
+        # fp32 division can be imprecise under some compile options: take the reciprocal in fp64.
+        return self._scale.double().reciprocal().float()
+
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide ``optimizer``'s gradients by the scale, in place, and record whether any is inf/NaN.
 
         fp16 and bf16 gradients are accepted (computed in fp32). Call it at most once per
         optimizer per iteration, after all gradients are accumulated.
         """
+        _check_optimizer(optimizer, "unscale_")
         if not self._enabled:
             return
         record = self._record(optimizer)
@@ -204,13 +287,45 @@ class LossScaler:
             raise RuntimeError(
                 "unscale_() is being called after step(); call unscale_() before step() and update() after both."
             )
-        if self._scale.device.type in _FP64_RECIPROCAL_UNSUPPORTED:
-            inv_scale = self._scale.reciprocal()
-        else:
-            # fp32 division can be imprecise under some compile options: take the reciprocal in fp64.
-            inv_scale = self._scale.double().reciprocal().float()
-        record.found_inf = self._check_grads(optimizer, inv_scale)
+        record.found_inf = self._check_grads(optimizer, self._inv_scale())
         record.stage = OptState.UNSCALED
+
+    # torch.amp.GradScaler's helpers, for optimizers and tools that call them.
+    def _unscale_grads_(
+        self,
+        optimizer: torch.optim.Optimizer,
+        inv_scale: torch.Tensor,
+        found_inf: torch.Tensor,
+        allow_fp16: bool,
+    ) -> dict[torch.device, torch.Tensor]:
+        """Multiply ``optimizer``'s gradients by ``inv_scale``; return {device: found_inf} (torch's helper).
+
+        The returned flag is the maximum of ``found_inf`` and this check. With
+        ``allow_fp16=False`` fp16 gradients are refused, as torch does.
+        """
+        _check_optimizer(optimizer, "_unscale_grads_")
+        if not allow_fp16:
+            for grad in _grad_tensors(optimizer):
+                if grad.dtype == torch.float16:
+                    raise ValueError("Attempting to unscale FP16 gradients.")
+        flag = self._check_grads(optimizer, inv_scale.reshape(()).float())
+        merged = torch.maximum(found_inf.to(flag.device), flag.to(found_inf.dtype))
+        return {merged.device: merged}
+
+    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
+        """Check ``optimizer``'s gradients for inf/NaN without unscaling, and record the flag (torch's helper)."""
+        _check_optimizer(optimizer, "_check_inf_per_device")
+        ones = torch.ones((), dtype=torch.float32, device=self._scale.device)
+        flag = self._check_grads(optimizer, ones)
+        self._record(optimizer).found_inf = flag
+        return {flag.device: flag}
+
+    def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
+        """The recorded found-inf flag of ``optimizer`` as {device: flag} (torch's helper)."""
+        rec = self._records.get(id(optimizer))
+        if rec is None or rec.found_inf is None:
+            return {}
+        return {rec.found_inf.device: rec.found_inf}
 
     def found_inf(self, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
         """The found-inf flag recorded for ``optimizer`` this iteration (None before unscale_/step)."""
@@ -233,15 +348,20 @@ class LossScaler:
         combined = torch.stack(flags).amax() if flags else torch.zeros((), device=self._scale.device)
         for opt in opts:
             self._records[id(opt)].found_inf = combined
+            self._records[id(opt)].host_found = None
         return combined
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale (unless already done) and call ``optimizer.step(*args, **kwargs)`` unless gradients are inf/NaN.
 
         Returns what ``optimizer.step`` returns, or None when the step is skipped.
-        Optimizers with ``_step_supports_amp_scaling`` (fused Adam/AdamW/SGD) receive
-        ``grad_scale`` and ``found_inf`` and unscale/skip inside their own kernel.
+        Optimizers with ``_step_supports_amp_scaling`` (fused Adam/AdamW/SGD) get what
+        ``torch.amp.GradScaler`` gives them: ``grad_scale`` and ``found_inf`` attributes for
+        the duration of the call (they unscale and skip inside their own kernel), or, if
+        their ``step`` takes a ``grad_scaler`` argument, this scaler (deprecated in torch,
+        with torch's FutureWarning).
         """
+        _check_optimizer(optimizer, "step")
         if not self._enabled:
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs:
@@ -251,6 +371,17 @@ class LossScaler:
             raise RuntimeError("step() has already been called since the last update(); call update() first.")
 
         if getattr(optimizer, "_step_supports_amp_scaling", False):
+            if "grad_scaler" in inspect.signature(optimizer.step).parameters:
+                warnings.warn(
+                    "GradScaler is going to stop passing itself as a keyword argument to the passed "
+                    "optimizer. In the near future GradScaler registers `grad_scale: Tensor` and "
+                    "`found_inf: Tensor` to the passed optimizer and let the optimizer use them directly.",
+                    FutureWarning,
+                    stacklevel=2,
+                )
+                retval = optimizer.step(*args, **{**kwargs, "grad_scaler": self})
+                record.stage = OptState.STEPPED
+                return retval
             if record.stage is OptState.READY:
                 record.found_inf = self._check_grads(
                     optimizer, torch.ones((), dtype=torch.float32, device=self._scale.device)
@@ -272,36 +403,50 @@ class LossScaler:
             self.unscale_(optimizer)
         assert record.found_inf is not None  # set by unscale_
         retval = None
-        if not record.found_inf.item():
+        record.host_found = bool(record.found_inf.item())
+        if not record.host_found:
             retval = optimizer.step(*args, **kwargs)
         record.stage = OptState.STEPPED
         return retval
 
+    def _last_flag(self, flags: list[_OptimizerRecord]) -> tuple[torch.Tensor, bool | torch.Tensor]:
+        """(found-inf count over ``flags`` on the scale's device, skipped as a host bool if known)."""
+        tensors = [rec.found_inf.to(self._scale.device) for rec in flags if rec.found_inf is not None]
+        found = tensors[0]
+        for flag in tensors[1:]:
+            found = found + flag
+        host = [rec.host_found for rec in flags]
+        skipped: bool | torch.Tensor = any(host) if all(h is not None for h in host) else found > 0  # type: ignore[arg-type]
+        return found, skipped
+
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """End the iteration: adjust the scale from the recorded inf checks (or set ``new_scale``).
 
-        Call once per iteration, after ``step`` for every optimizer.
+        Call once per iteration, after ``step`` for every optimizer. ``new_scale`` (a number
+        or a one-element tensor) must be finite and in [SCALE_FLOOR, SCALE_CEILING]; a tensor
+        is read once to check it (a synchronisation, outside the per-step path).
         """
         if not self._enabled:
             self._records.clear()
             return
+        records = [rec for rec in self._records.values() if rec.found_inf is not None]
         if new_scale is not None:
-            self._set_scale(new_scale)
+            value = self._check_new_scale(new_scale)
+            self._set_scale(value, from_tensor=isinstance(new_scale, torch.Tensor))
+            self._last_skipped = self._last_flag(records)[1] if records else False
             self._records.clear()
             return
-        flags = [rec.found_inf for rec in self._records.values() if rec.found_inf is not None]
-        if not flags:
+        if not records:
             raise RuntimeError(
                 "update() found no inf checks for this iteration; call step(optimizer) "
                 "(or unscale_(optimizer)) before update()."
             )
-        found = flags[0]
-        for flag in flags[1:]:
-            found = found + flag
+        found, skipped = self._last_flag(records)
         found_bool = found > 0
         self._steps += 1
-        self._overflow_steps += found_bool
+        self._overflow_steps += found_bool.to(self._overflow_steps.device)
         self._update_scale(found, found_bool)
+        self._last_skipped = skipped
         self._records.clear()
 
     def skip(self) -> None:
@@ -313,19 +458,30 @@ class LossScaler:
         self._records.clear()
         self._steps += 1
         self._forced_skips += 1
+        self._last_skipped = True
 
-    def _set_scale(self, new_scale: float | torch.Tensor) -> None:
+    def _check_new_scale(self, new_scale: object) -> float:
+        fix = "pass a finite scale in [2**-126, 3.4e38], e.g. update(65536.0)"
         if isinstance(new_scale, torch.Tensor):
             if new_scale.numel() != 1 or new_scale.requires_grad:
                 raise ValueError(
                     "new_scale must be a float or a one-element tensor that does not require grad, "
-                    f"got shape {tuple(new_scale.shape)} (requires_grad={new_scale.requires_grad})"
+                    f"got shape {tuple(new_scale.shape)} (requires_grad={new_scale.requires_grad}); {fix}"
                 )
-            self._scale.copy_(new_scale.reshape(()).to(self._scale))
-            return
-        if not isinstance(new_scale, int | float) or not math.isfinite(new_scale) or new_scale <= 0:
-            raise ValueError(f"new_scale must be a finite positive number, got {new_scale!r}")
-        self._scale.fill_(float(new_scale))
+            if new_scale.is_complex() or new_scale.dtype == torch.bool:
+                raise TypeError(f"new_scale must be a real-valued tensor, got dtype {new_scale.dtype}; {fix}")
+            value: object = new_scale.detach().reshape(()).item()
+            return scale_value("new_scale", value, fix)
+        if isinstance(new_scale, bool) or not isinstance(new_scale, numbers.Real):
+            raise TypeError(
+                f"new_scale must be a number or a one-element tensor, got {show(new_scale)} "
+                f"({type(new_scale).__name__}); {fix}"
+            )
+        return scale_value("new_scale", new_scale, fix)
+
+    def _set_scale(self, value: float, from_tensor: bool) -> None:
+        """Set the scale to an already checked value (subclasses add their bounds)."""
+        self._scale.fill_(value)
 
     def _update_scale(self, found_inf: torch.Tensor, found_bool: torch.Tensor) -> None:
         """Evolve the scale given this iteration's found-inf count (fp32) and flag (bool)."""
@@ -335,15 +491,8 @@ class LossScaler:
         overflows = int(self._overflow_steps.item())
         return {"steps": self._steps, "skipped_steps": self._forced_skips + overflows, "overflow_steps": overflows}
 
-    def _load_counter_state(self, state: Mapping[str, Any]) -> None:
-        steps = _get_int(state, "steps", default=0, minimum=0)
-        skipped = _get_int(state, "skipped_steps", default=0, minimum=0)
-        overflows = _get_int(state, "overflow_steps", default=0, minimum=0)
-        if skipped < overflows:
-            raise ValueError(
-                f"scaler state_dict has skipped_steps={skipped} < overflow_steps={overflows}; every overflow is a skip"
-            )
-        self._steps, self._forced_skips = steps, skipped - overflows
+    def _apply_counters(self, counters: tuple[int, int, int]) -> None:
+        self._steps, self._forced_skips, overflows = counters
         self._overflow_steps = torch.tensor(overflows, dtype=torch.int64, device=self._scale.device)
 
     def state_dict(self) -> dict[str, Any]:
@@ -376,25 +525,3 @@ def _apply(obj: Any, scale: torch.Tensor) -> Any:
     if isinstance(obj, list | tuple):
         return type(obj)(_apply(v, scale) for v in obj)
     raise TypeError(f"scale() cannot scale an object of type {type(obj).__name__}")
-
-
-def _get_number(state: Mapping[str, Any], key: str, default: float | None = None) -> float:
-    if key not in state:
-        if default is None:
-            raise ValueError(f"scaler state_dict is missing {key!r}; was it produced by state_dict()?")
-        return default
-    value = state[key]
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        value = value.item()
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError(f"scaler state_dict[{key!r}] must be a number, got {value!r}")
-    return float(value)
-
-
-def _get_int(state: Mapping[str, Any], key: str, default: int | None = None, minimum: int | None = None) -> int:
-    value = _get_number(state, key, None if default is None else float(default))
-    if value != int(value):
-        raise ValueError(f"scaler state_dict[{key!r}] must be an integer, got {value!r}")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"scaler state_dict[{key!r}] must be >= {minimum}, got {int(value)}")
-    return int(value)

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from mixprec.scaling.base import LossScaler, _get_number
+from mixprec.scaling import _checks as checks
+from mixprec.scaling._checks import show
+from mixprec.scaling.base import LossScaler
 
 __all__ = ["ConstantLossScaler", "NoOpScaler"]
 
 _STATE_FORMAT = "mixprec.ConstantLossScaler/1"
+_KEYS = {"format", "scale", "steps", "skipped_steps", "overflow_steps"}
 
 
 class ConstantLossScaler(LossScaler):
@@ -26,7 +28,10 @@ class ConstantLossScaler(LossScaler):
     """
 
     def __init__(self, scale: float, *, process_group: Any = None) -> None:
-        super().__init__(scale, enabled=True, process_group=process_group)
+        try:
+            super().__init__(scale, enabled=True, process_group=process_group)
+        except (TypeError, ValueError) as exc:  # name the argument as the caller spelled it
+            raise type(exc)(str(exc).replace("init_scale", "scale")) from None
 
     def _update_scale(self, found_inf: torch.Tensor, found_bool: torch.Tensor) -> None:
         return None
@@ -35,17 +40,24 @@ class ConstantLossScaler(LossScaler):
         return {"format": _STATE_FORMAT, "scale": float(self._scale.item()), **self._counter_state()}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Replace the scale and the counters; all or nothing (the scaler is unchanged on error)."""
         if not isinstance(state_dict, Mapping):
-            raise TypeError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
+            raise TypeError(
+                f"state_dict must be a mapping, got {type(state_dict).__name__}; pass what state_dict() returned"
+            )
+        checks.check_keys(state_dict, {"format", "scale"}, _KEYS)
         fmt = state_dict.get("format")
         if fmt != _STATE_FORMAT:
-            raise ValueError(f"scaler state_dict has format {fmt!r}; ConstantLossScaler reads {_STATE_FORMAT!r}")
-        scale = _get_number(state_dict, "scale")
-        if not math.isfinite(scale) or scale <= 0:
-            raise ValueError(f"scaler state_dict['scale'] must be finite and positive, got {scale!r}")
+            raise ValueError(
+                f"scaler state_dict has format {show(fmt)}; ConstantLossScaler reads {_STATE_FORMAT!r}: "
+                "load it into the scaler that saved it"
+            )
+        scale = checks.state_scale(state_dict, "scale")
+        counters = checks.parse_counters(state_dict)
         self._scale = torch.tensor(scale, dtype=torch.float32, device=self._scale.device)
-        self._load_counter_state(state_dict)
+        self._apply_counters(counters)
         self._records.clear()
+        self._last_skipped = False
 
     def __repr__(self) -> str:
         return f"ConstantLossScaler(scale={self.get_scale()})"
@@ -69,11 +81,14 @@ class NoOpScaler(LossScaler):
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         if not isinstance(state_dict, Mapping):
-            raise TypeError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
+            raise TypeError(
+                f"state_dict must be a mapping, got {type(state_dict).__name__}; pass what state_dict() returned"
+            )
         if state_dict:
+            keys = sorted(show(k) for k in state_dict)
             raise ValueError(
-                "NoOpScaler has no state, but the given state_dict has keys "
-                f"{sorted(state_dict)}; it was saved from a scaling (fp16) run: load it into that scaler"
+                f"NoOpScaler has no state, but the given state_dict has keys [{', '.join(keys[:10])}]; "
+                "it was saved from a scaling (fp16) run: load it into that scaler"
             )
 
     def __repr__(self) -> str:

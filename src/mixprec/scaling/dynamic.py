@@ -3,40 +3,142 @@
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
-from mixprec.scaling.base import LossScaler, _get_int, _get_number
+from mixprec.scaling import _checks as checks
+from mixprec.scaling._checks import SCALE_CEILING, SCALE_FLOOR, show
+from mixprec.scaling.base import LossScaler
 
 __all__ = ["HYSTERESIS_MODES", "DynamicLossScaler"]
 
 HysteresisMode = Literal["consecutive", "since_growth"]
 HYSTERESIS_MODES: tuple[str, ...] = ("consecutive", "since_growth")
 _STATE_FORMAT = "mixprec.DynamicLossScaler/1"
+_DEFAULT_INIT_SCALE = 2.0**16
+_REQUIRED_KEYS = {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"}
+_ALLOWED_KEYS = _REQUIRED_KEYS | {
+    "format",
+    "hysteresis",
+    "hysteresis_mode",
+    "_hysteresis_tracker",
+    "min_scale",
+    "max_scale",
+    "steps",
+    "skipped_steps",
+    "overflow_steps",
+}
+
+
+@dataclass(frozen=True)
+class _Config:
+    growth_factor: float
+    backoff_factor: float
+    growth_interval: int
+    hysteresis: int
+    hysteresis_mode: str
+    min_scale: float | None
+    max_scale: float | None
+
+
+def _growth_factor(value: object) -> float:
+    fix = "pass e.g. growth_factor=2.0"
+    x = checks.real("growth_factor", value, fix)
+    if not math.isfinite(x) or not x > 1.0:
+        raise ValueError(f"growth_factor must be a finite number > 1, got {show(value)}; {fix}")
+    if x > SCALE_CEILING:
+        raise ValueError(f"growth_factor={show(value)} is larger than the fp32 maximum; {fix}")
+    return x
+
+
+def _backoff_factor(value: object) -> float:
+    fix = "pass a factor in [2**-126, 1), e.g. backoff_factor=0.5"
+    x = checks.real("backoff_factor", value, fix)
+    if not 0.0 < x < 1.0:
+        raise ValueError(f"backoff_factor must be in (0, 1), got {show(value)}; {fix}")
+    if x < SCALE_FLOOR:
+        raise ValueError(
+            f"backoff_factor={show(value)} is below 2**-126: a single backoff from scale 1.0 would leave "
+            f"the usable range of scales; {fix} (min_scale bounds the scale from below)"
+        )
+    return x
+
+
+def _growth_interval(value: object) -> int:
+    return checks.positive_int("growth_interval", value, "pass e.g. growth_interval=2000")
+
+
+def _config(
+    growth_factor: object,
+    backoff_factor: object,
+    growth_interval: object,
+    hysteresis: object,
+    hysteresis_mode: object,
+    min_scale: object,
+    max_scale: object,
+) -> _Config:
+    """Every setting checked (nothing is changed here)."""
+    gf = _growth_factor(growth_factor)
+    bf = _backoff_factor(backoff_factor)
+    gi = _growth_interval(growth_interval)
+    hy = checks.positive_int("hysteresis", hysteresis, "pass e.g. hysteresis=1 (back off on every overflow)")
+    if not isinstance(hysteresis_mode, str) or hysteresis_mode not in HYSTERESIS_MODES:
+        raise ValueError(
+            f"hysteresis_mode must be one of {HYSTERESIS_MODES}, got {show(hysteresis_mode)}; "
+            "pass hysteresis_mode='consecutive' or 'since_growth'"
+        )
+    bounds: list[float | None] = []
+    for name, bound in (("min_scale", min_scale), ("max_scale", max_scale)):
+        if bound is None:
+            bounds.append(None)
+        else:
+            bounds.append(checks.scale_value(name, bound, f"pass {name}=None (no bound) or a scale such as 1.0"))
+    lo, hi = bounds
+    if lo is not None and hi is not None and lo > hi:
+        raise ValueError(f"min_scale={show(min_scale)} is larger than max_scale={show(max_scale)}; swap or fix them")
+    return _Config(gf, bf, gi, hy, hysteresis_mode, lo, hi)
+
+
+def _check_within(name: str, value: float, shown: str, config: _Config) -> None:
+    if config.min_scale is not None and value < config.min_scale:
+        raise ValueError(f"{name}={shown} is below min_scale={config.min_scale!r}; raise {name} or lower min_scale")
+    if config.max_scale is not None and value > config.max_scale:
+        raise ValueError(f"{name}={shown} is above max_scale={config.max_scale!r}; lower {name} or raise max_scale")
 
 
 class DynamicLossScaler(LossScaler):
     """Grow the scale after ``growth_interval`` clean steps, back off after overflows.
 
     With the defaults (``hysteresis=1``, no bounds) the scale sequence is bit-for-bit
-    that of ``torch.amp.GradScaler`` for the same gradients, and the methods are the
-    same, so it is a drop-in replacement.
+    that of ``torch.amp.GradScaler`` for the same gradients (above :data:`SCALE_FLOOR`,
+    where torch's scale would become subnormal, then 0), and the methods are the same,
+    so it is a drop-in replacement: torch's leading ``device`` argument is accepted
+    (``DynamicLossScaler("cuda", init_scale=1024.0)``), and the first five positional
+    arguments after it are torch's (``init_scale, growth_factor, backoff_factor,
+    growth_interval, enabled``). A number as the only positional argument is ``init_scale``.
 
     Args:
-        init_scale: starting scale.
-        growth_factor: multiplier applied after ``growth_interval`` consecutive clean steps (> 1).
-        backoff_factor: multiplier applied on overflow, in (0, 1).
-        growth_interval: number of consecutive clean steps before growing (>= 1).
-        hysteresis: number of overflow steps tolerated before backing off (>= 1).
+        device: torch's device argument (``"cuda"``, ``"cpu"``...). The state moves to
+            the loss's device on the first ``scale()`` whatever it says; unlike torch, a
+            scaler asked for ``"cuda"`` on a machine without CUDA stays enabled.
+        init_scale: starting scale, in [2**-126, fp32 max] (None: 2**16, torch's default).
+        growth_factor: multiplier applied after ``growth_interval`` consecutive clean
+            steps, in (1, fp32 max].
+        backoff_factor: multiplier applied on overflow, in [2**-126, 1).
+        growth_interval: number of consecutive clean steps before growing (1 .. 2**31-1).
+        enabled: False makes the scaler the identity (a bool; anything else is a TypeError).
+        hysteresis: number of overflow steps tolerated before backing off (1 .. 2**31-1).
         hysteresis_mode: ``"consecutive"`` (Paddle's ``decr_every_n_nan_or_inf``: back off
             after N consecutive overflows, then count again from zero; a clean step resets
             the count) or ``"since_growth"`` (Megatron / Colossal-AI: each overflow spends
             one of N; once spent every overflow backs off; refilled when a growth
             interval completes).
-        min_scale, max_scale: bounds the scale is clamped to (None: unbounded).
-        enabled: False makes the scaler the identity.
+        min_scale, max_scale: bounds the scale is clamped to (None: only the floor
+            2**-126 and the fp32 maximum).
         process_group: group over which the found-inf flag is all-reduced (MAX); None
             means the default group when torch.distributed runs more than one rank.
 
@@ -52,66 +154,56 @@ class DynamicLossScaler(LossScaler):
         ...     _ = scaler.step(opt)
         ...     scaler.update()
         ...     opt.zero_grad()
-        >>> scaler.get_scale()
-        512.0
+        >>> scaler.get_scale(), scaler.last_step_skipped
+        (512.0, True)
     """
 
     def __init__(
         self,
-        init_scale: float = 2.0**16,
+        device: str | torch.device | float | None = None,
+        init_scale: float | None = None,
         growth_factor: float = 2.0,
         backoff_factor: float = 0.5,
         growth_interval: int = 2000,
+        enabled: bool = True,
+        *,
         hysteresis: int = 1,
         hysteresis_mode: HysteresisMode = "consecutive",
         min_scale: float | None = None,
         max_scale: float | None = None,
-        enabled: bool = True,
         process_group: Any = None,
     ) -> None:
-        super().__init__(init_scale, enabled=enabled, process_group=process_group)
-        self._configure(
-            growth_factor, backoff_factor, growth_interval, hysteresis, hysteresis_mode, min_scale, max_scale
-        )
-        if min_scale is not None and init_scale < min_scale:
-            raise ValueError(f"init_scale={init_scale!r} is below min_scale={min_scale!r}; raise init_scale")
-        if max_scale is not None and init_scale > max_scale:
-            raise ValueError(f"init_scale={init_scale!r} is above max_scale={max_scale!r}; lower init_scale")
+        device_arg = device
+        if isinstance(device, numbers.Real) and not isinstance(device, bool):
+            # mixprec's positional init_scale: DynamicLossScaler(1024.0).
+            if init_scale is not None:
+                raise TypeError(
+                    f"DynamicLossScaler got a number as its first argument ({show(device)}) and "
+                    f"init_scale={show(init_scale)}; the first positional argument is torch's device "
+                    "('cuda', 'cpu') or init_scale alone: pass the other settings by keyword"
+                )
+            try:
+                checks.scale_value("init_scale", device, "pass e.g. init_scale=65536.0 (2**16, torch's default)")
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"{exc} (a number as the first argument, device, is taken as init_scale)") from None
+            device_arg, init_scale = None, device  # type: ignore[assignment]
+        if init_scale is None:
+            init_scale = _DEFAULT_INIT_SCALE
+        config = _config(growth_factor, backoff_factor, growth_interval, hysteresis, hysteresis_mode, min_scale, max_scale)
+        super().__init__(init_scale, enabled=enabled, process_group=process_group, device=device_arg)  # type: ignore[arg-type]
+        _check_within("init_scale", self._scale.item(), show(init_scale), config)
+        self._apply_config(config)
         self._growth_tracker = torch.zeros((), dtype=torch.int32)
         self._hysteresis_tracker = torch.full((), self._initial_hysteresis_tracker(), dtype=torch.int32)
 
-    def _configure(
-        self,
-        growth_factor: float,
-        backoff_factor: float,
-        growth_interval: int,
-        hysteresis: int,
-        hysteresis_mode: str,
-        min_scale: float | None,
-        max_scale: float | None,
-    ) -> None:
-        if not _is_number(growth_factor) or not growth_factor > 1.0 or not math.isfinite(growth_factor):
-            raise ValueError(f"growth_factor must be a finite number > 1, got {growth_factor!r}")
-        if not _is_number(backoff_factor) or not 0.0 < backoff_factor < 1.0:
-            raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor!r}")
-        if not _is_int(growth_interval) or growth_interval < 1:
-            raise ValueError(f"growth_interval must be an integer >= 1, got {growth_interval!r}")
-        if not _is_int(hysteresis) or hysteresis < 1:
-            raise ValueError(f"hysteresis must be an integer >= 1, got {hysteresis!r}")
-        if hysteresis_mode not in HYSTERESIS_MODES:
-            raise ValueError(f"hysteresis_mode must be one of {HYSTERESIS_MODES}, got {hysteresis_mode!r}")
-        for name, bound in (("min_scale", min_scale), ("max_scale", max_scale)):
-            if bound is not None and (not _is_number(bound) or not math.isfinite(bound) or bound <= 0):
-                raise ValueError(f"{name} must be a finite positive number or None, got {bound!r}")
-        if min_scale is not None and max_scale is not None and min_scale > max_scale:
-            raise ValueError(f"min_scale={min_scale!r} is larger than max_scale={max_scale!r}; swap or fix them")
-        self._growth_factor = float(growth_factor)
-        self._backoff_factor = float(backoff_factor)
-        self._growth_interval = int(growth_interval)
-        self._hysteresis = int(hysteresis)
-        self._hysteresis_mode: str = hysteresis_mode
-        self._min_scale = None if min_scale is None else float(min_scale)
-        self._max_scale = None if max_scale is None else float(max_scale)
+    def _apply_config(self, config: _Config) -> None:
+        self._growth_factor = config.growth_factor
+        self._backoff_factor = config.backoff_factor
+        self._growth_interval = config.growth_interval
+        self._hysteresis = config.hysteresis
+        self._hysteresis_mode: str = config.hysteresis_mode
+        self._min_scale = config.min_scale
+        self._max_scale = config.max_scale
 
     def _initial_hysteresis_tracker(self) -> int:
         # "consecutive" counts overflows up to N; "since_growth" spends a budget of N.
@@ -124,15 +216,53 @@ class DynamicLossScaler(LossScaler):
             "_hysteresis_tracker": self._hysteresis_tracker,
         }
 
-    # torch.amp.GradScaler accessors, for drop-in use.
+    # torch.amp.GradScaler accessors and setters, for drop-in use (the setters check their value).
     def get_growth_factor(self) -> float:
+        """The growth factor."""
         return self._growth_factor
 
+    def set_growth_factor(self, new_factor: float) -> None:
+        """Set the growth factor (a finite number > 1)."""
+        self._growth_factor = _growth_factor(new_factor)
+
     def get_backoff_factor(self) -> float:
+        """The backoff factor."""
         return self._backoff_factor
 
+    def set_backoff_factor(self, new_factor: float) -> None:
+        """Set the backoff factor (in [2**-126, 1))."""
+        self._backoff_factor = _backoff_factor(new_factor)
+
     def get_growth_interval(self) -> int:
+        """The growth interval."""
         return self._growth_interval
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        """Set the growth interval. Clean steps already counted are kept, capped at
+        ``new_interval - 1`` (so the next clean step grows); no synchronisation."""
+        interval = _growth_interval(new_interval)
+        self._growth_interval = interval
+        self._growth_tracker.clamp_(max=interval - 1)
+
+    def _get_growth_tracker(self) -> int:
+        """Consecutive clean steps counted towards the next growth (torch's helper; synchronises)."""
+        return int(self._growth_tracker.item()) if self._enabled else 0
+
+    @property
+    def _init_growth_tracker(self) -> int:
+        """torch's ``GradScaler._init_growth_tracker``: the growth tracker (synchronises).
+
+        Setting it sets the tracker, capped at ``growth_interval - 1``."""
+        return int(self._growth_tracker.item())
+
+    @_init_growth_tracker.setter
+    def _init_growth_tracker(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"_init_growth_tracker must be an integer, got {show(value)} ({type(value).__name__})")
+        if not 0 <= int(value) <= checks.INT32_MAX:
+            raise ValueError(f"_init_growth_tracker must be in [0, 2**31-1], got {show(value)}")
+        # Capped at growth_interval - 1, as set_growth_interval() does.
+        self._growth_tracker.fill_(min(int(value), self._growth_interval - 1))
 
     @property
     def hysteresis(self) -> int:
@@ -144,7 +274,8 @@ class DynamicLossScaler(LossScaler):
 
     def _update_scale(self, found_inf: torch.Tensor, found_bool: torch.Tensor) -> None:
         if self._hysteresis == 1 and self._min_scale is None and self._max_scale is None:
-            # torch's own fused update kernel: one op, and torch's sequence by construction.
+            # torch's own fused update kernel: one op, and torch's sequence by construction;
+            # then the floor, where torch would go subnormal and on to 0.
             torch._amp_update_scale_(
                 self._scale,
                 self._growth_tracker,
@@ -153,6 +284,7 @@ class DynamicLossScaler(LossScaler):
                 self._backoff_factor,
                 self._growth_interval,
             )
+            self._scale.clamp_(min=SCALE_FLOOR)
             return
         found_inf = found_bool
         scale = self._scale
@@ -166,8 +298,7 @@ class DynamicLossScaler(LossScaler):
             grown = grown.clamp(max=self._max_scale)
         grow_ok = grow & torch.isfinite(grown)
         backed = (scale.double() * self._backoff_factor).float()
-        if self._min_scale is not None:
-            backed = backed.clamp(min=self._min_scale)
+        backed = backed.clamp(min=SCALE_FLOOR if self._min_scale is None else max(self._min_scale, SCALE_FLOOR))
 
         hyst = self._hysteresis_tracker
         if self._hysteresis == 1:
@@ -183,24 +314,23 @@ class DynamicLossScaler(LossScaler):
         self._hysteresis_tracker = hyst.to(torch.int32)
         self._scale = torch.where(backoff, backed, torch.where(grow_ok, grown, scale))
 
-    def _set_scale(self, new_scale: float | torch.Tensor) -> None:
-        if not isinstance(new_scale, torch.Tensor):
-            lo, hi = self._min_scale, self._max_scale
-            if _is_number(new_scale) and (
-                (lo is not None and new_scale < lo) or (hi is not None and new_scale > hi)
-            ):
-                raise ValueError(
-                    f"new_scale={new_scale!r} is outside [min_scale, max_scale] = [{lo}, {hi}]"
-                )
-        super()._set_scale(new_scale)
-        if isinstance(new_scale, torch.Tensor) and (self._min_scale is not None or self._max_scale is not None):
-            self._scale = self._scale.clamp(min=self._min_scale, max=self._max_scale)
+    def _set_scale(self, value: float, from_tensor: bool) -> None:
+        lo, hi = self._min_scale, self._max_scale
+        if from_tensor:  # tensors are clamped into the bounds (they may come from a computation)
+            value = min(max(value, lo if lo is not None else value), hi if hi is not None else value)
+        elif (lo is not None and value < lo) or (hi is not None and value > hi):
+            raise ValueError(
+                f"new_scale={value!r} is outside [min_scale, max_scale] = [{lo}, {hi}]; "
+                "pass a scale within the bounds"
+            )
+        self._scale.fill_(value)
 
     # ------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict[str, Any]:
         """Every setting and counter, as plain Python numbers (loadable with weights_only=True).
 
         The keys of ``torch.amp.GradScaler.state_dict()`` are included, so torch can load it too.
+        A disabled scaler returns ``{}``, as torch does.
         """
         if not self._enabled:
             return {}
@@ -220,41 +350,75 @@ class DynamicLossScaler(LossScaler):
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Replace every setting and counter. Accepts ``torch.amp.GradScaler`` state dicts too."""
-        if not self._enabled:
-            raise RuntimeError("load_state_dict() called on a disabled DynamicLossScaler; create it with enabled=True.")
+        """Replace every setting and counter. Accepts ``torch.amp.GradScaler`` state dicts too.
+
+        All or nothing: the whole dict is checked first (keys, types, ranges, counters), and
+        on any error (ValueError/TypeError naming the key) the scaler is unchanged. Loading
+        into a disabled scaler does nothing, as in torch.
+        """
         if not isinstance(state_dict, Mapping):
-            raise TypeError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
-        if len(state_dict) == 0:
-            raise RuntimeError(
-                "The state_dict is empty: it was saved from a disabled scaler; nothing to load."
+            raise TypeError(
+                f"state_dict must be a mapping, got {type(state_dict).__name__}; pass what state_dict() returned"
             )
+        if not self._enabled:
+            return
+        if len(state_dict) == 0:
+            raise ValueError(
+                "The state_dict is empty: it was saved from a disabled scaler; nothing to load. "
+                "Load a state_dict saved from an enabled scaler, or do not load one."
+            )
+        checks.check_keys(state_dict, _REQUIRED_KEYS, _ALLOWED_KEYS)
         fmt = state_dict.get("format", _STATE_FORMAT)
         if fmt != _STATE_FORMAT:
-            raise ValueError(f"scaler state_dict has format {fmt!r}; this DynamicLossScaler reads {_STATE_FORMAT!r}")
-        scale = _get_number(state_dict, "scale")
-        if not math.isfinite(scale) or scale <= 0:
-            raise ValueError(f"scaler state_dict['scale'] must be finite and positive, got {scale!r}")
-        mode = state_dict.get("hysteresis_mode", "consecutive")
-        min_scale = state_dict.get("min_scale")
-        max_scale = state_dict.get("max_scale")
-        self._configure(
-            _get_number(state_dict, "growth_factor"),
-            _get_number(state_dict, "backoff_factor"),
-            _get_int(state_dict, "growth_interval"),
-            _get_int(state_dict, "hysteresis", default=1),
-            mode,
-            min_scale,
-            max_scale,
+            raise ValueError(
+                f"scaler state_dict has format {show(fmt)}; this DynamicLossScaler reads {_STATE_FORMAT!r} "
+                "(or torch.amp.GradScaler's state_dict)"
+            )
+        scale = checks.state_scale(state_dict, "scale")
+        bounds = []
+        for key in ("min_scale", "max_scale"):
+            bound = state_dict.get(key)
+            bounds.append(None if bound is None else checks.state_number(state_dict, key))
+        settings = (
+            checks.state_number(state_dict, "growth_factor"),
+            checks.state_number(state_dict, "backoff_factor"),
+            checks.state_int(state_dict, "growth_interval", minimum=1, maximum=checks.INT32_MAX),
+            checks.state_int(state_dict, "hysteresis", default=1, minimum=1, maximum=checks.INT32_MAX),
+            checks.state_str(state_dict, "hysteresis_mode", default="consecutive"),
+            bounds[0],
+            bounds[1],
         )
+        try:
+            config = _config(*settings)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"scaler state_dict: {exc}") from None
+        _check_within("state_dict['scale']", scale, show(scale), config)
+        tracker = checks.state_int(state_dict, "_growth_tracker", maximum=checks.INT32_MAX)
+        if tracker >= config.growth_interval:
+            raise ValueError(
+                f"scaler state_dict['_growth_tracker']={tracker} must be < growth_interval={config.growth_interval} "
+                "(it counts clean steps since the last growth, and the growth_interval-th grows and resets it)"
+            )
+        consecutive = config.hysteresis_mode == "consecutive"
+        initial_hyst = 0 if consecutive else config.hysteresis
+        hyst = checks.state_int(state_dict, "_hysteresis_tracker", default=initial_hyst, maximum=checks.INT32_MAX)
+        hyst_max = config.hysteresis - 1 if consecutive else config.hysteresis
+        if hyst > hyst_max:
+            raise ValueError(
+                f"scaler state_dict['_hysteresis_tracker']={hyst} must be <= {hyst_max} for "
+                f"hysteresis={config.hysteresis}, hysteresis_mode={config.hysteresis_mode!r}"
+            )
+        counters = checks.parse_counters(state_dict)
+
+        # Everything is valid: nothing below can fail.
         device = self._scale.device
-        tracker = _get_int(state_dict, "_growth_tracker", minimum=0)
-        hyst = _get_int(state_dict, "_hysteresis_tracker", default=self._initial_hysteresis_tracker(), minimum=0)
+        self._apply_config(config)
         self._scale = torch.tensor(scale, dtype=torch.float32, device=device)
         self._growth_tracker = torch.tensor(tracker, dtype=torch.int32, device=device)
         self._hysteresis_tracker = torch.tensor(hyst, dtype=torch.int32, device=device)
-        self._load_counter_state(state_dict)
+        self._apply_counters(counters)
         self._records.clear()
+        self._last_skipped = False
 
     def __repr__(self) -> str:
         return (
@@ -263,11 +427,3 @@ class DynamicLossScaler(LossScaler):
             f"hysteresis={self._hysteresis}, hysteresis_mode={self._hysteresis_mode!r}, "
             f"min_scale={self._min_scale}, max_scale={self._max_scale}, enabled={self._enabled})"
         )
-
-
-def _is_number(x: object) -> bool:
-    return isinstance(x, int | float) and not isinstance(x, bool)
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
