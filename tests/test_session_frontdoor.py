@@ -255,3 +255,16 @@ def test_stepping_on_all_zero_gradients_with_loss_scaling_warns_once():
         warnings.simplefilter("error")
         mp.backward(model(torch.ones(1, 2)).sum() * 0.0)
         mp.step()
+
+
+def test_validate_state_dict_checks_the_scaler_part_without_changing_anything():
+    mp = _session()
+    sd = mp.state_dict()
+    sd["scaler"] = dict(sd["scaler"], scale=1e39)
+    before = mp.scaler.state_dict()
+    with pytest.raises(ValueError, match="scale"):
+        mp.validate_state_dict(sd)
+    with pytest.raises(ValueError, match="scale"):
+        mp.load_state_dict(sd)
+    assert mp.scaler.state_dict() == before
+    mp.validate_state_dict(mp.state_dict())  # a good one passes

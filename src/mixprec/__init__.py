@@ -29,7 +29,14 @@ from mixprec.dtypes import Format, parse_dtype
 from mixprec.islands import apply_fp32_islands, remove_fp32_islands
 from mixprec.plans import PLANS, Plan, get_plan
 from mixprec.policy import OpPolicy, Precision, compare_with_torch
-from mixprec.scaling import ConstantLossScaler, DynamicLossScaler, LossScaler, NoOpScaler
+from mixprec.scaling import (
+    SCALE_CEILING,
+    SCALE_FLOOR,
+    ConstantLossScaler,
+    DynamicLossScaler,
+    LossScaler,
+    NoOpScaler,
+)
 from mixprec.session import MixedPrecision, StepResult
 from mixprec.stats import op_stats
 
@@ -37,6 +44,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "PLANS",
+    "SCALE_CEILING",
+    "SCALE_FLOOR",
     "Advice",
     "ComparisonReport",
     "ConstantLossScaler",

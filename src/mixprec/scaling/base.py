@@ -23,6 +23,7 @@ where both the scale and its reciprocal are finite fp32 numbers.
 
 from __future__ import annotations
 
+import copy
 import enum
 import inspect
 import numbers
@@ -500,6 +501,17 @@ class LossScaler:
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         raise NotImplementedError
+
+    def validate_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Raise what :meth:`load_state_dict` would raise for ``state_dict``, changing nothing.
+
+        (It loads into a private copy of this scaler, so callers can check every part of a
+        checkpoint before they change any.)
+        """
+        probe = copy.copy(self)
+        probe.__dict__.update({k: v.clone() for k, v in self.__dict__.items() if isinstance(v, torch.Tensor)})
+        probe._records = defaultdict(_OptimizerRecord)
+        probe.load_state_dict(state_dict)
 
 
 def _first_tensor(obj: Any) -> torch.Tensor | None:
