@@ -22,9 +22,8 @@ DEVICE = "cuda"
 
 
 def _plan_skip_reason(plan: str) -> str | None:
-    if plan.startswith("bf16") or plan == "fp8-mixed":
-        if not torch.cuda.is_bf16_supported():
-            return f"{plan} needs bf16 support (compute capability >= 8.0)"
+    if (plan.startswith("bf16") or plan == "fp8-mixed") and not torch.cuda.is_bf16_supported():
+        return f"{plan} needs bf16 support (compute capability >= 8.0)"
     if plan == "fp8-mixed" and not native_fp8_available(DEVICE):
         return "fp8-mixed on CUDA needs native fp8 GEMMs (compute capability >= 8.9)"
     return None
