@@ -25,6 +25,7 @@ def cuda_skip_reason() -> str | None:
     return None
 
 
+@pytest.hookimpl(tryfirst=True)  # before ``-m cuda`` selects: an unmarked test here still counts
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     reason = cuda_skip_reason()
     for item in items:
