@@ -240,9 +240,6 @@ def run(args: argparse.Namespace, device: torch.device) -> tuple[list[Result], d
     tokens = torch.randint(0, config.vocab_size, (batch_size, seq + 1), generator=gen)
     batch = (tokens[:, :-1].to(device), tokens[:, 1:].to(device))
     names = args.plans or default_variants(device)
-    for name in names:
-        if name not in BASELINES:
-            get_plan(name)  # unknown names fail before anything runs
     results = {name: Result(name) for name in names}
     for r in range(args.rounds):
         order = names if r % 2 == 0 else list(reversed(names))
@@ -395,6 +392,12 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, flag) < (0 if flag == "warmup" else 1):
             parser.error(f"--{flag} must be positive, got {getattr(args, flag)}")
 
+    for name in args.plans or ():
+        if name not in BASELINES:
+            try:
+                get_plan(name)
+            except ValueError as err:
+                parser.error(f"--plans: {err}")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print(NO_CUDA_MESSAGE)
