@@ -239,7 +239,8 @@ def run(args: argparse.Namespace, device: torch.device) -> tuple[list[Result], d
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, config.vocab_size, (batch_size, seq + 1), generator=gen)
     batch = (tokens[:, :-1].to(device), tokens[:, 1:].to(device))
-    names = args.plans or default_variants(device)
+    names = [n if n in BASELINES else get_plan(n).name for n in (args.plans or default_variants(device))]
+    names = list(dict.fromkeys(names))  # aliases ("bf16", "O2") name their canonical plan once
     results = {name: Result(name) for name in names}
     for r in range(args.rounds):
         order = names if r % 2 == 0 else list(reversed(names))
