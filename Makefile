@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.mixprec-installed
 
-.PHONY: setup demo test test-fast lint bench docs clean
+.PHONY: setup demo test test-fast test-gpu lint bench docs clean
 
 $(STAMP): pyproject.toml constraints-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,10 @@ test: setup
 # Unit tests only: no multi-process, slow or third-party-framework tests.
 test-fast: setup
 	$(PY) -m pytest -q -m "not distributed and not slow and not integration"
+
+# The CUDA tier (tests/cuda): every test is skipped, with the reason, without a GPU.
+test-gpu: setup
+	$(PY) -m pytest -q -m cuda tests/cuda
 
 lint: setup
 	$(VENV)/bin/ruff check src tests benchmarks
