@@ -268,3 +268,8 @@ def test_validate_state_dict_checks_the_scaler_part_without_changing_anything():
         mp.load_state_dict(sd)
     assert mp.scaler.state_dict() == before
     mp.validate_state_dict(mp.state_dict())  # a good one passes
+
+
+def test_device_that_is_not_the_models_is_refused():
+    with pytest.raises(ValueError, match=re.escape("MixedPrecision(device='meta') but the model's parameters are on 'cpu'")):
+        MixedPrecision("bf16-mixed", device="meta").prepare_model(torch.nn.Linear(2, 2))

@@ -234,9 +234,15 @@ class MixedPrecision:
             raise RuntimeError("prepare() was already called on this MixedPrecision; create one per model")
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"prepare() expects an nn.Module first, got {type(model).__name__}")
+        first = next(iter(model.parameters()), None)
         if self.device is None:
-            first = next(iter(model.parameters()), None)
             self.device = first.device if first is not None else torch.device("cpu")
+        elif first is not None and first.device.type != self.device.type:
+            raise ValueError(
+                f"MixedPrecision(device={str(self.device)!r}) but the model's parameters are on "
+                f"{str(first.device)!r}: autocast would not apply to them. Move the model first "
+                f"(model.to({str(self.device)!r})) or drop device="
+            )
         from mixprec.distributed.frontdoor import ddp_arguments, plan_for_model
 
         ddp_kwargs = ddp_arguments(ddp, self.process_group) if ddp is not False else None
