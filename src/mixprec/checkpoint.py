@@ -293,6 +293,8 @@ def save_checkpoint(
         raise TypeError(f"path must be a text path, got {type(path).__name__}")
     if not path or path.endswith(os.sep) or os.path.isdir(path):
         raise ValueError(f"path must name a checkpoint file, got {path!r} (a folder)")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if isinstance(optimizers, torch.optim.Optimizer) or not isinstance(optimizers, Sequence):
         raise TypeError(f"optimizers must be a list of optimizers, got {type(optimizers).__name__}")
     for i, opt in enumerate(optimizers):

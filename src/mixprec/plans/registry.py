@@ -277,7 +277,14 @@ def _describe(hint: Any) -> str:
     return " or ".join(parts)
 
 
+_FP32_MAX = torch.finfo(torch.float32).max
+
+
 def _scaling_override(plan: Plan, has_loss_scale: bool, loss_scale: Any, settings: dict[str, Any]) -> ScalingConfig:
+    for key in ("init_scale", "min_scale", "max_scale"):
+        value = settings.get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value > _FP32_MAX:
+            raise ValueError(f"{key}={value!r} does not fit in fp32 (the scale is an fp32 tensor); use at most {_FP32_MAX:g}")
     base = plan.scaling
     kind: ScalingKind
     if has_loss_scale:
@@ -288,10 +295,10 @@ def _scaling_override(plan: Plan, has_loss_scale: bool, loss_scale: Any, setting
         if loss_scale == "dynamic":
             kind = "dynamic"
         elif isinstance(loss_scale, int | float) and not isinstance(loss_scale, bool):
-            if not math.isfinite(loss_scale) or loss_scale <= 0:
+            if not math.isfinite(loss_scale) or loss_scale <= 0 or loss_scale > _FP32_MAX:
                 raise ValueError(
                     f"loss_scale={loss_scale!r}: a constant loss scale must be a finite positive number "
-                    "(or pass 'dynamic', or None for no scaling)"
+                    "that fits in fp32 (or pass 'dynamic', or None for no scaling)"
                 )
             if settings:
                 raise ValueError(
