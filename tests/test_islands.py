@@ -279,3 +279,25 @@ def test_a_glob_that_matches_nothing_is_an_error() -> None:
     with pytest.raises(ValueError, match=re.escape("fp32_modules glob 'nope' matches no module of Net")):
         MixedPrecision(get_plan("bf16-mixed", fp32_modules=["nope"])).prepare(net)
     assert fp32_island_names(net) == []
+
+
+def test_pure_input_cast_hands_an_island_first_layer_its_fp32_inputs() -> None:
+    from mixprec import get_plan
+    from mixprec.islands import install_input_cast
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    x = torch.tensor([[1e5, 1.0, 2.0, 3.0]])  # 1e5 is inf in fp16
+    expected = net[0](x).to(torch.float16)
+    get_plan("fp16-pure", fp32_modules=["0"]).convert_model(net)
+    handles = install_input_cast(net, torch.float16)
+    seen: dict[str, torch.Tensor] = {}
+    net[0].register_forward_hook(lambda m, a, o: seen.setdefault("island", o))
+    out = net(x)
+    assert out.dtype == torch.float16
+    assert torch.equal(seen["island"], expected)  # not -inf: the island saw 1e5
+    for h in handles:
+        h.remove()
+    root_island = nn.Linear(4, 2)
+    apply_fp32_islands(root_island, OpPolicy(fp32_modules=[""]))
+    assert install_input_cast(root_island, torch.float16) == []  # a whole-model island takes inputs as they are

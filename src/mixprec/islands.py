@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -60,6 +61,7 @@ __all__ = [
     "apply_fp32_islands",
     "cast_outside_islands",
     "fp32_island_names",
+    "install_input_cast",
     "is_fp32_island",
     "match_fp32_modules",
     "remove_fp32_islands",
@@ -85,7 +87,8 @@ class FP32Island:
         autocast_was_on = torch.is_autocast_enabled(device_type)
         low_input = _low_precision_dtype(args, kwargs)
         with torch.autocast(device_type, enabled=False):
-            out = base.forward(self, *_to_fp32(args), **_to_fp32(kwargs))  # type: ignore[arg-type]
+            # Inputs the model's input cast rounded down come back at their fp32 values.
+            out = base.forward(self, *_to_fp32(_originals(args)), **_to_fp32(_originals(kwargs)))  # type: ignore[arg-type]
         if not autocast_was_on:
             # Transparent to its neighbours: back to the input's low dtype, or to the dtype
             # the model runs in (a pure-plan island fed by integer ids or fp32 values).
@@ -319,6 +322,74 @@ def remove_fp32_islands(model: nn.Module) -> list[str]:
 def fp32_island_names(model: nn.Module) -> list[str]:
     """Qualified names of the modules of ``model`` currently marked as fp32 islands."""
     return [name for name, module in model.named_modules() if isinstance(module, FP32Island)]
+
+
+# ------------------------------------------------------------ model input cast
+class _InputOriginals(threading.local):
+    def __init__(self) -> None:
+        self.stack: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = []
+
+
+_INPUT_ORIGINALS = _InputOriginals()
+
+
+def _originals(value: Any) -> Any:
+    """``value`` with each tensor the input cast produced replaced by the input it was cast from."""
+    if not _INPUT_ORIGINALS.stack:
+        return value
+    table = _INPUT_ORIGINALS.stack[-1]
+
+    def swap(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            hit = table.get(id(v))
+            return hit[1] if hit is not None and hit[0] is v else v
+        if isinstance(v, list | tuple) and type(v) in (list, tuple):
+            return type(v)(swap(x) for x in v)
+        if isinstance(v, dict) and type(v) is dict:
+            return {k: swap(x) for k, x in v.items()}
+        return v
+
+    return swap(value)
+
+
+def install_input_cast(model: nn.Module, dtype: torch.dtype) -> list[Any]:
+    """Cast the floating inputs of ``model`` to ``dtype`` (what the pure plans need), islands excepted.
+
+    Returns the hook handles (``remove()`` each to undo). Float64 inputs are cast too. An
+    fp32 island that receives one of those inputs directly (an island as the first
+    layer) gets the original fp32 value, not the rounded one (1e5 stays 1e5 under fp16);
+    a model that is itself an island gets its inputs unchanged.
+    """
+    if isinstance(model, FP32Island):
+        return []
+
+    def before(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        table: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+        def cast(v: Any) -> Any:
+            if isinstance(v, torch.Tensor):
+                if v.is_floating_point() and v.dtype != dtype:
+                    low = v.to(dtype)
+                    table[id(low)] = (low, v)
+                    return low
+                return v
+            if isinstance(v, list | tuple) and type(v) in (list, tuple):
+                return type(v)(cast(x) for x in v)
+            if isinstance(v, dict) and type(v) is dict:
+                return {k: cast(x) for k, x in v.items()}
+            return cast_floating(v, dtype, include_float64=True)
+
+        _INPUT_ORIGINALS.stack.append(table)
+        return cast(args), cast(kwargs)
+
+    def after(module: nn.Module, args: Any, output: Any) -> None:
+        if _INPUT_ORIGINALS.stack:
+            _INPUT_ORIGINALS.stack.pop()
+
+    return [
+        model.register_forward_pre_hook(before, with_kwargs=True),
+        model.register_forward_hook(after, always_call=True),
+    ]
 
 
 # ----------------------------------------------------------------------- helpers
