@@ -56,7 +56,7 @@ import torch
 
 from mixprec.session import MixedPrecision
 
-__all__ = ["load_checkpoint", "save_checkpoint", "unwrap_model"]
+__all__ = ["load_checkpoint", "save_checkpoint", "stale_temp_files", "unwrap_model"]
 
 _FORMAT = "mixprec.checkpoint/1"
 _TMP_SUFFIX = ".mixprec-tmp"
@@ -500,7 +500,7 @@ def load_checkpoint(
     allow_plan_change: bool = False,
     rng: bool = True,
 ) -> dict[str, Any]:
-    """Load what :func:`save_checkpoint` wrote, in the order model, optimizers, MixedPrecision, RNG.
+    """Load what :func:`save_checkpoint` wrote: model, optimizers, RNG, then MixedPrecision.
 
     All-or-nothing: every part is checked before anything changes (``ValueError``
     naming the path and what does not match; ``OSError`` if the file cannot be read),
@@ -535,20 +535,33 @@ def load_checkpoint(
     # 2. apply, restoring what was applied if a later part still fails
     model_before = _snapshot(module.state_dict())
     opts_before = [_snapshot(opt.state_dict()) for opt in optimizers]
+    rng_before = _rng_state() if restore_rng else None
+    mp_before: dict[str, Any] | None = None
+    if mp is not None:
+        with contextlib.suppress(RuntimeError):  # mid-accumulation sessions have no state_dict
+            mp_before = _snapshot(mp.state_dict())
     applied: list[int] = []
+    rng_applied = mp_touched = False
     try:
         module.load_state_dict(payload["model"])
         for i, (opt, state) in enumerate(zip(optimizers, payload["optimizers"], strict=True)):
             opt.load_state_dict(state)
             applied.append(i)
-        if mp is not None:
-            mp.load_state_dict(payload["mixed_precision"], allow_plan_change=allow_plan_change)
         if restore_rng:
+            rng_applied = True
             _set_rng_state(payload["rng"])
+        if mp is not None:
+            mp_touched = True
+            mp.load_state_dict(payload["mixed_precision"], allow_plan_change=allow_plan_change)
     except Exception as exc:
         module.load_state_dict(model_before)
         for i in applied:
             optimizers[i].load_state_dict(opts_before[i])
+        if rng_applied and rng_before is not None:
+            _set_rng_state(rng_before)
+        if mp_touched and mp is not None and mp_before is not None:
+            with contextlib.suppress(Exception):
+                mp.load_state_dict(mp_before)
         if isinstance(exc, ValueError | TypeError | OSError):
             raise
         raise ValueError(f"checkpoint {path!r} could not be applied ({exc}); nothing was changed") from exc
