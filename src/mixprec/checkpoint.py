@@ -17,6 +17,10 @@ Saving only ever replaces a good checkpoint with one that loads:
   save removes the temporary files of the *same target* left by processes that
   no longer run on this host (a killed save); files of live processes and of
   other hosts are left alone (other hosts' files only once they are a day old).
+  Liveness is ``kill(pid, 0)`` on this host: a reused pid keeps a stale file a while
+  longer (harmless); two containers with one hostname and separate pid namespaces
+  that save to the same path at the same time could remove each other's temp file,
+  which makes that save fail with an error, never corrupts the checkpoint.
 - The checkpoint's permissions follow the umask, or those of the file it
   replaces.
 
