@@ -79,6 +79,8 @@ PROBES: list[tuple[str, Callable[[], Any], tuple[str, ...]]] = [
     ("fp32_ops=['nope_op']", lambda: get_plan("bf16-mixed", fp32_ops=["nope_op"]), ("fp32_ops",)),
     ("fp32_modules=[3]", lambda: get_plan("bf16-mixed", fp32_modules=[3]), ("fp32_modules",)),
     ("policy and lower_ops", lambda: get_plan("bf16-mixed", policy=OpPolicy(), lower_ops=["softmax"]), ("policy=",)),
+    ("fp32 plan with lower_ops", lambda: get_plan("fp32", lower_ops=["softmax"]), ("lower_ops",)),
+    ("tf32 plan with fp32_modules", lambda: get_plan("tf32", fp32_modules=["head"]), ("fp32_modules",)),
     # OpPolicy
     ("OpPolicy(dtype=fp32)", lambda: OpPolicy(torch.float32), ("dtype",)),
     ("OpPolicy(dtype=3)", lambda: OpPolicy(3), ("dtype",)),  # type: ignore[arg-type]

@@ -144,8 +144,13 @@ def get_plan(name: str | Plan, **overrides: Any) -> Plan:
 
         if "policy" in changes:
             raise ValueError("pass either policy= or lower_ops/fp32_ops/fp32_modules, not both")
-        policy_dtype = compute if compute in (torch.float16, torch.bfloat16) else torch.bfloat16
-        changes["policy"] = OpPolicy(dtype=policy_dtype, **policy_changes)
+        if compute not in (torch.float16, torch.bfloat16):
+            raise ValueError(
+                f"{', '.join(sorted(policy_changes))} given for plan {plan.name!r}, which computes in "
+                f"{dtype_name(compute)} without autocast, so op lists and fp32 islands would do nothing; "
+                "use a low-precision plan such as 'bf16-mixed'"
+            )
+        changes["policy"] = OpPolicy(dtype=compute, **policy_changes)
     return dataclasses.replace(plan, **changes)
 
 
