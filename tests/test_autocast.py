@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import CheckpointError, checkpoint
 
+import mixprec
 from mixprec.autocast import (
     autocast,
     autocast_backward,
@@ -627,3 +628,50 @@ def test_compile_inductor_matches_eager_dtypes_and_values() -> None:
     torch.testing.assert_close(compiled, eager, rtol=2e-2, atol=2e-2)
     compiled.float().sum().backward()
     assert x.grad is not None and x.grad.dtype == FP32
+
+
+# ------------------------------------------------------------------ bad inputs
+@pytest.mark.parametrize("enabled", ["false", "no", 1, 0, None])
+def test_enabled_must_be_a_bool(enabled) -> None:
+    hint = "; a string such as 'false' would count as True" if isinstance(enabled, str) else ""
+    msg = f"enabled must be True or False, got {enabled!r} ({type(enabled).__name__}){hint}"
+    with pytest.raises(TypeError, match=re.escape(msg) + "$"):
+        mixprec.autocast(torch.bfloat16, device_type="cpu", enabled=enabled)
+
+
+def test_exit_without_enter_is_a_clear_error() -> None:
+    ctx = mixprec.autocast(torch.bfloat16, device_type="cpu")
+    with pytest.raises(RuntimeError, match=re.escape(
+        "autocast(dtype=torch.bfloat16, device_type='cpu', enabled=True).__exit__() called without a matching "
+        "__enter__() in this thread; use `with autocast(...):` (or call __enter__() first)"
+    )):
+        ctx.__exit__(None, None, None)
+    with ctx:  # still usable
+        assert torch.is_autocast_enabled("cpu")
+
+
+@pytest.mark.parametrize(
+    ("target", "message"),
+    [
+        ("nosuchns::op", "register_op() got 'nosuchns::op', but no such op is registered with torch.library"),
+        ("::op", "register_op() got '::op'; a library op is named 'namespace::op'"),
+    ],
+)
+def test_register_op_of_an_unknown_library_op_is_a_value_error(target, message) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        mixprec.register_op(target, "fp32")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"dtype": torch.int8}, ValueError, "autocast() dtype must be torch.bfloat16 or torch.float16, got torch.int8"),
+        ({"device_type": "gpu"}, ValueError, "device_type='gpu' is not a device type autocast supports"),
+        ({"cache_enabled": "yes"}, TypeError, "cache_enabled must be True, False or None, got 'yes'"),
+        ({"lower_ops": 3}, TypeError, "lower_ops must be a sequence of op names, got 3"),
+    ],
+)
+def test_bad_autocast_arguments_are_named(kwargs, error, message) -> None:
+    kwargs = {"device_type": "cpu", **kwargs}
+    with pytest.raises(error, match=re.escape(message)):
+        mixprec.autocast(**kwargs)

@@ -236,3 +236,60 @@ def test_console_script_error_has_no_traceback() -> None:
     assert proc.stdout == ""
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.startswith("mixprec demo: error: unknown precision plan 'nope'.")
+
+
+# ------------------------------------------------------- robustness of the runs
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["demo", "--lr", "inf"],
+         "mixprec demo: error: argument --lr: expected a finite positive number, got 'inf' (see mixprec demo --help)"),
+        (["demo", "--lr", "nan"], "mixprec demo: error: argument --lr: expected a finite positive number, got 'nan'"),
+        (["demo", "--lr", "-1"], "mixprec demo: error: argument --lr: expected a finite positive number, got '-1'"),
+        (["demo", "--seed", str(2**70)],
+         f"mixprec demo: error: argument --seed: must be at most 2**63-1 = {2**63 - 1}, got {2**70}"),
+        (["--seed", str(2**64), "explain", "fp32"], "mixprec: error: argument --seed: must be at most 2**63-1"),
+        (["demo", "--steps", "0"], "mixprec demo: error: argument --steps: expected a positive integer, got '0'"),
+    ],
+)
+def test_out_of_range_options_exit_2_with_one_line(argv: list[str], expected: str,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    assert _error_line(capsys).startswith(expected)
+
+
+def test_a_diverging_run_fails_with_one_line_and_status_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["demo", "--quiet", "--model", "mlp", "--size", "tiny", "--plans", "bf16-mixed", "--steps", "52",
+                 "--batch-size", "4", "--lr", "1e30", "--no-plots", "--out", str(tmp_path / "r")])
+    assert code == 1
+    line = _error_line(capsys)
+    assert line.startswith("mixprec demo: failed: 50 consecutive steps were skipped because the loss itself was inf/NaN")
+    assert line.endswith("(MIXPREC_TRACEBACK=1 shows where)")
+
+
+def test_an_interrupted_run_leaves_the_previous_report_whole(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    import mixprec.report
+
+    out = tmp_path / "report"
+    base = ["demo", "--quiet", "--model", "mlp", "--size", "tiny", "--plans", "bf16-mixed", "--steps", "2",
+            "--batch-size", "4", "--out", str(out)]
+    assert main(["--seed", "1", *base]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert sorted(before) == sorted(["report.md", "results.json", "loss.png", "accuracy.png", "loss_scale.png",
+                                     "step_time.png"])
+
+    def interrupted(*args: object, **kwargs: object) -> str:  # Ctrl-C after the plots were drawn
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(mixprec.report, "demo_markdown", interrupted)
+    assert main(["--seed", "2", *base]) == 130
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # no new plot beside the old report
+    monkeypatch.undo()
+    capsys.readouterr()
+
+    assert main(["--seed", "2", *base, "--no-plots"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["report.md", "results.json"]  # old plots gone
+    assert "--seed 2" in (out / "report.md").read_text()

@@ -219,3 +219,85 @@ def test_islands_compile_without_graph_breaks() -> None:
         explained = torch._dynamo.explain(net)(x)
     assert compiled.dtype == eager.dtype and torch.equal(compiled, eager)
     assert explained.graph_break_count == 0
+
+
+# ------------------------------------------------------- islands under the plans
+@pytest.mark.parametrize("plan", ["bf16-master", "fp16-master", "bf16-pure", "fp16-pure"])
+def test_islands_keep_their_exact_fp32_values_through_prepare(plan: str) -> None:
+    from mixprec import MixedPrecision, get_plan
+
+    net = _net()
+    with torch.no_grad():
+        net.head.weight[0, 0] = 1e5  # inf in fp16, 99840 in bf16
+        net.head.weight[0, 1] = 1 + 2**-10 + 2**-12  # not representable in either
+    ref = {k: v.clone() for k, v in net.head.state_dict().items()}
+    scaling = {"init_scale": 1.0} if plan.startswith("fp16") else {}  # 1e5 * 2**16 overflows fp16 grads
+    mp = MixedPrecision(get_plan(plan, fp32_modules=["head"], **scaling))
+    net, opt = mp.prepare(net, torch.optim.SGD(net.parameters(), lr=0.0))
+    for name, value in net.head.state_dict().items():
+        assert value.dtype == FP32
+        assert torch.equal(value, ref[name]), f"{plan}: head.{name} was rounded by prepare()"
+    assert net.layers[0].ff.weight.dtype == get_plan(plan).compute_dtype
+    with mp.autocast():
+        loss = net(_x(2, 4, 8)).float().mean()
+    mp.backward(loss)
+    assert mp.step().stepped
+    assert torch.equal(net.head.weight, ref["weight"])  # lr 0: an exact no-op update
+
+
+@pytest.mark.parametrize("plan", ["bf16-pure", "fp16-pure"])
+@pytest.mark.parametrize("rule", ["0", nn.Embedding])
+def test_pure_plan_island_fed_integer_ids_hands_its_neighbours_the_model_dtype(plan: str, rule) -> None:
+    from mixprec import MixedPrecision, get_plan
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 4), nn.Linear(4, 2))
+    table = net[0].weight.detach().clone()
+    mp = MixedPrecision(get_plan(plan, fp32_modules=[rule]))
+    net, _opt = mp.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    ids = torch.tensor([1, 2, 3])
+    with mp.autocast():
+        emb = net[0](ids)
+        out = net(ids)
+    low = get_plan(plan).compute_dtype
+    assert emb.dtype == low and torch.equal(emb, F.embedding(ids, table).to(low))
+    assert out.dtype == low
+
+
+def test_a_glob_that_matches_nothing_is_an_error() -> None:
+    msg = (
+        "fp32_modules glob 'layers.*.atn' matches no module of Net; did you mean 'layers.1.attn', "
+        "'layers.0.attn', 'layers.1.attn.qk'? Module names: '', layers, layers.0, layers.0.ln,"
+    )
+    with pytest.raises(ValueError, match=re.escape(msg)) as info:
+        apply_fp32_islands(_net(), OpPolicy(fp32_modules=["layers.*.attn", "layers.*.atn"]))
+    assert str(info.value).endswith("... (15 modules). Fix the pattern (globs match qualified names as "
+                                    "model.named_modules() gives them, e.g. 'encoder.*.attn')")
+    from mixprec import MixedPrecision, get_plan
+
+    net = _net()
+    with pytest.raises(ValueError, match=re.escape("fp32_modules glob 'nope' matches no module of Net")):
+        MixedPrecision(get_plan("bf16-mixed", fp32_modules=["nope"])).prepare(net)
+    assert fp32_island_names(net) == []
+
+
+def test_pure_input_cast_hands_an_island_first_layer_its_fp32_inputs() -> None:
+    from mixprec import get_plan
+    from mixprec.islands import install_input_cast
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    x = torch.tensor([[1e5, 1.0, 2.0, 3.0]])  # 1e5 is inf in fp16
+    expected = net[0](x).to(torch.float16)
+    get_plan("fp16-pure", fp32_modules=["0"]).convert_model(net)
+    handles = install_input_cast(net, torch.float16)
+    seen: dict[str, torch.Tensor] = {}
+    net[0].register_forward_hook(lambda m, a, o: seen.setdefault("island", o))
+    out = net(x)
+    assert out.dtype == torch.float16
+    assert torch.equal(seen["island"], expected)  # not -inf: the island saw 1e5
+    for h in handles:
+        h.remove()
+    root_island = nn.Linear(4, 2)
+    apply_fp32_islands(root_island, OpPolicy(fp32_modules=[""]))
+    assert install_input_cast(root_island, torch.float16) == []  # a whole-model island takes inputs as they are

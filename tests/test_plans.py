@@ -122,3 +122,98 @@ def test_pure_plan_casts_everything():
     get_plan("bf16-pure").convert_model(net)
     assert all(p.dtype == torch.bfloat16 for p in net.parameters())
     assert net.bn.num_batches_tracked.dtype == torch.int64
+
+
+# --------------------------------------------------------------- override checks
+def test_fp16_compute_on_an_unscaled_plan_needs_an_explicit_loss_scale() -> None:
+    msg = (
+        "compute_dtype=torch.float16 on plan 'bf16-mixed', which has no loss scaling: fp16 gradients "
+        "underflow without it. Use get_plan('fp16-mixed'), or pass loss_scale='dynamic' "
+        "(or a constant, or loss_scale=None to run fp16 unscaled on purpose)"
+    )
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        get_plan("bf16-mixed", compute_dtype=torch.float16)
+    with pytest.raises(ValueError, match=re.escape("Use get_plan('fp16-master')")):
+        get_plan("bf16-master", compute_dtype="fp16")
+    scaled = get_plan("bf16-mixed", compute_dtype="fp16", loss_scale="dynamic", lower_ops=["softmax"])
+    assert scaled.compute_dtype == torch.float16 and scaled.scaling.kind == "dynamic"
+    assert scaled.policy is not None and scaled.policy.dtype == torch.float16  # the policy follows the override
+    assert get_plan("bf16-mixed", compute_dtype=torch.float16, loss_scale=None).scaling.kind == "none"
+    assert get_plan("fp16-mixed", compute_dtype=torch.bfloat16).compute_dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    ("plan", "overrides", "error", "message"),
+    [
+        ("bf16-mixed", {"compute_dtype": torch.int8}, ValueError,
+         "override compute_dtype=int8 for plan 'bf16-mixed' is not a floating dtype mixprec computes in"),
+        ("bf16-mixed", {"compute_dtype": 16}, TypeError,
+         "override compute_dtype=16 for plan 'bf16-mixed' must be a torch.dtype or a dtype name"),
+        ("bf16-mixed", {"compute_dtype": torch.float32}, ValueError,
+         "compute_dtype=torch.float32 is not a compute dtype for plan 'bf16-mixed' (expected torch.bfloat16 or "
+         "torch.float16); use get_plan('fp32') for fp32 compute"),
+        ("fp32", {"compute_dtype": torch.bfloat16}, ValueError,
+         "compute_dtype=torch.bfloat16 is not a compute dtype for plan 'fp32' (expected torch.float32)"),
+        ("bf16-mixed", {"reduce_dtype": torch.int32}, ValueError, "override reduce_dtype=int32 for plan 'bf16-mixed'"),
+        ("bf16-mixed", {"policy": "x"}, TypeError,
+         "override policy='x' for plan 'bf16-mixed' has the wrong type str; expected OpPolicy or None"),
+        ("fp16-master", {"accumulate_grads_in_fp32_hooks": "yes"}, TypeError,
+         "override accumulate_grads_in_fp32_hooks='yes' for plan 'fp16-master' has the wrong type str; expected bool"),
+        ("tf32", {"tf32": 1}, TypeError, "override tf32=1 for plan 'tf32' has the wrong type int; expected bool"),
+        ("bf16-kahan", {"rounding": "nearest"}, ValueError,
+         "override rounding='nearest' for plan 'bf16-kahan' is not one of 'kahan' or 'stochastic'"),
+        ("bf16-sr", {"seed": 1.5}, TypeError, "override seed=1.5 for plan 'bf16-sr' has the wrong type float; expected int"),
+        ("bf16-pure", {"state_dtype": torch.int8}, ValueError, "override state_dtype=int8 for plan 'bf16-pure'"),
+        ("bf16-mixed", {"nosuch": 1}, ValueError, "unknown override(s) ['nosuch'] for plan 'bf16-mixed'"),
+        ("fp16-mixed", {"loss_scale": float("inf")}, ValueError,
+         "loss_scale=inf: a constant loss scale must be a finite positive number"),
+        ("fp16-mixed", {"loss_scale": True}, TypeError,
+         "loss_scale must be 'dynamic', a number (constant scale) or None, got True"),
+        ("bf16-mixed", {"fp32_modules": 3}, TypeError, "fp32_modules takes a sequence of nn.Module classes"),
+    ],
+)
+def test_bad_overrides_are_refused_naming_the_override(plan, overrides, error, message) -> None:
+    with pytest.raises(error, match=re.escape(message)):
+        get_plan(plan, **overrides)
+
+
+def test_pure_plan_state_dtype_none_is_accepted() -> None:
+    assert get_plan("bf16-pure", state_dtype=None).state_dtype is None
+    assert get_plan("fp16-pure", state_dtype="fp32").state_dtype == torch.float32
+
+
+def test_tf32_regions_overlapping_across_threads_restore_the_original_setting() -> None:
+    import threading
+
+    plan = get_plan("tf32")
+    original = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    seen: dict[str, str] = {}
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+
+    def region_a() -> None:
+        with plan.autocast():
+            a_in.set()
+            b_in.wait(5)
+        a_out.set()
+
+    def region_b() -> None:
+        a_in.wait(5)
+        with plan.autocast():
+            b_in.set()
+            a_out.wait(5)
+            seen["b after a left"] = torch.get_float32_matmul_precision()
+            with plan.autocast():  # nested in the same thread
+                pass
+            seen["b after nested"] = torch.get_float32_matmul_precision()
+
+    try:
+        threads = [threading.Thread(target=region_a), threading.Thread(target=region_b)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        assert seen == {"b after a left": "high", "b after nested": "high"}
+        assert torch.get_float32_matmul_precision() == "highest"
+    finally:
+        torch.set_float32_matmul_precision(original)

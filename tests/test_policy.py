@@ -529,3 +529,13 @@ def test_int_inputs_untouched() -> None:
         with autocast(device_type="cpu", policy=policy):
             out = torch.mm(a, a)
         assert out.dtype == torch.int64 and torch.equal(out, a @ a)
+
+
+@pytest.mark.parametrize("value", [3, 2.5, object()])
+def test_fp32_modules_that_is_not_a_sequence_is_a_type_error_naming_it(value) -> None:
+    msg = (
+        "fp32_modules takes a sequence of nn.Module classes (e.g. nn.LayerNorm) or qualified-name "
+        f"globs (e.g. '*.attn.softmax'), got {value!r}"
+    )
+    with pytest.raises(TypeError, match=re.escape(msg)):
+        OpPolicy(fp32_modules=value)

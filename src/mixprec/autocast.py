@@ -81,6 +81,15 @@ def _is_device_type(name: str) -> bool:
         return False
 
 
+def _op_list(value: Any, field: str) -> tuple[Any, ...]:
+    if isinstance(value, str):
+        return (value,)
+    try:
+        return tuple(value)
+    except TypeError:
+        raise TypeError(f"{field} must be a sequence of op names, got {value!r}") from None
+
+
 def _default_device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -442,8 +451,18 @@ class autocast:
         device = _default_device_type() if device_type is None else device_type
         if not isinstance(device, str):
             raise TypeError(f"device_type must be a str such as 'cpu' or 'cuda', got {device!r}")
-        lower_ops = tuple(lower_ops) if not isinstance(lower_ops, str) else (lower_ops,)
-        fp32_ops = tuple(fp32_ops) if not isinstance(fp32_ops, str) else (fp32_ops,)
+        if not _is_device_type(device):
+            raise ValueError(
+                f"device_type={device!r} is not a device type autocast supports; use 'cpu' or 'cuda' "
+                "(or another torch device type such as 'xpu', 'mps')"
+            )
+        if not isinstance(enabled, bool):
+            hint = "; a string such as 'false' would count as True" if isinstance(enabled, str) else ""
+            raise TypeError(f"enabled must be True or False, got {enabled!r} ({type(enabled).__name__}){hint}")
+        if cache_enabled is not None and not isinstance(cache_enabled, bool):
+            raise TypeError(f"cache_enabled must be True, False or None, got {cache_enabled!r}")
+        lower_ops = _op_list(lower_ops, "lower_ops")
+        fp32_ops = _op_list(fp32_ops, "fp32_ops")
         if isinstance(dtype, str) and _is_device_type(dtype):
             raise ValueError(
                 f"autocast() got dtype={dtype!r}, a device type; mixprec.autocast takes the dtype "
@@ -451,6 +470,11 @@ class autocast:
                 f"device_type={dtype!r})"
             )
         requested = parse_dtype(dtype) if dtype is not None else None
+        if requested is not None and requested not in (torch.bfloat16, torch.float16):
+            raise ValueError(
+                f"autocast() dtype must be torch.bfloat16 or torch.float16, got {requested}; for fp32 "
+                "compute run without autocast (or pass enabled=False)"
+            )
         if policy is not None:
             if not isinstance(policy, OpPolicy):
                 raise TypeError(f"policy must be a mixprec.OpPolicy, got {type(policy).__name__}")
@@ -511,7 +535,13 @@ class autocast:
         return self
 
     def __exit__(self, exc_type: Any, exc_val: Any, exc_tb: Any) -> None:
-        ctx, scope = self._stack().pop()
+        stack = self._stack()
+        if not stack:
+            raise RuntimeError(
+                f"{self!r}.__exit__() called without a matching __enter__() in this thread; "
+                "use `with autocast(...):` (or call __enter__() first)"
+            )
+        ctx, scope = stack.pop()
         try:
             scope.exit()
         finally:
@@ -640,12 +670,20 @@ def _register_library_op(qualname: str, precision: Precision) -> None:
             f"register_op() is for user ops; {qualname!r} is a PyTorch op: put it in "
             "OpPolicy(lower_ops=..., fp32_ops=...) instead"
         )
-    packet = getattr(getattr(torch.ops, namespace), opname.partition(".")[0])
-    overloads = (
-        [getattr(packet, opname.partition(".")[2])]
-        if "." in opname
-        else [getattr(packet, name) for name in packet.overloads()]
-    )
+    if not namespace or not opname:
+        raise ValueError(f"register_op() got {qualname!r}; a library op is named 'namespace::op'")
+    try:
+        packet = getattr(getattr(torch.ops, namespace), opname.partition(".")[0])
+        overloads = (
+            [getattr(packet, opname.partition(".")[2])]
+            if "." in opname
+            else [getattr(packet, name) for name in packet.overloads()]
+        )
+    except (AttributeError, RuntimeError):
+        raise ValueError(
+            f"register_op() got {qualname!r}, but no such op is registered with torch.library; define it "
+            "first (torch.library.custom_op or a Library fragment), or check the namespace and name"
+        ) from None
     _unregister_library_op(qualname)
     libs: list[torch.library.Library] = []
     for device_type in ("cpu", "cuda"):

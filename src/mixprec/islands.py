@@ -42,7 +42,9 @@ True
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
+import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -57,7 +59,9 @@ __all__ = [
     "FP32Island",
     "IslandHandle",
     "apply_fp32_islands",
+    "cast_outside_islands",
     "fp32_island_names",
+    "install_input_cast",
     "is_fp32_island",
     "match_fp32_modules",
     "remove_fp32_islands",
@@ -83,9 +87,14 @@ class FP32Island:
         autocast_was_on = torch.is_autocast_enabled(device_type)
         low_input = _low_precision_dtype(args, kwargs)
         with torch.autocast(device_type, enabled=False):
-            out = base.forward(self, *_to_fp32(args), **_to_fp32(kwargs))  # type: ignore[arg-type]
-        if not autocast_was_on and low_input is not None:
-            out = cast_floating(out, low_input)
+            # Inputs the model's input cast rounded down come back at their fp32 values.
+            out = base.forward(self, *_to_fp32(_originals(args)), **_to_fp32(_originals(kwargs)))  # type: ignore[arg-type]
+        if not autocast_was_on:
+            # Transparent to its neighbours: back to the input's low dtype, or to the dtype
+            # the model runs in (a pure-plan island fed by integer ids or fp32 values).
+            target = low_input or getattr(self, "_mixprec_output_dtype", None)
+            if target is not None:
+                out = cast_floating(out, target)
         return out
 
 
@@ -170,7 +179,10 @@ class _IslandList(list[str]):
 
 
 def apply_fp32_islands(
-    model: nn.Module, policy: OpPolicy | Iterable[ModuleRule] | ModuleRule
+    model: nn.Module,
+    policy: OpPolicy | Iterable[ModuleRule] | ModuleRule,
+    *,
+    output_dtype: torch.dtype | None = None,
 ) -> list[str]:
     """Mark the modules ``policy.fp32_modules`` selects as fp32 islands, in place.
 
@@ -180,6 +192,11 @@ def apply_fp32_islands(
     precision restores its islands). The returned list has a ``handle`` attribute whose
     ``remove()`` unmarks exactly the modules this call marked;
     :func:`remove_fp32_islands` unmarks all.
+
+    A glob that matches no module raises ``ValueError`` naming it (a typo would
+    otherwise leave the layer in low precision silently). ``output_dtype`` (the pure
+    plans pass their weight dtype) is the dtype island outputs are cast to when
+    autocast is off and no low-precision input tells it.
 
     >>> import torch
     >>> from torch import nn
@@ -192,7 +209,14 @@ def apply_fp32_islands(
     >>> names.handle.remove()
     ['1.0']
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"apply_fp32_islands() expects an nn.Module, got {type(model).__name__}")
+    if output_dtype is not None and (
+        not isinstance(output_dtype, torch.dtype) or output_dtype not in (torch.float16, torch.bfloat16, torch.float32)
+    ):
+        raise ValueError(f"output_dtype must be torch.float16, torch.bfloat16 or torch.float32, got {output_dtype!r}")
     rules = _rules_of(policy)
+    _check_globs_match(model, rules)
     names = _IslandList()
     marked: list[str] = []
     for name, module in list(model.named_modules()):
@@ -203,8 +227,76 @@ def apply_fp32_islands(
         if not isinstance(module, FP32Island):
             _mark(module)
             marked.append(name)
+        if output_dtype is not None:
+            module._mixprec_output_dtype = output_dtype  # type: ignore[assignment]
     names.handle = IslandHandle(model, marked)
     return names
+
+
+def _check_globs_match(model: nn.Module, rules: Sequence[ModuleRule]) -> None:
+    globs = [r for r in rules if isinstance(r, str)]
+    if not globs:
+        return
+    all_names = [name for name, _ in model.named_modules()]
+    for glob in globs:
+        if not any(fnmatch.fnmatchcase(name, glob) for name in all_names):
+            shown = [n if n else "''" for n in all_names[:12]]
+            more = f", ... ({len(all_names)} modules)" if len(all_names) > 12 else ""
+            close = difflib.get_close_matches(glob, [n for n in all_names if n], n=3)
+            hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+            raise ValueError(
+                f"fp32_modules glob {glob!r} matches no module of {type(model).__name__}{hint} "
+                f"Module names: {', '.join(shown)}{more}. Fix the pattern (globs match qualified "
+                "names as model.named_modules() gives them, e.g. 'encoder.*.attn')"
+            )
+
+
+def _island_tensor_ids(model: nn.Module) -> set[int]:
+    """ids of the parameters and buffers that belong to an island or its submodules."""
+    ids: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, FP32Island):
+            ids.update(id(t) for t in (*module.parameters(), *module.buffers()))
+    return ids
+
+
+def cast_outside_islands(
+    model: nn.Module,
+    dtype: torch.dtype,
+    policy: OpPolicy | None,
+    *,
+    keep: tuple[type[nn.Module], ...] = (),
+    keep_dtype: torch.dtype = torch.float32,
+    output_dtype: torch.dtype | None = None,
+) -> dict[torch.Tensor, torch.Tensor]:
+    """Cast ``model`` to ``dtype`` in place as a plan's ``convert_model`` does, leaving islands fp32.
+
+    The modules ``policy.fp32_modules`` selects are marked as islands first
+    (:func:`apply_fp32_islands`), so their parameters never go through the
+    low-precision cast and keep their exact fp32 values (a 1e5 weight stays 1e5 under
+    fp16). Modules of the types in ``keep`` get ``keep_dtype``. Parameter objects keep
+    their identity; integer buffers are untouched. Returns the fp32 values of the
+    parameters that were cast down (to seed fp32 master weights).
+    """
+    if policy is not None and policy.fp32_modules:
+        apply_fp32_islands(model, policy, output_dtype=output_dtype)
+    protected = _island_tensor_ids(model)
+    originals: dict[torch.Tensor, torch.Tensor] = {}
+    seen: set[int] = set()
+    for module in model.modules():
+        target = keep_dtype if keep and isinstance(module, keep) else dtype
+        for t in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
+            if id(t) in seen:
+                continue
+            seen.add(id(t))
+            if id(t) in protected or not t.is_floating_point() or t.dtype == target:
+                continue
+            if torch.finfo(target).bits < torch.finfo(t.dtype).bits and isinstance(t, nn.Parameter):
+                originals[t] = t.detach().to(torch.float32, copy=True)
+            t.data = t.data.to(target)  # type: ignore[assignment]
+            if t.grad is not None:
+                t.grad = t.grad.to(target)
+    return originals
 
 
 def _mark(module: nn.Module) -> None:
@@ -215,6 +307,7 @@ def _unmark(module: nn.Module) -> bool:
     if not isinstance(module, FP32Island):
         return False
     module.__class__ = type(module)._mixprec_island_base  # type: ignore[assignment]
+    module.__dict__.pop("_mixprec_output_dtype", None)
     return True
 
 
@@ -229,6 +322,74 @@ def remove_fp32_islands(model: nn.Module) -> list[str]:
 def fp32_island_names(model: nn.Module) -> list[str]:
     """Qualified names of the modules of ``model`` currently marked as fp32 islands."""
     return [name for name, module in model.named_modules() if isinstance(module, FP32Island)]
+
+
+# ------------------------------------------------------------ model input cast
+class _InputOriginals(threading.local):
+    def __init__(self) -> None:
+        self.stack: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = []
+
+
+_INPUT_ORIGINALS = _InputOriginals()
+
+
+def _originals(value: Any) -> Any:
+    """``value`` with each tensor the input cast produced replaced by the input it was cast from."""
+    if not _INPUT_ORIGINALS.stack:
+        return value
+    table = _INPUT_ORIGINALS.stack[-1]
+
+    def swap(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            hit = table.get(id(v))
+            return hit[1] if hit is not None and hit[0] is v else v
+        if isinstance(v, list | tuple) and type(v) in (list, tuple):
+            return type(v)(swap(x) for x in v)
+        if isinstance(v, dict) and type(v) is dict:
+            return {k: swap(x) for k, x in v.items()}
+        return v
+
+    return swap(value)
+
+
+def install_input_cast(model: nn.Module, dtype: torch.dtype) -> list[Any]:
+    """Cast the floating inputs of ``model`` to ``dtype`` (what the pure plans need), islands excepted.
+
+    Returns the hook handles (``remove()`` each to undo). Float64 inputs are cast too. An
+    fp32 island that receives one of those inputs directly (an island as the first
+    layer) gets the original fp32 value, not the rounded one (1e5 stays 1e5 under fp16);
+    a model that is itself an island gets its inputs unchanged.
+    """
+    if isinstance(model, FP32Island):
+        return []
+
+    def before(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        table: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+        def cast(v: Any) -> Any:
+            if isinstance(v, torch.Tensor):
+                if v.is_floating_point() and v.dtype != dtype:
+                    low = v.to(dtype)
+                    table[id(low)] = (low, v)
+                    return low
+                return v
+            if isinstance(v, list | tuple) and type(v) in (list, tuple):
+                return type(v)(cast(x) for x in v)
+            if isinstance(v, dict) and type(v) is dict:
+                return {k: cast(x) for k, x in v.items()}
+            return cast_floating(v, dtype, include_float64=True)
+
+        _INPUT_ORIGINALS.stack.append(table)
+        return cast(args), cast(kwargs)
+
+    def after(module: nn.Module, args: Any, output: Any) -> None:
+        if _INPUT_ORIGINALS.stack:
+            _INPUT_ORIGINALS.stack.pop()
+
+    return [
+        model.register_forward_pre_hook(before, with_kwargs=True),
+        model.register_forward_hook(after, always_call=True),
+    ]
 
 
 # ----------------------------------------------------------------------- helpers

@@ -352,6 +352,13 @@ ModuleRule = type[nn.Module] | str
 
 def _as_module_rules(value: Iterable[ModuleRule] | ModuleRule) -> tuple[ModuleRule, ...]:
     items: Iterable[Any] = (value,) if isinstance(value, str | type) else value
+    try:
+        items = tuple(items)
+    except TypeError:
+        raise TypeError(
+            "fp32_modules takes a sequence of nn.Module classes (e.g. nn.LayerNorm) or qualified-name "
+            f"globs (e.g. '*.attn.softmax'), got {value!r}"
+        ) from None
     rules: list[ModuleRule] = []
     for item in items:
         if isinstance(item, str) or (isinstance(item, type) and issubclass(item, nn.Module)):

@@ -3,8 +3,10 @@
 Each subcommand lives in a module of this package that defines ``COMMAND``
 (a :class:`~mixprec.cli._common.Command`); adding one means adding a module and its
 name to :data:`COMMAND_MODULES`. Bad input (an unknown plan or model, an unwritable
-output path, a bad ``--model`` spec) ends with a one-line error on stderr and exit
-status 2, without a traceback.
+output path, a bad ``--model`` spec, an option out of range) ends with a one-line error
+on stderr and exit status 2, without a traceback; a run that fails (a diverging model)
+ends with a one-line error and exit status 1; Ctrl-C with status 130. Set
+``MIXPREC_TRACEBACK=1`` to see the traceback of a failed run.
 
 >>> main(["explain", "bf16-master"])  # doctest: +ELLIPSIS
 plan bf16-master: ...
@@ -17,10 +19,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
-from mixprec.cli._common import Command, global_options
+from mixprec.cli._common import Command, OneLineErrorParser, global_options
 
 __all__ = ["COMMAND_MODULES", "build_parser", "commands", "main"]
 
@@ -28,6 +31,7 @@ COMMAND_MODULES: tuple[str, ...] = ("demo", "bench", "explain", "memory", "inspe
 """Subcommand modules, in help order (``inspect`` joins here with ``mixprec.cli.inspect``)."""
 
 EXIT_USAGE = 2
+EXIT_FAILED = 1
 
 
 def commands() -> list[Command]:
@@ -41,14 +45,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     import mixprec
 
-    parser = argparse.ArgumentParser(
+    parser = OneLineErrorParser(
         prog="mixprec",
         description="Automatic mixed precision for PyTorch training: demo runs, benchmarks, plan tables, "
                     "memory estimates.",
         parents=[global_options(suppress=False)],
     )
     parser.add_argument("--version", action="version", version=f"mixprec {mixprec.__version__} (torch {torch.__version__})")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineErrorParser)
     for command in commands():
         p = sub.add_parser(command.name, help=command.help, description=command.description or command.help,
                            parents=[global_options(suppress=True)])
@@ -74,3 +78,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"mixprec {args.command}: interrupted", file=sys.stderr)
         return 130
+    except (RuntimeError, ArithmeticError) as exc:
+        if os.environ.get("MIXPREC_TRACEBACK"):
+            raise
+        message = " ".join(str(exc).split()) or type(exc).__name__
+        print(f"mixprec {args.command}: failed: {message} (MIXPREC_TRACEBACK=1 shows where)", file=sys.stderr)
+        return EXIT_FAILED

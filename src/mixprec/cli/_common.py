@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import math
 import shlex
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
@@ -16,6 +18,7 @@ from mixprec.plans import resolve_plan_name
 
 __all__ = [
     "Command",
+    "OneLineErrorParser",
     "add_model_arguments",
     "apply_globals",
     "check_writable_dir",
@@ -24,9 +27,18 @@ __all__ = [
     "global_options",
     "non_negative_int",
     "parse_plans",
+    "positive_float",
     "positive_int",
     "resolve_workload",
+    "seed_int",
 ]
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line on stderr, exit status 2 (no usage block)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} --help)\n")
 
 
 @dataclass(frozen=True)
@@ -44,14 +56,14 @@ class Command:
     description: str = ""
 
 
-def global_options(*, suppress: bool) -> argparse.ArgumentParser:
+def global_options(*, suppress: bool) -> OneLineErrorParser:
     """A parent parser with ``--threads``, ``--seed``, ``--quiet``.
 
     The top-level parser takes them with defaults; each subcommand takes them too with
     ``suppress=True`` (no default), so ``mixprec --quiet demo`` and ``mixprec demo --quiet``
     both work and the later one wins.
     """
-    parser = argparse.ArgumentParser(add_help=False)
+    parser = OneLineErrorParser(add_help=False)
     group = parser.add_argument_group("global options")
 
     def default(value: object) -> object:
@@ -60,8 +72,8 @@ def global_options(*, suppress: bool) -> argparse.ArgumentParser:
     group.add_argument("--threads", type=positive_int, default=default(None), metavar="N",
                        help="torch intra-op threads (default: the command's choice: 1 for the demo, "
                             "torch's default otherwise)")
-    group.add_argument("--seed", type=non_negative_int, default=default(0), metavar="N",
-                       help="seed of model weights, data and everything random (default: 0)")
+    group.add_argument("--seed", type=seed_int, default=default(0), metavar="N",
+                       help=f"seed of model weights, data and everything random, 0 to {MAX_SEED} (default: 0)")
     group.add_argument("--quiet", "-q", action="store_true", default=default(False),
                        help="no progress bars")
     return parser
@@ -86,6 +98,29 @@ def non_negative_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
+    return value
+
+
+MAX_SEED = 2**63 - 1
+"""The largest seed torch's generators take."""
+
+
+def seed_int(text: str) -> int:
+    """argparse type: a seed, 0 <= N <= 2**63 - 1."""
+    value = non_negative_int(text)
+    if value > MAX_SEED:
+        raise argparse.ArgumentTypeError(f"must be at most 2**63-1 = {MAX_SEED}, got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a finite positive number, got {text!r}")
     return value
 
 

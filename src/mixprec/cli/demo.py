@@ -10,7 +10,15 @@ skipped steps, final loss scale) and writes a report folder: ``report.md``,
 from __future__ import annotations
 
 import argparse
+import contextlib
+import math
+import os
+import shutil
+import signal
+import tempfile
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from mixprec.bench import FP32, train_side_by_side
@@ -21,12 +29,13 @@ from mixprec.cli._common import (
     check_writable_dir,
     command_line,
     parse_plans,
+    positive_float,
     positive_int,
     resolve_workload,
 )
 from mixprec.report import demo_table, write_demo_report
 
-__all__ = ["COMMAND", "DEFAULT_PLANS", "DEFAULT_STEPS"]
+__all__ = ["COMMAND", "DEFAULT_PLANS", "DEFAULT_STEPS", "REPORT_FILES", "publish_report"]
 
 DEFAULT_MODEL = "cnn"
 DEFAULT_SIZE = "tiny"
@@ -38,6 +47,55 @@ DEFAULT_THREADS = 1
 """The defaults: a tiny ResNet on synthetic Gabor images, on one thread (fastest for a model this small)."""
 
 
+REPORT_FILES: tuple[str, ...] = (
+    "report.md", "results.json", "loss.png", "accuracy.png", "loss_scale.png", "step_time.png",
+)
+"""The files a demo report consists of (a new report replaces all of them)."""
+
+_STAGING_PREFIX = ".mixprec-partial-"
+
+
+@contextlib.contextmanager
+def _sigint_deferred() -> Iterator[None]:
+    """Hold Ctrl-C (SIGINT) back for the few renames that publish a report."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def publish_report(result: object, out: Path, command: str, *, plots: bool = True) -> list[Path]:
+    """Write the demo report into a staging folder inside ``out``, then move it into place.
+
+    An interrupted or failed run (Ctrl-C while plotting, a full disk) leaves the previous
+    report as it was: the new files replace the old ones only once all are written, in
+    a few renames during which Ctrl-C is held back, and files of the old report that the
+    new one does not have (plots, after ``--no-plots``) are removed, so a report folder
+    never mixes two runs. Staging folders of killed runs are removed on the next run.
+    """
+    for stale in out.glob(_STAGING_PREFIX + "*"):
+        if stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)
+    staging = Path(tempfile.mkdtemp(prefix=_STAGING_PREFIX, dir=out))
+    try:
+        written = write_demo_report(result, staging, command, plots=plots)  # type: ignore[arg-type]
+        names = [p.name for p in written]
+        with _sigint_deferred():
+            for name in REPORT_FILES:
+                if name not in names:
+                    with contextlib.suppress(FileNotFoundError):
+                        (out / name).unlink()
+            for path in written:
+                os.replace(path, out / path.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return [out / name for name in names]
+
+
 def _add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p, default=DEFAULT_MODEL, default_size=DEFAULT_SIZE)
     g = p.add_argument_group("training")
@@ -47,7 +105,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--steps", type=positive_int, default=DEFAULT_STEPS, help="optimizer steps per plan (default: %(default)s)")
     g.add_argument("--batch-size", type=positive_int, default=DEFAULT_BATCH_SIZE,
                    help="training batch size (default: %(default)s)")
-    g.add_argument("--lr", type=float, default=None, help="AdamW learning rate (default: 3e-3 for tiny, 1e-3 otherwise)")
+    g.add_argument("--lr", type=positive_float, default=None, help="AdamW learning rate (default: 3e-3 for tiny, 1e-3 otherwise)")
     g.add_argument("--eval-every", type=positive_int, default=None, metavar="N",
                    help="evaluate the held-out batch every N steps (default: steps/15)")
     g.add_argument("--eval-batch-size", type=positive_int, default=None, metavar="N", help="default: the model's own")
@@ -61,8 +119,8 @@ def _run(args: argparse.Namespace) -> int:
     plans = parse_plans(args.plans)
     if FP32 not in plans:
         plans.insert(0, FP32)
-    if args.lr is not None and not args.lr > 0:
-        raise ValueError(f"--lr must be positive, got {args.lr}")
+    if args.lr is not None and (not math.isfinite(args.lr) or not args.lr > 0):
+        raise ValueError(f"--lr must be a finite positive number, got {args.lr}")
     workload = resolve_workload(args.model, args)
     out = check_writable_dir(args.out, "report folder")
     apply_globals(args, default_threads=DEFAULT_THREADS)
@@ -73,7 +131,7 @@ def _run(args: argparse.Namespace) -> int:
         workload, plans, steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
         eval_every=args.eval_every, eval_batch_size=args.eval_batch_size, progress=not args.quiet,
     )
-    paths = write_demo_report(result, out, command_line(args.argv), plots=not args.no_plots)
+    paths = publish_report(result, out, command_line(args.argv), plots=not args.no_plots)
     print(demo_table(result))
     print(f"\nwall time {time.perf_counter() - start:.1f} s; report: {paths[0]}"
           + ("" if args.no_plots else f" (+ {len(paths) - 2} plots)"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import ClassVar
@@ -12,6 +13,43 @@ import torch
 from mixprec.plans.base import Plan
 
 __all__ = ["FullPrecisionPlan"]
+
+
+class _Tf32Regions:
+    """The global TF32 switches, shared by every tf32 region of every thread.
+
+    The first region to enter saves the settings and turns TF32 on; the last to exit
+    restores what the first saved. Regions that overlap across threads (A enters, B
+    enters, A exits) therefore keep TF32 on until the last one ends, and the
+    settings from before the first region come back at the end, whatever the order.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._depth = 0
+        self._saved: tuple[str, bool] | None = None
+
+    def enter(self) -> None:
+        with self._lock:
+            if self._depth == 0:
+                self._saved = (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32)
+                torch.set_float32_matmul_precision("high")
+                torch.backends.cudnn.allow_tf32 = True
+            self._depth += 1
+
+    def exit(self) -> None:
+        with self._lock:
+            if self._depth == 0:
+                raise RuntimeError("tf32 region exited more often than entered")
+            self._depth -= 1
+            if self._depth == 0 and self._saved is not None:
+                precision, cudnn = self._saved
+                self._saved = None
+                torch.set_float32_matmul_precision(precision)
+                torch.backends.cudnn.allow_tf32 = cudnn
+
+
+_TF32 = _Tf32Regions()
 
 
 @dataclass(frozen=True)
@@ -38,12 +76,8 @@ class FullPrecisionPlan(Plan):
         if not self.tf32:
             yield
             return
-        previous = torch.get_float32_matmul_precision()
-        previous_cudnn = torch.backends.cudnn.allow_tf32
-        torch.set_float32_matmul_precision("high")
-        torch.backends.cudnn.allow_tf32 = True
+        _TF32.enter()  # reference-counted: overlapping regions in several threads restore correctly
         try:
             yield
         finally:
-            torch.set_float32_matmul_precision(previous)
-            torch.backends.cudnn.allow_tf32 = previous_cudnn
+            _TF32.exit()

@@ -7,8 +7,9 @@ from typing import ClassVar
 
 import torch
 
+from mixprec.islands import cast_outside_islands
 from mixprec.optim import MasterWeightOptimizer
-from mixprec.plans.base import NORM_LAYERS, Plan, cast_module_
+from mixprec.plans.base import NORM_LAYERS, Plan
 
 __all__ = ["MasterPlan"]
 
@@ -45,7 +46,8 @@ class MasterPlan(Plan):
         return "master"
 
     def convert_model(self, model: torch.nn.Module) -> dict[torch.Tensor, torch.Tensor]:
-        return cast_module_(model, self.compute_dtype, keep=NORM_LAYERS, keep_dtype=torch.float32)
+        # fp32 islands are marked first and never cast down, so they keep their exact values.
+        return cast_outside_islands(model, self.compute_dtype, self.policy, keep=NORM_LAYERS, keep_dtype=torch.float32)
 
     def wrap_optimizer(
         self, optimizer: torch.optim.Optimizer, fp32_values: dict[torch.Tensor, torch.Tensor]

@@ -10,8 +10,9 @@ from typing import ClassVar
 import torch
 
 from mixprec.dtypes import dtype_name
+from mixprec.islands import cast_outside_islands
 from mixprec.optim import LowPrecisionOptimizer
-from mixprec.plans.base import Plan, cast_module_
+from mixprec.plans.base import Plan
 
 __all__ = ["PurePlan"]
 
@@ -55,7 +56,9 @@ class PurePlan(Plan):
         return rows
 
     def convert_model(self, model: torch.nn.Module) -> dict[torch.Tensor, torch.Tensor]:
-        return cast_module_(model, self.compute_dtype)
+        # fp32 islands are marked first and never cast down (a 1e5 weight stays 1e5 under fp16);
+        # their outputs go back to the model's dtype, whatever their inputs were.
+        return cast_outside_islands(model, self.compute_dtype, self.policy, output_dtype=self.compute_dtype)
 
     def wrap_optimizer(
         self, optimizer: torch.optim.Optimizer, fp32_values: dict[torch.Tensor, torch.Tensor]

@@ -11,11 +11,16 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import sys
+import types
+import typing
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
+from mixprec.dtypes import dtype_name, parse_dtype
 from mixprec.plans.base import Plan, ScalingConfig, ScalingKind
 from mixprec.plans.fp8 import Fp8Plan
 from mixprec.plans.full import FullPrecisionPlan
@@ -98,6 +103,12 @@ def get_plan(name: str | Plan, **overrides: Any) -> Plan:
     ``backoff_factor``, ``growth_interval``, ``hysteresis``, ``hysteresis_mode``,
     ``min_scale``, ``max_scale``. Plans without loss scaling (bf16, fp32) refuse
     scaling settings unless ``loss_scale`` is given explicitly (the opt-in).
+
+    Every override is checked: an unknown name or a value of the wrong type raises
+    ``TypeError``/``ValueError`` naming it. ``compute_dtype`` must be bf16 or fp16
+    (fp32 for the fp32 plans); switching a plan without loss scaling to fp16 needs an
+    explicit ``loss_scale`` ("dynamic", a number, or None to run fp16 unscaled on
+    purpose), since fp16 gradients underflow without one.
     """
     plan = name if isinstance(name, Plan) else _FACTORIES[resolve_plan_name(name)]()
     if not overrides:
@@ -112,7 +123,19 @@ def get_plan(name: str | Plan, **overrides: Any) -> Plan:
     if unknown:
         valid = sorted(valid_fields | _SCALING_KEYS | _POLICY_KEYS | {"loss_scale"})
         raise ValueError(f"unknown override(s) {unknown} for plan {plan.name!r}; valid overrides: {', '.join(valid)}")
-    changes.update(overrides)
+    changes.update(_checked_fields(plan, overrides))
+    compute = changes.get("compute_dtype", plan.compute_dtype)
+    if (
+        compute == torch.float16
+        and plan.compute_dtype != torch.float16
+        and plan.scaling.kind == "none"
+        and not has_loss_scale
+    ):
+        raise ValueError(
+            f"compute_dtype=torch.float16 on plan {plan.name!r}, which has no loss scaling: fp16 gradients "
+            f"underflow without it. Use get_plan({_fp16_twin(plan)!r}), or pass loss_scale='dynamic' "
+            "(or a constant, or loss_scale=None to run fp16 unscaled on purpose)"
+        )
 
     if has_loss_scale or scaling_changes:
         changes["scaling"] = _scaling_override(plan, has_loss_scale, loss_scale, scaling_changes)
@@ -121,11 +144,152 @@ def get_plan(name: str | Plan, **overrides: Any) -> Plan:
 
         if "policy" in changes:
             raise ValueError("pass either policy= or lower_ops/fp32_ops/fp32_modules, not both")
-        changes["policy"] = OpPolicy(dtype=plan.compute_dtype, **policy_changes)
+        if compute not in (torch.float16, torch.bfloat16):
+            raise ValueError(
+                f"{', '.join(sorted(policy_changes))} given for plan {plan.name!r}, which computes in "
+                f"{dtype_name(compute)} without autocast, so op lists and fp32 islands would do nothing; "
+                "use a low-precision plan such as 'bf16-mixed'"
+            )
+        changes["policy"] = OpPolicy(dtype=compute, **policy_changes)
     return dataclasses.replace(plan, **changes)
 
 
+def _fp16_twin(plan: Plan) -> str:
+    twin = plan.name.replace("bf16", "fp16")
+    return twin if twin in _FACTORIES else "fp16-mixed"
+
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _checked_fields(plan: Plan, overrides: dict[str, Any]) -> dict[str, Any]:
+    """``overrides`` (plan fields) with dtype names parsed; TypeError/ValueError naming a bad one."""
+    hints = _field_hints(type(plan))
+    out: dict[str, Any] = {}
+    for key, value in overrides.items():
+        hint = hints.get(key)
+        if key == "compute_dtype":
+            value = _dtype_override(plan, key, value)
+            allowed = (torch.float32,) if plan.family == "fp32" else (torch.bfloat16, torch.float16)
+            if value not in allowed:
+                fix = "use get_plan('bf16-mixed') or 'fp16-mixed' for low-precision compute" if plan.family == "fp32" else (
+                    "use get_plan('fp32') for fp32 compute"
+                )
+                raise ValueError(
+                    f"compute_dtype={value} is not a compute dtype for plan {plan.name!r} (expected "
+                    f"{' or '.join(str(d) for d in allowed)}); {fix}"
+                )
+        elif hint is not None and _mentions_dtype(hint):
+            if value is not None or not _allows_none(hint):
+                value = _dtype_override(plan, key, value)
+                if value not in _FLOAT_DTYPES:
+                    raise ValueError(
+                        f"{key}={value} for plan {plan.name!r}: expected torch.float32, torch.bfloat16 or torch.float16"
+                    )
+        elif hint is not None and _conforms(value, hint) is False:
+            literal_values = [v for a in _args(hint) if typing.get_origin(a) is Literal for v in typing.get_args(a)]
+            if any(type(v) is type(value) for v in literal_values):
+                raise ValueError(
+                    f"override {key}={value!r} for plan {plan.name!r} is not one of {_describe(hint)}"
+                )
+            raise TypeError(
+                f"override {key}={value!r} for plan {plan.name!r} has the wrong type "
+                f"{type(value).__name__}; expected {_describe(hint)}"
+            )
+        out[key] = value
+    return out
+
+
+def _dtype_override(plan: Plan, key: str, value: Any) -> torch.dtype:
+    if not isinstance(value, torch.dtype | str):
+        raise TypeError(
+            f"override {key}={value!r} for plan {plan.name!r} must be a torch.dtype or a dtype name "
+            f"('bf16', 'fp16', 'fp32'), got {type(value).__name__}"
+        )
+    try:
+        dtype = parse_dtype(value)
+    except ValueError as exc:
+        raise ValueError(f"override {key}={value!r} for plan {plan.name!r}: {exc}") from None
+    if not dtype.is_floating_point or dtype.itemsize < 2:
+        raise ValueError(
+            f"override {key}={dtype_name(dtype)} for plan {plan.name!r} is not a floating dtype mixprec computes "
+            "in; expected torch.float32, torch.bfloat16 or torch.float16"
+        )
+    return dtype
+
+
+def _field_hints(cls: type) -> dict[str, Any]:
+    from mixprec.policy import OpPolicy
+
+    hints: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        annotation: Any = f.type
+        if isinstance(annotation, str):
+            owner = next((c for c in cls.__mro__ if f.name in getattr(c, "__annotations__", {})), cls)
+            namespace = {**vars(sys.modules[owner.__module__]), "OpPolicy": OpPolicy, "torch": torch}
+            try:
+                annotation = eval(annotation, namespace)  # the class's own annotation string
+            except Exception:  # an annotation this check cannot resolve is not checked
+                continue
+        hints[f.name] = annotation
+    return hints
+
+
+def _args(hint: Any) -> tuple[Any, ...]:
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        return typing.get_args(hint)
+    return (hint,)
+
+
+def _mentions_dtype(hint: Any) -> bool:
+    return any(a is torch.dtype for a in _args(hint))
+
+
+def _allows_none(hint: Any) -> bool:
+    return any(a is type(None) for a in _args(hint))
+
+
+def _conforms(value: Any, hint: Any) -> bool | None:
+    """Whether ``value`` fits the annotation ``hint`` (None: this check cannot tell)."""
+    results = []
+    for arg in _args(hint):
+        if typing.get_origin(arg) is Literal:
+            results.append(value in typing.get_args(arg))
+        elif arg is type(None):
+            results.append(value is None)
+        elif arg is bool:
+            results.append(type(value) is bool)
+        elif arg is int:
+            results.append(isinstance(value, int) and not isinstance(value, bool))
+        elif arg is float:
+            results.append(isinstance(value, int | float) and not isinstance(value, bool))
+        elif isinstance(arg, type) and typing.get_origin(arg) is None and arg is not Any:
+            results.append(isinstance(value, arg))
+        else:
+            return None
+    return any(results)
+
+
+def _describe(hint: Any) -> str:
+    parts = []
+    for arg in _args(hint):
+        if typing.get_origin(arg) is Literal:
+            parts.append(" or ".join(repr(v) for v in typing.get_args(arg)))
+        elif arg is type(None):
+            parts.append("None")
+        else:
+            parts.append(getattr(arg, "__name__", str(arg)))
+    return " or ".join(parts)
+
+
+_FP32_MAX = torch.finfo(torch.float32).max
+
+
 def _scaling_override(plan: Plan, has_loss_scale: bool, loss_scale: Any, settings: dict[str, Any]) -> ScalingConfig:
+    for key in ("init_scale", "min_scale", "max_scale"):
+        value = settings.get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value > _FP32_MAX:
+            raise ValueError(f"{key}={value!r} does not fit in fp32 (the scale is an fp32 tensor); use at most {_FP32_MAX:g}")
     base = plan.scaling
     kind: ScalingKind
     if has_loss_scale:
@@ -136,13 +300,19 @@ def _scaling_override(plan: Plan, has_loss_scale: bool, loss_scale: Any, setting
         if loss_scale == "dynamic":
             kind = "dynamic"
         elif isinstance(loss_scale, int | float) and not isinstance(loss_scale, bool):
+            if not math.isfinite(loss_scale) or loss_scale <= 0 or loss_scale > _FP32_MAX:
+                raise ValueError(
+                    f"loss_scale={loss_scale!r}: a constant loss scale must be a finite positive number "
+                    "that fits in fp32 (or pass 'dynamic', or None for no scaling)"
+                )
             if settings:
                 raise ValueError(
                     f"loss_scale={loss_scale!r} is a constant scale; dynamic settings {sorted(settings)} do not apply"
                 )
             return ScalingConfig(kind="constant", init_scale=float(loss_scale))
         else:
-            raise ValueError(f"loss_scale must be 'dynamic', a number (constant scale) or None, got {loss_scale!r}")
+            error = ValueError if isinstance(loss_scale, str) else TypeError
+            raise error(f"loss_scale must be 'dynamic', a number (constant scale) or None, got {loss_scale!r}")
     else:
         if base.kind == "none":
             raise ValueError(
