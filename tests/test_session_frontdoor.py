@@ -273,3 +273,21 @@ def test_validate_state_dict_checks_the_scaler_part_without_changing_anything():
 def test_device_that_is_not_the_models_is_refused():
     with pytest.raises(ValueError, match=re.escape("MixedPrecision(device='meta') but the model's parameters are on 'cpu'")):
         MixedPrecision("bf16-mixed", device="meta").prepare_model(torch.nn.Linear(2, 2))
+
+
+def test_pure_plan_island_as_first_layer_sees_the_fp32_input():
+    from mixprec import OpPolicy, get_plan
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    x = torch.tensor([[1e5, 1.0, 2.0, 3.0]])  # 1e5 is inf in fp16
+    expected = model[0](x).detach().to(torch.float16)
+    plan = get_plan("fp16-pure", policy=OpPolicy(dtype=torch.float16, fp32_modules=("0",)))
+    mp = MixedPrecision(plan)
+    model, opt = mp.prepare(model, torch.optim.SGD(model.parameters(), lr=1e-9))
+    seen = {}
+    model[0].register_forward_hook(lambda m, i, o: seen.setdefault("out", o))
+    with mp.autocast():
+        model(x)
+    assert model[0].weight.dtype == torch.float32
+    assert torch.equal(seen["out"].detach(), expected)  # the island computed from 1e5, not from inf

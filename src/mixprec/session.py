@@ -91,13 +91,6 @@ def _first_device_type(args: Sequence[Any]) -> str | None:
     return None
 
 
-def _input_caster(dtype: torch.dtype) -> Any:
-    def hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
-        return cast_floating(args, dtype, include_float64=True), cast_floating(kwargs, dtype, include_float64=True)
-
-    return hook
-
-
 class MixedPrecision:
     """Run any model and any torch optimizer under a precision plan.
 
@@ -261,7 +254,9 @@ class MixedPrecision:
 
             self.tracer = OverflowTracer(model)
         if not plan.uses_autocast and plan.weight_dtype != torch.float32:
-            self._hooks.append(model.register_forward_pre_hook(_input_caster(plan.weight_dtype), with_kwargs=True))
+            from mixprec.islands import install_input_cast
+
+            self._hooks.extend(install_input_cast(model, plan.weight_dtype))
         from mixprec.distributed.ddp import is_ddp
 
         self._ddp = ddp_kwargs is not None or is_ddp(model)
