@@ -291,3 +291,16 @@ def test_pure_plan_island_as_first_layer_sees_the_fp32_input():
         model(x)
     assert model[0].weight.dtype == torch.float32
     assert torch.equal(seen["out"].detach(), expected)  # the island computed from 1e5, not from inf
+
+
+def test_tf32_plan_holds_tf32_in_the_backward_too():
+    model = torch.nn.Linear(4, 4)
+    mp = MixedPrecision("tf32")
+    model, opt = mp.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    seen = []
+    with mp.autocast():
+        out = model(torch.randn(2, 4))
+    out.register_hook(lambda g: seen.append(torch.get_float32_matmul_precision()))
+    before = torch.get_float32_matmul_precision()
+    mp.backward(out.sum())
+    assert seen == ["high"] and torch.get_float32_matmul_precision() == before

@@ -362,13 +362,9 @@ class MixedPrecision:
         return self.scaler.scale(loss)
 
     def backward_context(self) -> contextlib.AbstractContextManager[Any]:
-        """The context a backward runs in: a custom op policy also holds where backward
-        recomputes the forward (activation checkpointing); torch restores plain autocast itself."""
-        if self.plan.policy is None or not self.plan.uses_autocast:
-            return contextlib.nullcontext()
-        from mixprec.autocast import autocast_backward
-
-        return autocast_backward(self.plan.policy)
+        """The context a backward runs in (the plan's): a custom op policy also holds where
+        backward recomputes the forward (activation checkpointing); tf32 stays on."""
+        return self.plan.backward_context(self.device_type)
 
     def micro_batch_done(self, boundary: bool | None = None) -> None:
         """Count one finished backward; between accumulation boundaries, let the optimizer

@@ -112,11 +112,6 @@ def test_tf32_plan_uses_tf32_in_the_forward() -> None:
     assert _rel_err(tf32, ref) > 1e-5  # TF32 (10-bit mantissa inputs) inside it
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="FullPrecisionPlan.autocast enables TF32 for the forward only; MixedPrecision.backward "
-    "runs the backward GEMMs outside it, in full fp32 (two thirds of the GEMM time)",
-)
 def test_tf32_plan_uses_tf32_in_the_backward_too() -> None:
     if torch.cuda.get_device_capability() < (8, 0):
         pytest.skip("TF32 needs compute capability >= 8.0")

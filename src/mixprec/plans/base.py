@@ -237,6 +237,18 @@ class Plan:
     def make_scaler(self, process_group: Any = None) -> LossScaler:
         return self.scaling.make(process_group)
 
+    def backward_context(self, device_type: str = "cpu") -> contextlib.AbstractContextManager[Any]:
+        """The context a backward runs in.
+
+        A custom op policy must also hold where backward recomputes the forward
+        (activation checkpointing); without one, torch restores plain autocast itself.
+        """
+        if self.policy is None or not self.uses_autocast:
+            return contextlib.nullcontext()
+        from mixprec.autocast import autocast_backward
+
+        return autocast_backward(self.policy)
+
     @contextlib.contextmanager
     def autocast(self, device_type: str = "cpu") -> Iterator[None]:
         """The context the forward pass runs in."""

@@ -6,7 +6,7 @@ import contextlib
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -70,6 +70,10 @@ class FullPrecisionPlan(Plan):
         if self.tf32:
             rows["compute"] = "fp32 storage, TF32 matmuls/convolutions where supported"
         return rows
+
+    def backward_context(self, device_type: str = "cpu") -> contextlib.AbstractContextManager[Any]:
+        # The backward GEMMs (two thirds of the work) run under the same TF32 setting.
+        return self.autocast(device_type) if self.tf32 else contextlib.nullcontext()
 
     @contextlib.contextmanager
     def autocast(self, device_type: str = "cpu") -> Iterator[None]:
