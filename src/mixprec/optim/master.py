@@ -124,9 +124,7 @@ class MasterWeightOptimizer(WrappedOptimizer):
         for group in optimizer.param_groups:
             group["params"] = self._masters_for(group["params"])
             _prefer_foreach(group)
-        if "foreach" in optimizer.defaults and optimizer.defaults.get("foreach") is None:
-            if not optimizer.defaults.get("fused"):
-                optimizer.defaults["foreach"] = True
+        _prefer_foreach(optimizer.defaults)
         self._values = {}
 
     # ----------------------------------------------------------------- masters
@@ -505,7 +503,8 @@ class MasterWeightOptimizer(WrappedOptimizer):
         self._snapshot = None
         self._nonfinite = None
         with torch.no_grad():
-            torch._foreach_copy_(self.masters, [t.to(m.device) for t, m in zip(masters, self.masters, strict=True)])
+            targets: list[torch.Tensor] = list(self.masters)
+            torch._foreach_copy_(targets, [t.to(m.device) for t, m in zip(masters, targets, strict=True)])
         self.sync_model()
 
     def _check_loaded_state(self) -> None:
