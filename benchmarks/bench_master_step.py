@@ -43,12 +43,13 @@ def main() -> None:
         opt = torch.optim.AdamW(m.parameters(), lr=1e-4, **kw)
         grads(m)
         runs[name] = opt
-    m = copy.deepcopy(base)
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
-    values = cast_module_(m, low, keep=(torch.nn.LayerNorm,), keep_dtype=torch.float32)
-    master = MasterWeightOptimizer(opt, master_values=values)
-    grads(m)
-    runs[f"{a.dtype}-master AdamW (default args)"] = master
+    for name, kw in (("default args: fused", {}), ("foreach=True", {"foreach": True})):
+        m = copy.deepcopy(base)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-4, **kw)
+        values = cast_module_(m, low, keep=(torch.nn.LayerNorm,), keep_dtype=torch.float32)
+        master = MasterWeightOptimizer(opt, master_values=values)
+        grads(m)
+        runs[f"{a.dtype}-master AdamW ({name})"] = master
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     times: dict[str, list[float]] = {k: [] for k in runs}
     for _ in range(3):

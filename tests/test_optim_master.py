@@ -393,3 +393,28 @@ def _ddp_worker(rank: int, world: int) -> None:
 
 def test_ddp_wrapped_after_the_optimizer_keeps_ranks_identical():
     run_ranks(_ddp_worker, 2)
+
+
+def test_resume_is_exact_and_a_plain_state_dict_gets_the_fast_path_back():
+    model, opt = _trained(steps=2)
+    msd, osd = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    for step in range(2, 4):
+        _loss(model, step).backward()
+        opt.step()
+        opt.zero_grad()
+    model2, opt2 = _trained(seed=7, steps=1)
+    model2.load_state_dict(msd)
+    opt2.load_state_dict(osd)
+    for step in range(2, 4):
+        _loss(model2, step).backward()
+        opt2.step()
+        opt2.zero_grad()
+    _assert_same(_snapshot(model, opt), _snapshot(model2, opt2))
+
+    plain = copy.deepcopy(osd)
+    plain["param_groups"][0]["fused"] = None  # saved by a run that left torch's defaults
+    opt2.load_state_dict(plain)
+    assert opt2.param_groups[0]["fused"] is True
+    _loss(model2, 5).backward()
+    opt2.step()
+    assert all(torch.isfinite(m).all() for m in opt2.masters)

@@ -98,7 +98,7 @@ class MasterWeightOptimizer(WrappedOptimizer):
             the masters and the optimizer state per step).
         fast_path: where a parameter group leaves both ``foreach`` and ``fused`` at torch's
             default (``None``), update the fp32 masters with torch's fused kernel (plain
-            ``torch.optim.Adam``/``AdamW`` with no state yet, on a device that has it) or
+            ``torch.optim.Adam``/``AdamW``, on a device that has it) or
             else its multi-tensor (foreach) implementation. Same update rule, a few times
             faster than torch's default on CPU; False keeps the optimizer's settings as given.
 
@@ -191,17 +191,19 @@ class MasterWeightOptimizer(WrappedOptimizer):
             return
         fusable = (
             type(self.optimizer) in (torch.optim.Adam, torch.optim.AdamW)
-            and group.get("fused", False) is None
+            and "fused" in group
             and not group.get("differentiable", False)
-            and all(
-                q.is_floating_point() and q.device.type in _FUSED_DEVICES and not self.optimizer.state.get(q)
-                for q in group["params"]
-            )
+            and all(q.is_floating_point() and q.device.type in _FUSED_DEVICES for q in group["params"])
         )
-        if fusable:
-            group["fused"] = True
-        else:
+        if not fusable:
             group["foreach"] = True
+            return
+        group["fused"] = True
+        for q in group["params"]:  # the fused kernel keeps step counters beside the parameter, in fp32
+            state = self.optimizer.state.get(q)
+            step = None if not state else state.get("step")
+            if isinstance(step, torch.Tensor):
+                state["step"] = step.to(device=q.device, dtype=torch.float32)  # type: ignore[index]
 
     # --------------------------------------------------------------- gradients
     @torch.no_grad()
@@ -407,8 +409,8 @@ class MasterWeightOptimizer(WrappedOptimizer):
         """After :meth:`step`: a bool tensor, True when the update would have written a
         non-finite low-precision weight (the step was then undone and changed nothing).
 
-        None when the step was not guarded (:attr:`guard_nonfinite` is False) or no step
-        was taken since the last :meth:`zero_grad`.
+        None when the last step was not guarded (:attr:`guard_nonfinite` is False) or
+        before the first step.
         """
         return self._nonfinite
 
@@ -525,6 +527,8 @@ class MasterWeightOptimizer(WrappedOptimizer):
         except (ValueError, TypeError):
             self.optimizer.state, self.optimizer.param_groups = old_state, old_groups
             raise
+        for group in self.optimizer.param_groups:  # a loaded group may name torch's defaults again
+            self._choose_implementation(group)
         self._release_grads()
         self._snapshot = None
         self._nonfinite = None
