@@ -418,3 +418,13 @@ def test_resume_is_exact_and_a_plain_state_dict_gets_the_fast_path_back():
     _loss(model2, 5).backward()
     opt2.step()
     assert all(torch.isfinite(m).all() for m in opt2.masters)
+
+
+def test_a_deep_copy_maps_its_own_parameters():
+    model, opt = _make()
+    model2, opt2 = copy.deepcopy((model, opt))
+    for p, m in zip(_lowp(model2), opt2.masters, strict=True):
+        assert opt2.master_of(p) is m
+    _loss(model2, 0).backward()
+    opt2.step()
+    assert not torch.equal(model2[0].weight, model[0].weight)

@@ -553,6 +553,10 @@ class MasterWeightOptimizer(WrappedOptimizer):
                             f"parameter has shape {tuple(q.shape)}; the state_dict belongs to another model"
                         )
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._master_by_param = {id(p): m for p, m in self._pairs}  # a copy has new parameters
+
     @torch.no_grad()
     def reset_masters_from_model(self) -> None:
         """Set every master to the current (low-precision) value of its model parameter."""
