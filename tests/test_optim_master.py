@@ -428,3 +428,25 @@ def test_a_deep_copy_maps_its_own_parameters():
     _loss(model2, 0).backward()
     opt2.step()
     assert not torch.equal(model2[0].weight, model[0].weight)
+
+
+def test_every_optimizer_of_an_fp16_plan_can_undo():
+    from mixprec import MixedPrecision
+
+    model = _mlp()
+    norm_opt = torch.optim.SGD(model[1].parameters(), lr=0.1)  # fp32 LayerNorm parameters only
+    rest = [p for i in (0, 3) for p in model[i].parameters()]
+    mp = MixedPrecision("fp16-master")
+    model, opt, norm = mp.prepare(model, torch.optim.SGD(rest, lr=0.1), norm_opt)
+    assert opt.guard_nonfinite and norm.guard_nonfinite
+    before = [p.detach().clone() for p in model[1].parameters()]
+    _loss(model, 0).backward()
+    norm.step()
+    assert not bool(norm.step_nonfinite())
+    norm.undo_step()  # as if `opt` had refused its update
+    assert all(torch.equal(a, b) for a, b in zip(before, model[1].parameters(), strict=True))
+    w, opt16 = _fp16_60000()
+    w.grad = torch.tensor([-8000.0, 0.5], dtype=torch.float16)
+    opt16.step()
+    opt16.undo_step()  # already undone by itself: nothing to do
+    assert w[0].item() == 60000.0

@@ -420,7 +420,10 @@ class MasterWeightOptimizer(WrappedOptimizer):
     def undo_step(self) -> None:
         """Restore masters, optimizer state (step counters included) and model weights to
         what they were before the last :meth:`step` (possible until the next
-        :meth:`zero_grad`, :meth:`prepare_grads` or :meth:`step`; guarded steps only)."""
+        :meth:`zero_grad`, :meth:`prepare_grads` or :meth:`step`; guarded steps only). After a
+        step that undid itself (:meth:`step_nonfinite` True) it does nothing."""
+        if self._snapshot is None and self._nonfinite is not None and bool(self._nonfinite):
+            return  # the last step refused its own update: nothing to undo
         if self._snapshot is None:
             raise RuntimeError(
                 "undo_step() has no step to undo: it works only after a guarded step() "

@@ -66,4 +66,7 @@ class MasterPlan(Plan):
     def wrap_optimizer(
         self, optimizer: torch.optim.Optimizer, fp32_values: dict[torch.Tensor, torch.Tensor]
     ) -> torch.optim.Optimizer:
-        return MasterWeightOptimizer(optimizer, master_values=fp32_values)
+        # Every optimizer of an fp16 plan is guarded, so any of them can undo its step when
+        # another one refused a non-finite update (also one holding only fp32 parameters).
+        guard = True if self.compute_dtype == torch.float16 else None
+        return MasterWeightOptimizer(optimizer, master_values=fp32_values, guard_nonfinite=guard)
