@@ -67,30 +67,46 @@ class WrappedOptimizer(torch.optim.Optimizer):
 
         Called once per optimizer step, before unscaling, clipping and the skip decision
         (a wrapper that keeps its own parameters, such as fp32 masters, gathers the model's
-        gradients into them here). Calling it again before ``step()`` changes nothing.
+        gradients into them here, replacing what they held). Calling it again before
+        ``step()`` changes nothing unless the model's gradients changed in between (then
+        those are gathered again). ``step()`` calls it itself, so a loop that only calls
+        ``opt.step()`` is correct. Gradients of ``param_groups`` are the ones to unscale
+        and clip after this call.
+        """
+
+    def publish_grads(self) -> None:
+        """After ``prepare_grads()`` and unscaling: show the ``param_groups`` gradients in the
+        model's own ``.grad`` too, for a framework that clips or logs ``model.parameters()``.
+
+        A later in-place change of the model's gradients (clipping) is then gathered again
+        by ``step()``. A no-op where ``param_groups`` hold the model's parameters.
         """
 
     def accumulate_grads(self) -> None:
         """Called after the backward of a micro-batch that is not an accumulation boundary.
 
         A wrapper may move the model's low-precision gradients into a wider buffer here, so
-        micro-batches add up in fp32. Never called under DDP (whose reducer owns ``.grad``).
+        micro-batches add up in fp32; ``zero_grad()`` and ``step()`` drop that buffer. Never
+        called under DDP (whose reducer reads ``.grad`` at the boundary and must see the sum).
         """
 
     def step_nonfinite(self) -> torch.Tensor | None:
         """After ``step()``: a bool tensor, True when the update would have written a
-        non-finite low-precision weight; the step was then undone and changed nothing.
+        non-finite value (a low-precision weight, a master or optimizer state); the step was
+        then undone and changed nothing, and ``step()`` returned None.
 
-        None when this wrapper cannot produce non-finite weights from a finite update.
+        None when this wrapper does not check its steps (it cannot produce non-finite
+        weights from a finite update, or the check is off).
         """
         return None
 
     def undo_step(self) -> None:
-        """Restore parameters and optimizer state to what they were before the last ``step()``.
+        """Restore parameters and optimizer state (step counters included) to what they were
+        before the last ``step()``.
 
         Used when another optimizer of the same step refused its update (see
         :meth:`step_nonfinite`). Only wrappers that return a flag from ``step_nonfinite``
-        support it.
+        support it, until the next ``zero_grad()``, ``prepare_grads()`` or ``step()``.
         """
         raise NotImplementedError(f"{type(self).__name__} cannot undo a step")
 

@@ -19,14 +19,30 @@ class MasterPlan(Plan):
     """bf16/fp16 weights and compute; fp32 masters in the optimizer, fp32 norm layers, fp32 grad accumulation.
 
     Norm layers (BatchNorm, LayerNorm, GroupNorm, RMSNorm, ...) and their buffers stay
-    fp32; integer buffers are never touched. Low-precision gradients are moved into
-    fp32 master gradients as soon as autograd produces them.
+    fp32; integer buffers are never touched. Gradients stay in the model's low-precision
+    ``.grad`` (where DDP, ``zero_grad`` and clipping see them) and are gathered into the
+    fp32 masters at step time; micro-batches accumulate in fp32 through
+    :meth:`MasterWeightOptimizer.accumulate_grads`.
+
+    ``accumulate_grads_in_fp32_hooks`` is kept for compatibility and must stay False:
+    moving gradients out of the model as autograd produced them hid them from
+    ``model.zero_grad()`` and from a DDP wrapped later.
     """
 
-    accumulate_grads_in_fp32_hooks: bool = True
+    accumulate_grads_in_fp32_hooks: bool = False
 
     family: ClassVar[str] = "master"
     summary: ClassVar[str] = "low-precision weights and compute, fp32 master weights, norm layers and gradient accumulation"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.accumulate_grads_in_fp32_hooks:
+            raise ValueError(
+                f"accumulate_grads_in_fp32_hooks=True is no longer supported by plan {self.name!r}: gradients "
+                "stay in the model's .grad and are gathered into the fp32 masters at step time; for fp32 "
+                "accumulation over micro-batches, call optimizer.accumulate_grads() after each non-boundary "
+                "backward (MixedPrecision(grad_accum_steps=...) does). Leave the option at False."
+            )
 
     @property
     def weight_dtype(self) -> torch.dtype:
@@ -52,6 +68,7 @@ class MasterPlan(Plan):
     def wrap_optimizer(
         self, optimizer: torch.optim.Optimizer, fp32_values: dict[torch.Tensor, torch.Tensor]
     ) -> torch.optim.Optimizer:
-        return MasterWeightOptimizer(
-            optimizer, master_values=fp32_values, accumulate_grads_in_fp32=self.accumulate_grads_in_fp32_hooks
-        )
+        # Every optimizer of an fp16 plan is guarded, so any of them can undo its step when
+        # another one refused a non-finite update (also one holding only fp32 parameters).
+        guard = True if self.compute_dtype == torch.float16 else None
+        return MasterWeightOptimizer(optimizer, master_values=fp32_values, guard_nonfinite=guard)
