@@ -227,7 +227,8 @@ def _train_fsdp(plan_name: str, rank: int, world: int, *, shard: bool):
             loss = criterion(model(x), y)
         mp.backward(loss)
         if step == FSDP_INF_STEP and rank == 0:  # rank 0's local shard only
-            local_tensor(opt.param_groups[0]["params"][0].grad).view(-1)[0] = float("inf")
+            first = next(iter(model.parameters()))  # the model's gradient (masters get theirs at step time)
+            local_tensor(first.grad).view(-1)[0] = float("inf")
         result = mp.step()
         norms.append(result.grad_norm)
         stepped.append(result.stepped)

@@ -450,3 +450,27 @@ def test_every_optimizer_of_an_fp16_plan_can_undo():
     opt16.step()
     opt16.undo_step()  # already undone by itself: nothing to do
     assert w[0].item() == 60000.0
+
+
+def test_gradscaler_style_loop_with_a_mixprec_scaler_needs_no_extra_call():
+    import mixprec
+
+    torch.manual_seed(0)
+    base = torch.nn.Linear(8, 4)
+    ref = torch.nn.Linear(8, 4)
+    ref.load_state_dict(base.state_dict())
+    fp32_values = {p: p.detach().clone() for p in base.parameters()}
+    base.to(torch.bfloat16)
+    opt = mixprec.optim.MasterWeightOptimizer(torch.optim.SGD(base.parameters(), lr=0.1), master_values=fp32_values)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    scaler = mixprec.DynamicLossScaler(init_scale=2.0**8)
+    x = torch.randn(4, 8)
+    scaler.scale(base(x.bfloat16()).float().sum()).backward()
+    scaler.unscale_(opt)  # gathers the model's grads into the masters first
+    assert opt.masters[0].grad is not None
+    scaler.step(opt)
+    scaler.update()
+    ref(x).sum().backward()
+    ref_opt.step()
+    torch.testing.assert_close(opt.masters[0], ref.weight, rtol=0, atol=2e-2)
+    assert not torch.equal(opt.masters[0], fp32_values[base.weight])

@@ -171,6 +171,7 @@ class MixedPrecision:
         self._last_skip_reason: str | None = None
         self._loss_nonfinite: torch.Tensor | None = None
         self._unscaled = False
+        self._published = False
         self._fp32_values: dict[torch.Tensor, torch.Tensor] = {}
         self._model_params: set[torch.Tensor] = set()
         self._ddp = False
@@ -443,9 +444,20 @@ class MixedPrecision:
     def unscale_(self) -> None:
         """Gather and unscale every optimizer's gradients once for this step (idempotent).
 
-        Afterwards ``.grad`` of the optimizers' parameters hold true gradients, so a
-        framework's clipping, logging and hooks can run; :meth:`step` does not unscale again.
+        Afterwards ``.grad`` of the optimizers' parameters hold true gradients, and so do
+        the model's own parameters (a master-weight wrapper copies the unscaled fp32
+        gradients back into them), so a framework's clipping, logging and hooks can run on
+        either; :meth:`step` does not unscale again and gathers in-place changes.
         """
+        self._unscale()
+        if not self._published:
+            for opt in self.optimizers:
+                publish = getattr(opt, "publish_grads", None)
+                if publish is not None:
+                    publish()
+            self._published = True
+
+    def _unscale(self) -> None:
         self._check_ready("unscale_()")
         if self._unscaled:
             return
@@ -468,7 +480,7 @@ class MixedPrecision:
 
     def grad_norm(self) -> torch.Tensor:
         """The true (unscaled) total 2-norm of every optimizer's gradients (unscales first)."""
-        self.unscale_()
+        self._unscale()
         return self._total_norm(self._grads())
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
@@ -505,7 +517,7 @@ class MixedPrecision:
                 stepped=False, skipped=False, scale=self.scaler.get_scale(), grad_norm=None,
                 accumulating=True, optimizer_steps=self._optimizer_steps,
             )
-        self.unscale_()
+        self._unscale()
         grads = self._grads()
         norm = self._total_norm(grads)
         reason = self._skip_reason(norm)
@@ -580,6 +592,7 @@ class MixedPrecision:
         self._micro = 0
         self._loss_nonfinite = None
         self._unscaled = False
+        self._published = False
         self._clear_grads()
         grad_norm = float(norm)
         if reason is not None:

@@ -4,10 +4,11 @@ Tensor classes (:data:`MEMORY_CLASSES`):
 
 - ``weights``, ``buffers``: the model's parameters and buffers, in the plan's dtypes;
 - ``grads``: the model's ``.grad`` tensors held until the optimizer step (the
-  master-weight plans move low-precision gradients into fp32 as autograd produces
-  them, so theirs are transient);
+  master-weight plans keep them in the model's low-precision ``.grad`` too);
 - ``master_weights``: fp32 copies kept by the optimizer (master-weight plans);
-- ``grad_accumulation``: fp32 gradient buffers of the masters;
+- ``grad_accumulation``: fp32 gradient buffers of the masters that outlive a step (none:
+  master-weight plans gather the fp32 gradients at step time and free them after it,
+  so they count among the step's temporaries);
 - ``optimizer_state``: moments etc. (AdamW: two per parameter plus a step counter);
 - ``compensation``: Kahan compensation buffers (``bf16-kahan``);
 - ``activations``: what one forward keeps alive for backward (saved tensors, the
@@ -35,7 +36,7 @@ have no allocator high-water mark. :func:`memory_report` puts both side by side.
 >>> est.bytes["master_weights"] == 256 * 256 * 4 + 256 * 4  # the Linear's masters; the LayerNorm stays fp32
 True
 >>> {k: round(v, 2) for k, v in est.per_param().items() if v}
-{'weights': 2.02, 'grads': 0.03, 'master_weights': 3.97, 'grad_accumulation': 3.97, 'optimizer_state': 8.0, 'total': 17.98}
+{'weights': 2.02, 'grads': 2.02, 'master_weights': 3.97, 'optimizer_state': 8.0, 'total': 16.0}
 """
 
 from __future__ import annotations
@@ -249,22 +250,14 @@ def _state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> d
     out["buffers"] = sum(_nbytes(b) for b in _unique(model.buffers()))
 
     masters: dict[int, torch.Tensor] = {}
-    hook_mode = False
     if isinstance(optimizer, MasterWeightOptimizer):
-        hook_mode = bool(getattr(optimizer, "_hook_mode", True))
         for p in params:
             m = optimizer.master_of(p)
             if m is not None and m is not p:
                 masters[id(p)] = m
     for p in params:
-        if not p.requires_grad:
-            continue
-        master = masters.get(id(p))
-        if master is None:
+        if p.requires_grad:  # the fp32 master gradients exist only during a step
             out["grads"] += _nbytes(p)
-        else:
-            out["grads"] += 0 if hook_mode else _nbytes(p)
-            out["grad_accumulation"] += _nbytes(master)
     out["master_weights"] = sum(_nbytes(m) for m in _unique(masters.values()))
     if optimizer is None:
         return out
@@ -418,7 +411,7 @@ def _step_transient(model: nn.Module, optimizer: torch.optim.Optimizer | None) -
     """Temporaries of one optimizer step: the update's own (see :func:`_update_temporaries`),
     plus, in the low-precision wrappers, the fp32 expansions of every parameter, gradient
     and state tensor at once (the low-precision state is released while its fp32 copy exists)."""
-    from mixprec.optim import LowPrecisionOptimizer, WrappedOptimizer
+    from mixprec.optim import LowPrecisionOptimizer, MasterWeightOptimizer, WrappedOptimizer
 
     if optimizer is None:
         return 0
@@ -436,6 +429,14 @@ def _step_transient(model: nn.Module, optimizer: torch.optim.Optimizer | None) -
             transient += per_param * q.numel() * 4
             if isinstance(optimizer, LowPrecisionOptimizer) and q.dtype in LOW_PRECISION_DTYPES:
                 transient += q.numel() * (4 + 4 + n_state * (4 - state_size))
+    if isinstance(optimizer, MasterWeightOptimizer):
+        # The fp32 gradients gathered at step time; a guarded (fp16) step also copies every
+        # parameter and state tensor of the optimizer so it can undo the update.
+        transient += sum(_nbytes(m) for m in optimizer.masters)
+        if optimizer.guard_nonfinite:
+            for group in inner.param_groups:
+                n_state, _ = _state_tensors_per_param(inner, group)
+                transient += sum(q.numel() * 4 * (1 + n_state) for q in group["params"])
     return largest + transient
 
 

@@ -46,10 +46,9 @@ def is_ddp(model: Any) -> bool:
 def plan_for_ddp(plan: str | Plan) -> Plan:
     """``plan`` as it runs under DDP.
 
-    Master-weight plans normally move each low-precision gradient into its fp32 master
-    as soon as autograd produces it; DDP's reducer reads ``.grad`` after that, so under
-    DDP the gradients stay in ``.grad`` (reduced by DDP) and are added into the fp32
-    masters at step time instead. Other plans are returned unchanged.
+    Every plan runs unchanged under DDP: master-weight plans keep gradients in the
+    model's ``.grad`` (where DDP reduces them) and gather them into the fp32 masters at
+    step time. Kept so code that prepares a plan for DDP explicitly keeps working.
     """
     plan = get_plan(plan)
     if getattr(plan, "accumulate_grads_in_fp32_hooks", False):

@@ -288,6 +288,9 @@ class LossScaler:
             raise RuntimeError(
                 "unscale_() is being called after step(); call unscale_() before step() and update() after both."
             )
+        prepare_grads = getattr(optimizer, "prepare_grads", None)
+        if prepare_grads is not None:  # a mixprec wrapper: e.g. the model's grads into the fp32 masters
+            prepare_grads()
         record.found_inf = self._check_grads(optimizer, self._inv_scale())
         record.stage = OptState.UNSCALED
 
