@@ -97,6 +97,8 @@ def _bf16_math() -> Iterator[None]:
 def emulated_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` for fp8 ``a`` and ``b`` with fp32 accumulation and an fp32 result.
 
+    ``a`` or ``b`` may also be given already widened to fp32 (holding fp8 values).
+
     On CPUs with bf16 GEMMs the multiplication runs in bf16 (exact: the operands are fp8
     values); elsewhere in fp32. Either way each product is exact and only the fp32
     accumulation rounds.

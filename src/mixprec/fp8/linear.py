@@ -132,11 +132,13 @@ class _Fp8LinearFunction(torch.autograd.Function):
             g2 = grad_out.reshape(-1, grad_out.shape[-1])
             if need_x or need_w:
                 qg = ctx.layer._quantize(_GRAD, g2, ctx.update)
+                # The emulation widens the fp8 gradient once for both GEMMs (exact either way).
+                g_data = qg.data if ctx.native or not (need_x and need_w) else qg.data.float()
                 if need_x:
-                    grad_x = scaled_mm(qg.data, qw_data, qg.inv_scale, qw_inv, ctx.x_dtype, native=ctx.native)
+                    grad_x = scaled_mm(g_data, qw_data, qg.inv_scale, qw_inv, ctx.x_dtype, native=ctx.native)
                     grad_x = grad_x.reshape(*grad_out.shape[:-1], grad_x.shape[-1])
                 if need_w:
-                    grad_w = scaled_mm(qg.data.t(), qx_data, qg.inv_scale, qx_inv, ctx.w_dtype, native=ctx.native)
+                    grad_w = scaled_mm(g_data.t(), qx_data, qg.inv_scale, qx_inv, ctx.w_dtype, native=ctx.native)
             if need_b:
                 grad_b = g2.float().sum(0).to(ctx.b_dtype)
         return grad_x, grad_w, grad_b, None, None, None, None

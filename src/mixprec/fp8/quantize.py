@@ -92,8 +92,8 @@ def quantize_with_stats(
     half_subnormal = fmt.tiny * 2.0 ** -(fmt.mantissa_bits + 1)
     saturated = torch.count_nonzero(magnitude > fmt.max)
     zero_after = torch.count_nonzero(magnitude <= half_subnormal)
-    zero_before = torch.count_nonzero(x == 0)
-    nonzero = (x.numel() - zero_before).clamp(min=1)
-    flushed = zero_after - zero_before
+    nonzero_before = torch.count_nonzero(x)  # one pass, no boolean temporary
+    flushed = zero_after - (x.numel() - nonzero_before)
+    nonzero = nonzero_before.clamp(min=1)
     stats = torch.stack([saturated / max(x.numel(), 1), flushed / nonzero]).float()
     return Quantized(data, scale.reciprocal()), stats
