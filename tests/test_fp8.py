@@ -974,3 +974,19 @@ def test_emulated_gemm_equals_float64_reference_within_fp32_accumulation(fmts, s
     out = emulated_mm(a, b.t())  # a transposed operand, as in the backward GEMMs
     assert out.dtype == torch.float32
     assert_within(out, ref, k * U32 * mag, f"emulated_mm {fmts} {shape}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_widening_fp8_by_table_equals_torch_cast_for_every_code_and_layout(dtype):
+    from mixprec.fp8.gemm import widen
+
+    codes = torch.arange(256, dtype=torch.uint8).view(dtype)
+    as_float = codes.float()
+    got = widen(codes)
+    assert got.dtype == torch.float32
+    same = (got == as_float) | (got.isnan() & as_float.isnan())
+    assert same.all() and torch.equal(got.signbit(), as_float.signbit())  # -0.0 stays -0.0
+    grid = codes[torch.randint(0, 256, (48, 40), generator=gen(9))]
+    for view in (grid, grid.t(), grid[::2], grid[:, 3:]):
+        expected, actual = view.float(), widen(view)
+        assert actual.shape == expected.shape and torch.equal(actual.nan_to_num(), expected.nan_to_num())

@@ -43,7 +43,7 @@ from torch import nn
 
 from mixprec.dtypes import Format
 from mixprec.fp8.formats import TENSOR_KINDS
-from mixprec.fp8.gemm import native_fp8_available, scaled_mm
+from mixprec.fp8.gemm import native_fp8_available, scaled_mm, widen
 from mixprec.fp8.quantize import Quantized, quantize, quantize_with_stats
 from mixprec.fp8.recipe import DelayedScaling, Fp8Recipe
 from mixprec.fp8.scaling import record_amax
@@ -133,14 +133,14 @@ class _Fp8LinearFunction(torch.autograd.Function):
             if need_x or need_w:
                 qg = ctx.layer._quantize(_GRAD, g2, ctx.update)
                 # The emulation widens the fp8 gradient once for both GEMMs (exact either way).
-                g_data = qg.data if ctx.native or not (need_x and need_w) else qg.data.float()
+                g_data = qg.data if ctx.native or not (need_x and need_w) else widen(qg.data)
                 if need_x:
                     grad_x = scaled_mm(g_data, qw_data, qg.inv_scale, qw_inv, ctx.x_dtype, native=ctx.native)
                     grad_x = grad_x.reshape(*grad_out.shape[:-1], grad_x.shape[-1])
                 if need_w:
                     grad_w = scaled_mm(g_data.t(), qx_data, qg.inv_scale, qx_inv, ctx.w_dtype, native=ctx.native)
             if need_b:
-                grad_b = g2.float().sum(0).to(ctx.b_dtype)
+                grad_b = g2.sum(0, dtype=torch.float32).to(ctx.b_dtype)  # fp32 sum, no fp32 copy
         return grad_x, grad_w, grad_b, None, None, None, None
 
 
