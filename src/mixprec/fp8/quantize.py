@@ -84,14 +84,12 @@ def quantize_with_stats(
     tensor([0.2500, 0.3333])
     """
     scaled = _scaled(x, scale, finite)
-    data = scaled.clamp(-fmt.max, fmt.max).to(fmt.dtype)
-    # Counted from the scaled values, in as few passes as possible. Round-to-nearest-even
-    # sends magnitudes up to half the smallest subnormal (inclusive: the tie goes to the
-    # even zero) to zero, so those are exactly the elements whose fp8 value is zero.
-    magnitude = scaled.abs_()  # ``scaled`` is our own temporary
-    half_subnormal = fmt.tiny * 2.0 ** -(fmt.mantissa_bits + 1)
-    saturated = torch.count_nonzero(magnitude > fmt.max)
-    zero_after = torch.count_nonzero(magnitude <= half_subnormal)
+    # Saturated: counted before the clamp, with two compares and no |x| temporary.
+    saturated = torch.count_nonzero(scaled > fmt.max) + torch.count_nonzero(scaled < -fmt.max)
+    data = scaled.clamp_(-fmt.max, fmt.max).to(fmt.dtype)  # ``scaled`` is our own temporary
+    # Flushed: zero fp8 codes (0x00 and -0 at 0x80) among the non-zero inputs, counted on
+    # the one-byte codes rather than on the fp32 values.
+    zero_after = torch.count_nonzero((data.view(torch.uint8) & 0x7F) == 0)
     nonzero_before = torch.count_nonzero(x)  # one pass, no boolean temporary
     flushed = zero_after - (x.numel() - nonzero_before)
     nonzero = nonzero_before.clamp(min=1)
