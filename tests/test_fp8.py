@@ -990,3 +990,29 @@ def test_widening_fp8_by_table_equals_torch_cast_for_every_code_and_layout(dtype
     for view in (grid, grid.t(), grid[::2], grid[:, 3:]):
         expected, actual = view.float(), widen(view)
         assert actual.shape == expected.shape and torch.equal(actual.nan_to_num(), expected.nan_to_num())
+
+
+def test_fp8_mixed_front_door_skips_a_step_whose_output_gradient_is_inf():
+    from mixprec import MixedPrecision
+
+    torch.manual_seed(0)
+    mp = MixedPrecision("fp8-mixed")
+    model = _mlp()
+    model[2] = torch.nn.Linear(64, 64, bias=False)  # no bias gradient to carry the inf past fp8
+    model, _ = mp.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    weights = [p.detach().clone() for p in model.parameters()]
+
+    def inject(module, grad_output):
+        bad = grad_output[0].clone()
+        bad[0, 0] = math.inf
+        return (bad,)
+
+    handle = model[2].register_full_backward_pre_hook(inject)
+    with mp.autocast():
+        loss = model(torch.randn(8, 32, generator=gen(4))).float().square().mean()
+    mp.backward(loss)
+    handle.remove()
+    assert torch.isfinite(loss)
+    result = mp.step()  # before: the inf was saturated to 57344 and the step was taken
+    assert result.skipped and not result.stepped
+    assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters(), strict=True))
