@@ -1016,3 +1016,11 @@ def test_fp8_mixed_front_door_skips_a_step_whose_output_gradient_is_inf():
     result = mp.step()  # before: the inf was saturated to 57344 and the step was taken
     assert result.skipped and not result.stepped
     assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters(), strict=True))
+
+
+def test_the_flag_buffer_is_bool_after_dtype_casts_and_not_checkpointed():
+    layer = Fp8Linear(16, 16)
+    layer.to(torch.bfloat16)
+    layer.half()
+    assert layer.fp8_nonfinite.dtype == torch.bool and layer.fp8_nonfinite.shape == ()
+    assert "fp8_nonfinite" not in layer.state_dict() and "fp8_stats" not in layer.state_dict()

@@ -52,7 +52,6 @@ __all__ = ["Fp8Linear", "Fp8TensorState"]
 
 _INPUT, _WEIGHT, _GRAD = range(3)
 _PERSISTENT_STATE = ("fp8_scale", "fp8_amax_history")
-_DEVICE_STATE = ("fp8_stats", "fp8_nonfinite")  # not checkpointed
 
 
 @dataclass(frozen=True)
