@@ -10,6 +10,7 @@ it prints a Markdown table and the command that produced it, and never fails on 
 Usage::
 
     python benchmarks/bench_fp8.py                      # small GPT, emulated fp8, CPU
+    python benchmarks/bench_fp8.py --fp32-gemm-row      # also the fp32-math emulation, for comparison
     python benchmarks/bench_fp8.py --size tiny --repeats 5
     python benchmarks/bench_fp8.py --device cuda --fp8-gemm auto   # native fp8 on sm_89+
 """
@@ -17,6 +18,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import shlex
 import statistics
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+import mixprec.fp8.gemm as fp8_gemm
 from mixprec import fp8
 from mixprec.models import build_task
 
@@ -39,6 +42,7 @@ class Variant:
     autocast: bool
     fp8: bool = False
     track_stats: bool = True
+    fp32_gemm: bool = False  # emulate in fp32 math even where the CPU has bf16 GEMMs
 
     def convert(self, model: nn.Module, args: argparse.Namespace) -> nn.Module:
         if not self.fp8:
@@ -52,18 +56,21 @@ class Variant:
         return fp8.convert_to_fp8(model, recipe, emulate=emulate, track_stats=self.track_stats)
 
 
-BASELINE = "bf16 autocast"
+BASELINE = "bf16-mixed (bf16 autocast)"
 
 
 def _variants(args: argparse.Namespace) -> list[Variant]:
     gemm = "emulated" if args.fp8_gemm == "emulated" else "auto"
     rows = [
         Variant(BASELINE, autocast=True),
-        Variant(f"fp8 {args.recipe}, {gemm} GEMM, + bf16 autocast", autocast=True, fp8=True),
+        Variant(f"fp8-mixed: fp8 {args.recipe}, {gemm} GEMM, + bf16 autocast", autocast=True, fp8=True),
     ]
     if not args.no_stats_row:
-        name = f"fp8 {args.recipe}, {gemm} GEMM, track_stats=False, + bf16 autocast"
+        name = f"fp8-mixed: fp8 {args.recipe}, {gemm} GEMM, track_stats=False, + bf16 autocast"
         rows.append(Variant(name, autocast=True, fp8=True, track_stats=False))
+    if args.fp32_gemm_row:
+        name = f"fp8-mixed: fp8 {args.recipe}, emulated GEMM in fp32 math, + bf16 autocast"
+        rows.append(Variant(name, autocast=True, fp8=True, fp32_gemm=True))
     if args.with_fp32:
         rows.insert(0, Variant("fp32", autocast=False))
     return rows
@@ -76,6 +83,19 @@ def _sync(device: torch.device) -> None:
 
 class Runner:
     """A model, its optimizer and one training step, as users run it."""
+
+    @contextlib.contextmanager
+    def _gemm_math(self):  # type: ignore[no-untyped-def]
+        """For the fp32-math row: the emulation as it ran before it used bf16 GEMMs."""
+        if not self.variant.fp32_gemm:
+            yield
+            return
+        real = fp8_gemm.cpu_bf16_gemm_available
+        fp8_gemm.cpu_bf16_gemm_available = lambda: False  # type: ignore[assignment]
+        try:
+            yield
+        finally:
+            fp8_gemm.cpu_bf16_gemm_available = real
 
     def __init__(self, variant: Variant, model: nn.Module, criterion: nn.Module, device: torch.device,
                  args: argparse.Namespace) -> None:
@@ -91,9 +111,10 @@ class Runner:
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         _sync(self.device)
         start = time.perf_counter()
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            loss = self.criterion(self.model(inputs), targets)
-        loss.backward()
+        with self._gemm_math():
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+                loss = self.criterion(self.model(inputs), targets)
+            loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         _sync(self.device)
@@ -123,6 +144,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--with-fp32", action="store_true", help="add an fp32 row")
     parser.add_argument(
         "--no-stats-row", action="store_true", help="drop the fp8 row without saturation/underflow stats"
+    )
+    parser.add_argument(
+        "--fp32-gemm-row", action="store_true",
+        help="add an fp8 row whose emulated GEMMs run in fp32 math even where the CPU has bf16 GEMMs",
     )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -154,17 +179,18 @@ def main(argv: list[str] | None = None) -> None:
     print(f"## fp8 vs bf16 autocast: {args.task}/{args.size}, batch {batch_size}, {device}")
     print()
     print(f"- command: `{shlex.join([sys.executable.rsplit('/', 1)[-1], *sys.argv])}`")
-    print(f"- torch {torch.__version__}, threads {torch.get_num_threads()}, fp8 GEMM: {gemm} (this run: {where})")
+    print(f"- torch {torch.__version__}, threads {torch.get_num_threads()}, fp8 GEMM: {gemm} (this run: {where}"
+          f"; CPU bf16 GEMMs for the emulation: {fp8.cpu_bf16_gemm_available()})")
     print(f"- {converted} of {linears} nn.Linear layers in fp8; {args.warmup} warm-up + "
           f"{args.repeats} interleaved timed steps per variant; median")
     print()
-    print("| variant | median step (ms) | min (ms) | vs bf16 autocast | loss after last step |")
-    print("|---|---:|---:|---:|---:|")
+    print("| variant | median step (ms) | min (ms) | step time vs bf16-mixed | speed vs bf16-mixed | loss after last step |")
+    print("|---|---:|---:|---:|---:|---:|")
     for runner in runners:
         med = statistics.median(runner.times)
         print(
             f"| {runner.variant.name} | {med * 1e3:.1f} | {min(runner.times) * 1e3:.1f} | "
-            f"{med / base:.2f}x | {runner.loss:.4f} |"
+            f"{med / base:.2f}x | {base / med:.2f}x | {runner.loss:.4f} |"
         )
 
 

@@ -137,48 +137,77 @@ def test_scale_math_runs_without_host_sync():
 # --------------------------------------------------------------------------- recipes
 
 
+_FMTS = "'hybrid' (E4M3 forward, E5M2 gradients), 'e4m3' (E4M3 everywhere) or 'e5m2' (E5M2 everywhere)"
+_MARGIN_RANGE = (
+    "margin must be between 0 and 64 (the scale is divided by 2**margin to leave headroom; beyond 64 it "
+    "is no longer a finite, exact fp32 scale); pass e.g. margin=0 or margin=1"
+)
+_MARGIN_TYPE = (
+    "margin must be an int (the scale is divided by 2**margin to leave headroom); pass e.g. margin=0 or margin=1"
+)
+_HISTORY = (
+    "expected an int >= 1 (the number of past iterations whose amax is kept); use 1 to scale from "
+    "the previous iteration only"
+)
+_ALGO = "expected 'max' (largest amax in the history) or 'most_recent' (the previous iteration's amax)"
+
+
 @pytest.mark.parametrize(
-    ("factory", "message"),
+    ("error", "factory", "message"),
     [
-        (
-            lambda: DelayedScaling(fmt="e5m2"),
-            "DelayedScaling(fmt='e5m2'): unknown fp8 format; expected 'hybrid' (E4M3 forward, "
-            "E5M2 gradients) or 'e4m3' (E4M3 everywhere)",
-        ),
-        (
-            lambda: CurrentScaling(fmt="fp8"),
-            "CurrentScaling(fmt='fp8'): unknown fp8 format; expected 'hybrid' (E4M3 forward, "
-            "E5M2 gradients) or 'e4m3' (E4M3 everywhere)",
-        ),
-        (
-            lambda: DelayedScaling(margin=-1),
-            "DelayedScaling(margin=-1): margin must be an int >= 0 (the scale is divided by "
-            "2**margin to leave headroom); pass e.g. margin=0 or margin=1",
-        ),
-        (
-            lambda: CurrentScaling(margin=0.5),
-            "CurrentScaling(margin=0.5): margin must be an int >= 0 (the scale is divided by "
-            "2**margin to leave headroom); pass e.g. margin=0 or margin=1",
-        ),
-        (
-            lambda: DelayedScaling(amax_history_len=0),
-            "DelayedScaling(amax_history_len=0): expected an int >= 1 (the number of past "
-            "iterations whose amax is kept); use 1 to scale from the previous iteration only",
-        ),
-        (
-            lambda: DelayedScaling(amax_init=1),
-            "DelayedScaling(amax_init=1): expected True or False",
-        ),
-        (
-            lambda: DelayedScaling(amax_compute_algo="mean"),
-            "DelayedScaling(amax_compute_algo='mean'): expected 'max' (largest amax in the "
-            "history) or 'most_recent' (the previous iteration's amax)",
-        ),
+        (ValueError, lambda: DelayedScaling(fmt="e3m4"), f"DelayedScaling(fmt='e3m4'): unknown fp8 format; expected {_FMTS}"),
+        (ValueError, lambda: CurrentScaling(fmt="fp8"), f"CurrentScaling(fmt='fp8'): unknown fp8 format; expected {_FMTS}"),
+        (TypeError, lambda: DelayedScaling(fmt=None), f"DelayedScaling(fmt=None): expected a str or an Fp8Format: {_FMTS}"),
+        (ValueError, lambda: DelayedScaling(margin=-1), f"DelayedScaling(margin=-1): {_MARGIN_RANGE}"),
+        (ValueError, lambda: DelayedScaling(margin=130), f"DelayedScaling(margin=130): {_MARGIN_RANGE}"),
+        (ValueError, lambda: CurrentScaling(margin=2000), f"CurrentScaling(margin=2000): {_MARGIN_RANGE}"),
+        (TypeError, lambda: CurrentScaling(margin=0.5), f"CurrentScaling(margin=0.5): {_MARGIN_TYPE}"),
+        (TypeError, lambda: DelayedScaling(margin=True), f"DelayedScaling(margin=True): {_MARGIN_TYPE}"),
+        (ValueError, lambda: DelayedScaling(amax_history_len=0), f"DelayedScaling(amax_history_len=0): {_HISTORY}"),
+        (TypeError, lambda: DelayedScaling(amax_history_len=2.0), f"DelayedScaling(amax_history_len=2.0): {_HISTORY}"),
+        (TypeError, lambda: DelayedScaling(amax_init=1), "DelayedScaling(amax_init=1): expected True or False"),
+        (ValueError, lambda: DelayedScaling(amax_compute_algo="mean"), f"DelayedScaling(amax_compute_algo='mean'): {_ALGO}"),
+        (TypeError, lambda: DelayedScaling(amax_compute_algo=None), f"DelayedScaling(amax_compute_algo=None): {_ALGO}"),
+        (ValueError, lambda: compute_scale(1.0, E4M3_MAX, margin=65), f"compute_scale(margin=65): {_MARGIN_RANGE}"),
     ],
 )
-def test_recipe_arguments_are_validated_with_the_value_and_the_fix(factory, message):
-    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+def test_recipe_arguments_are_validated_with_the_value_and_the_fix(error, factory, message):
+    with pytest.raises(error, match=f"^{re.escape(message)}$"):
         factory()
+
+
+@pytest.mark.parametrize("margin", [0, 1, 64])
+@pytest.mark.parametrize("amax", [1e-30, 1.0, 3e38])
+def test_every_allowed_margin_gives_a_finite_positive_scale_with_a_finite_inverse(margin, amax):
+    for fmt_max in (E4M3_MAX, E5M2_MAX):
+        scale = compute_scale(torch.tensor(amax), fmt_max, margin=margin)
+        assert torch.isfinite(scale) and scale > 0 and torch.isfinite(scale.reciprocal()), (margin, amax, scale)
+    # Where nothing clamps, the scale is still the one correctly rounded division.
+    assert torch.equal(compute_scale(torch.tensor(1.0), E4M3_MAX, margin=64), f32(448 / 2.0**64))
+
+
+@pytest.mark.parametrize("margin", [64, 0])
+def test_a_layer_with_the_largest_margin_trains_finite(margin):
+    layer = Fp8Linear(16, 16, recipe=DelayedScaling(margin=margin, amax_history_len=2))
+    for seed in range(2):
+        x = _input_with_amax(3.0, seed=seed).requires_grad_()
+        y = layer(x)
+        y.backward(torch.ones_like(y))
+        assert torch.isfinite(y).all() and torch.isfinite(x.grad).all() and torch.isfinite(layer.weight.grad).all()
+    assert torch.isfinite(layer.fp8_scale).all() and (layer.fp8_scale > 0).all()
+
+
+def test_e5m2_recipe_quantises_everything_to_e5m2():
+    assert (Fp8Format.E5M2.forward, Fp8Format.E5M2.backward) == (Format.E5M2, Format.E5M2)
+    for recipe in (DelayedScaling(fmt="e5m2", amax_history_len=2), CurrentScaling(fmt="e5m2")):
+        assert recipe.fp8_format is Fp8Format.E5M2
+        layer = Fp8Linear(16, 16, bias=False, recipe=recipe)
+        assert [s.format for s in layer.fp8_state().values()] == [Format.E5M2] * 3
+        x = _input_with_amax(2.0)
+        y = _iterate(layer, x)
+        qx = quantize(x, f32(57344 / 2.0), Format.E5M2).dequantize()
+        qw = quantize(layer.weight.detach(), layer.fp8_scale[WEIGHT], Format.E5M2).dequantize()
+        assert torch.allclose(y.detach(), qx @ qw.T, rtol=1e-6, atol=1e-7)
 
 
 def test_recipes_are_frozen_and_formats_are_data():
@@ -298,19 +327,23 @@ def test_margin_halves_the_scale_in_a_layer():
     assert torch.equal(layer.fp8_state()["input"].next_scale, f32(224 / 1.25))
 
 
-def test_a_non_finite_amax_neither_freezes_nor_poisons_the_scale():
+def test_a_non_finite_amax_is_recorded_as_zero_and_keeps_the_scale():
     layer = Fp8Linear(16, 16, recipe=DelayedScaling(amax_history_len=4))
     _iterate(layer, _input_with_amax(2.0))
+    scale = layer.fp8_scale.clone()
     bad = _input_with_amax(1.0)
     bad[1, 1] = math.inf
     with torch.no_grad():
         layer(bad)  # training mode: recorded, but no backward
-    assert layer.fp8_amax_history[INPUT, :2].tolist() == [math.inf, 2.0]
-    # "max" ignores the inf entry: the scale still follows the finite history.
+    assert layer.fp8_amax_history[INPUT, :2].tolist() == [0.0, 2.0]  # never inf
+    assert torch.equal(layer.fp8_scale, scale)
     assert torch.equal(layer.fp8_state()["input"].next_scale, f32(448 / 2.0))
+    # A history loaded with an inf in it: "max" ignores it, "most_recent" keeps the scale.
+    history = torch.tensor([math.inf, 2.0, 0.0, 0.0])
+    assert torch.equal(DelayedScaling(amax_history_len=4).next_scale(history, E4M3_MAX, f32(1.0)), f32(224.0))
     most_recent = DelayedScaling(amax_history_len=4, amax_compute_algo="most_recent")
     prev = torch.tensor(5.0)
-    assert torch.equal(most_recent.next_scale(layer.fp8_amax_history[INPUT], E4M3_MAX, prev), prev)
+    assert torch.equal(most_recent.next_scale(history, E4M3_MAX, prev), prev)
 
 
 def test_eval_mode_uses_the_next_scale_and_changes_no_state():
@@ -726,3 +759,268 @@ def test_small_model_trains_under_fp8_close_to_bf16_autocast(recipe):
     got = _train(fp8_model, 60, bf16)
     assert ref[-1] < 0.2 * ref[0] and got[-1] < 0.2 * got[0], (ref[::10], got[::10])
     assert abs(got[-1] - ref[-1]) <= 0.1 * ref[-1], (ref[-1], got[-1])
+
+
+# --------------------------------------------------------------------------- non-finite values
+
+
+def _layer_and_input(**kwargs: object) -> tuple[Fp8Linear, torch.Tensor]:
+    torch.manual_seed(0)
+    layer = Fp8Linear(16, 16, recipe=DelayedScaling(amax_history_len=4), **kwargs)  # type: ignore[arg-type]
+    _iterate(layer, _input_with_amax(2.0))  # a clean first iteration: a real history
+    return layer, _input_with_amax(1.0, seed=1)
+
+
+@pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan])
+def test_a_non_finite_input_is_not_saturated_it_reaches_the_loss_and_sets_the_flag(bad):
+    layer, x = _layer_and_input()
+    assert not layer.fp8_nonfinite
+    x[2, 3] = bad
+    y = layer(x)
+    assert y.isnan().all()  # not a finite output computed from 448 in place of inf
+    assert not torch.isfinite(y.sum())
+    assert layer.fp8_nonfinite.item() is True
+    assert torch.isfinite(layer.fp8_amax_history).all() and torch.isfinite(layer.fp8_scale).all()
+
+
+def test_a_non_finite_weight_sets_the_flag_and_poisons_the_output():
+    layer, x = _layer_and_input()
+    with torch.no_grad():
+        layer.weight[5, 0] = math.inf
+    assert layer(x).isnan().all() and bool(layer.fp8_nonfinite)
+    assert layer.fp8_amax_history[WEIGHT, 0].item() == 0.0
+
+
+@pytest.mark.parametrize("bad", [math.inf, math.nan])
+def test_a_non_finite_output_gradient_is_not_saturated_and_sets_the_flag(bad):
+    layer, x = _layer_and_input()
+    x.requires_grad_()
+    y = layer(x)
+    assert not layer.fp8_nonfinite  # a clean forward
+    g = torch.ones_like(y)
+    g[0, 0] = bad
+    y.backward(g)
+    assert x.grad.isnan().all() and layer.weight.grad.isnan().all()
+    assert not torch.isfinite(layer.bias.grad).all()
+    assert bool(layer.fp8_nonfinite)
+    assert layer.fp8_amax_history[GRAD, 0].item() == 0.0 and torch.isfinite(layer.fp8_scale).all()
+
+
+def test_eval_mode_propagates_but_does_not_flag():
+    layer, x = _layer_and_input()
+    layer.eval()
+    x[0, 0] = math.inf
+    with torch.no_grad():
+        assert layer(x).isnan().all()
+    assert not layer.fp8_nonfinite
+
+
+def test_nonfinite_flag_is_the_or_of_all_layers_and_reset_clears_it():
+    from mixprec.fp8 import nonfinite_flag, reset_nonfinite
+
+    model = convert_to_fp8(_mlp(), DelayedScaling(amax_history_len=4))
+    assert nonfinite_flag(torch.nn.Sequential(torch.nn.Linear(3, 3))) is None
+    model(torch.randn(4, 32)).sum().backward()
+    flag = nonfinite_flag(model)
+    assert flag is not None and flag.shape == () and flag.dtype == torch.bool and not flag
+    # Only the last layer's output gradient is bad; its NaN input gradient reaches the others.
+    h = model[:4](torch.randn(4, 32))
+    out = model[4](h)
+    out.backward(torch.full_like(out, math.inf))
+    assert [bool(m.fp8_nonfinite) for m in fp8_layers(model).values()] == [True, True, True]
+    reset_nonfinite(model)
+    assert not nonfinite_flag(model)
+    with torch.no_grad():
+        model[2].weight[0, 0] = math.nan
+    model(torch.randn(4, 32))
+    # The NaN weight flags its layer, and its NaN output flags the next one downstream.
+    assert [bool(m.fp8_nonfinite) for m in fp8_layers(model).values()] == [False, True, True]
+    assert nonfinite_flag(model)
+
+
+def test_nonfinite_flag_needs_no_host_sync():
+    from mixprec.fp8 import nonfinite_flag, reset_nonfinite
+
+    model = torch.nn.Sequential(Fp8Linear(16, 16, device="meta"), Fp8Linear(16, 16, device="meta"))
+    model(torch.empty(4, 16, device="meta")).sum().backward()
+    assert nonfinite_flag(model).device.type == "meta"
+    reset_nonfinite(model)
+
+
+def test_all_mutable_fp8_state_is_in_persistent_buffers_so_restoring_them_undoes_an_iteration():
+    # The front door undoes a skipped step by restoring the modules' persistent buffers.
+    layer, x = _layer_and_input()
+    persistent = set(layer.state_dict()) - {"weight", "bias"}
+    assert persistent == {"fp8_scale", "fp8_amax_history"}
+    saved = {k: v.clone() for k, v in layer.state_dict().items()}
+    twin = copy.deepcopy(layer)
+    for seed in range(2):
+        _iterate(layer, _input_with_amax(5.0 + seed, seed=seed))
+    layer.load_state_dict(saved)
+    # Every later result is as if the two iterations had never run.
+    x1 = _input_with_amax(3.0, seed=5)
+    assert torch.equal(_iterate(layer, x1), _iterate(twin, x1))
+    assert torch.equal(layer.fp8_amax_history, twin.fp8_amax_history)
+    assert torch.equal(layer.fp8_scale, twin.fp8_scale)
+
+
+def test_convert_to_fp8_rejects_wrong_types_naming_the_argument():
+    cases = [
+        (lambda: convert_to_fp8(None), "convert_to_fp8(model=None): expected a torch.nn.Module"),
+        (lambda: convert_to_fp8("model"), "convert_to_fp8(model='model'): expected a torch.nn.Module"),
+        (lambda: convert_to_fp8(_mlp(), module_filter="head"), "convert_to_fp8(module_filter='head'): expected None or a callable"),
+        (lambda: convert_to_fp8(_mlp(), track_stats=1), "convert_to_fp8(track_stats=1): expected True or False"),
+        (lambda: Fp8Linear(16, 16, emulate=1), "Fp8Linear(emulate=1): expected None (automatic), True or False"),
+        (lambda: Fp8Linear(16, 16, track_stats=None), "Fp8Linear(track_stats=None): expected True or False"),
+    ]
+    for factory, message in cases:
+        with pytest.raises(TypeError, match=f"^{re.escape(message)}"):
+            factory()  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- plan hooks
+
+
+def test_plan_hooks_have_safe_defaults():
+    from mixprec import get_plan
+
+    model = _mlp()
+    for name in ("bf16-mixed", "fp32", "fp16-master"):
+        plan = get_plan(name)
+        assert plan.before_unscale(model, None) is None
+        assert plan.nonfinite_flag(model) is None
+        assert plan.after_step(model) is None
+
+
+def test_fp8_plan_hooks_flag_reset_and_all_reduce():
+    from mixprec import get_plan
+
+    plan = get_plan("fp8-mixed")
+    model = _mlp()
+    plan.convert_model(model)
+    assert not plan.nonfinite_flag(model)
+    x = torch.randn(4, 32)
+    x[0, 0] = math.inf
+    model(x).sum().backward()
+    history = model[0].fp8_amax_history.clone()
+    plan.before_unscale(model, None)  # no process group: the all-reduce is a no-op
+    assert torch.equal(history, model[0].fp8_amax_history)
+    assert plan.nonfinite_flag(model)
+    plan.after_step(model)
+    assert not plan.nonfinite_flag(model)
+
+
+def test_fp8_mixed_front_door_skips_a_step_whose_input_is_inf():
+    from mixprec import MixedPrecision
+
+    torch.manual_seed(0)
+    mp = MixedPrecision("fp8-mixed")
+    model = _mlp()
+    model, _ = mp.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert fp8_layers(model)
+    x = torch.randn(8, 32, generator=gen(3))
+    with mp.autocast():
+        loss = model(x).float().square().mean()
+    mp.backward(loss)
+    assert mp.step().stepped
+    weights = [p.detach().clone() for p in model.parameters()]
+    x[1, 2] = math.inf
+    with mp.autocast():
+        loss = model(x).float().square().mean()
+    assert not torch.isfinite(loss)  # before: 448 in place of inf gave a finite loss
+    mp.backward(loss)
+    result = mp.step()
+    assert result.skipped and not result.stepped
+    assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters(), strict=True))
+
+
+# --------------------------------------------------------------------------- bf16 GEMMs for the emulation
+
+
+def test_emulated_gemm_restores_the_math_mode_and_uses_bf16_where_available():
+    from mixprec.fp8.gemm import _bf16_math, cpu_bf16_gemm_available, emulated_mm
+
+    before = torch.backends.mkldnn.matmul.fp32_precision
+    a = (torch.randn(128, 256, generator=gen(1)) * 4).to(torch.float8_e4m3fn)
+    b = (torch.randn(256, 64, generator=gen(2)) * 1e3).to(torch.float8_e5m2)
+    emulated_mm(a, b)
+    assert torch.backends.mkldnn.matmul.fp32_precision == before
+    with pytest.raises(RuntimeError), _bf16_math():
+        raise RuntimeError("inside")
+    assert torch.backends.mkldnn.matmul.fp32_precision == before
+    if cpu_bf16_gemm_available():
+        # The mode is real: on values that are not bf16 it rounds them (so it is in effect
+        # in the GEMM above, where the fp8 operands are exact bf16 values).
+        x, y = torch.randn(64, 64, generator=gen(3)), torch.randn(64, 64, generator=gen(4))
+        with _bf16_math():
+            rounded = x @ y
+        assert not torch.allclose(rounded, x @ y, rtol=1e-5, atol=1e-5)
+        exact = x.bfloat16().double() @ y.bfloat16().double()
+        assert torch.allclose(rounded.double(), exact, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("fmts", [("e4m3", "e4m3"), ("e5m2", "e4m3"), ("e5m2", "e5m2")])
+@pytest.mark.parametrize("shape", [(256, 512, 384), (64, 96, 48), (5, 16, 16)])
+def test_emulated_gemm_equals_float64_reference_within_fp32_accumulation(fmts, shape):
+    from mixprec.fp8.gemm import emulated_mm
+
+    m, k, n = shape
+    dtypes = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+    # Spread over the whole fp8 range, subnormals included.
+    a = (torch.randn(m, k, generator=gen(5)) * 2.0 ** torch.randint(-12, 8, (m, k), generator=gen(6))).to(dtypes[fmts[0]])
+    b = (torch.randn(n, k, generator=gen(7)) * 2.0 ** torch.randint(-12, 8, (n, k), generator=gen(8))).to(dtypes[fmts[1]])
+    assert torch.isfinite(a.float()).all() and torch.isfinite(b.float()).all()
+    ref, mag = _reference(a, b.T, 1.0)
+    out = emulated_mm(a, b.t())  # a transposed operand, as in the backward GEMMs
+    assert out.dtype == torch.float32
+    assert_within(out, ref, k * U32 * mag, f"emulated_mm {fmts} {shape}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_widening_fp8_by_table_equals_torch_cast_for_every_code_and_layout(dtype):
+    from mixprec.fp8.gemm import widen
+
+    codes = torch.arange(256, dtype=torch.uint8).view(dtype)
+    as_float = codes.float()
+    got = widen(codes)
+    assert got.dtype == torch.float32
+    same = (got == as_float) | (got.isnan() & as_float.isnan())
+    assert same.all() and torch.equal(got.signbit(), as_float.signbit())  # -0.0 stays -0.0
+    grid = codes[torch.randint(0, 256, (48, 40), generator=gen(9))]
+    for view in (grid, grid.t(), grid[::2], grid[:, 3:]):
+        expected, actual = view.float(), widen(view)
+        assert actual.shape == expected.shape and torch.equal(actual.nan_to_num(), expected.nan_to_num())
+
+
+def test_fp8_mixed_front_door_skips_a_step_whose_output_gradient_is_inf():
+    from mixprec import MixedPrecision
+
+    torch.manual_seed(0)
+    mp = MixedPrecision("fp8-mixed")
+    model = _mlp()
+    model[2] = torch.nn.Linear(64, 64, bias=False)  # no bias gradient to carry the inf past fp8
+    model, _ = mp.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    weights = [p.detach().clone() for p in model.parameters()]
+
+    def inject(module, grad_output):
+        bad = grad_output[0].clone()
+        bad[0, 0] = math.inf
+        return (bad,)
+
+    handle = model[2].register_full_backward_pre_hook(inject)
+    with mp.autocast():
+        loss = model(torch.randn(8, 32, generator=gen(4))).float().square().mean()
+    mp.backward(loss)
+    handle.remove()
+    assert torch.isfinite(loss)
+    result = mp.step()  # before: the inf was saturated to 57344 and the step was taken
+    assert result.skipped and not result.stepped
+    assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters(), strict=True))
+
+
+def test_the_flag_buffer_is_bool_after_dtype_casts_and_not_checkpointed():
+    layer = Fp8Linear(16, 16)
+    layer.to(torch.bfloat16)
+    layer.half()
+    assert layer.fp8_nonfinite.dtype == torch.bool and layer.fp8_nonfinite.shape == ()
+    assert "fp8_nonfinite" not in layer.state_dict() and "fp8_stats" not in layer.state_dict()

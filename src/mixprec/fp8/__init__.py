@@ -15,16 +15,20 @@ from mixprec.fp8.convert import (
     convert_to_fp8,
     default_module_filter,
     fp8_layers,
+    nonfinite_flag,
+    reset_nonfinite,
     stats,
 )
 from mixprec.fp8.formats import TENSOR_KINDS, Fp8Format
-from mixprec.fp8.gemm import native_fp8_available, scaled_mm
+from mixprec.fp8.gemm import cpu_bf16_gemm_available, native_fp8_available, scaled_mm
 from mixprec.fp8.linear import Fp8Linear, Fp8TensorState
 from mixprec.fp8.quantize import Quantized, quantize, quantize_with_stats
 from mixprec.fp8.recipe import CurrentScaling, DelayedScaling, Fp8Recipe
 from mixprec.fp8.scaling import (
     AMAX_COMPUTE_ALGOS,
     FP32_MAX,
+    MAX_MARGIN,
+    MIN_SCALE,
     compute_scale,
     history_amax,
     record_amax,
@@ -33,6 +37,8 @@ from mixprec.fp8.scaling import (
 __all__ = [
     "AMAX_COMPUTE_ALGOS",
     "FP32_MAX",
+    "MAX_MARGIN",
+    "MIN_SCALE",
     "TENSOR_KINDS",
     "CurrentScaling",
     "DelayedScaling",
@@ -44,13 +50,16 @@ __all__ = [
     "all_reduce_amax",
     "compute_scale",
     "convert_to_fp8",
+    "cpu_bf16_gemm_available",
     "default_module_filter",
     "fp8_layers",
     "history_amax",
     "native_fp8_available",
+    "nonfinite_flag",
     "quantize",
     "quantize_with_stats",
     "record_amax",
+    "reset_nonfinite",
     "scaled_mm",
     "stats",
 ]

@@ -23,7 +23,15 @@ from mixprec.fp8.gemm import native_fp8_available
 from mixprec.fp8.linear import Fp8Linear
 from mixprec.fp8.recipe import DelayedScaling, Fp8Recipe
 
-__all__ = ["all_reduce_amax", "convert_to_fp8", "default_module_filter", "fp8_layers", "stats"]
+__all__ = [
+    "all_reduce_amax",
+    "convert_to_fp8",
+    "default_module_filter",
+    "fp8_layers",
+    "nonfinite_flag",
+    "reset_nonfinite",
+    "stats",
+]
 
 ModuleFilter = Callable[[str, nn.Module], bool]
 
@@ -81,6 +89,11 @@ def convert_to_fp8(
     >>> [type(x).__name__ for x in m]
     ['Fp8Linear', 'Linear']
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"convert_to_fp8(model={model!r}): expected a torch.nn.Module whose nn.Linear layers "
+            "are to be converted"
+        )
     if recipe is None:
         recipe = DelayedScaling()
     if not isinstance(recipe, Fp8Recipe):
@@ -88,8 +101,15 @@ def convert_to_fp8(
             f"convert_to_fp8(recipe={recipe!r}): expected a mixprec.fp8.DelayedScaling or "
             "CurrentScaling instance, e.g. DelayedScaling(fmt='hybrid')"
         )
+    if module_filter is not None and not callable(module_filter):
+        raise TypeError(
+            f"convert_to_fp8(module_filter={module_filter!r}): expected None or a callable "
+            "(qualified_name, module) -> bool, e.g. lambda name, m: name != 'head'"
+        )
     if emulate is not None and not isinstance(emulate, bool):
         raise TypeError(f"convert_to_fp8(emulate={emulate!r}): expected None (automatic), True or False")
+    if not isinstance(track_stats, bool):
+        raise TypeError(f"convert_to_fp8(track_stats={track_stats!r}): expected True or False")
     if emulate is False and not native_fp8_available():
         raise RuntimeError(
             "convert_to_fp8(emulate=False) needs native fp8 GEMMs (torch._scaled_mm on a CUDA GPU "
@@ -117,6 +137,35 @@ def convert_to_fp8(
 def fp8_layers(model: nn.Module) -> dict[str, Fp8Linear]:
     """The :class:`Fp8Linear` layers of ``model`` by qualified name."""
     return {name: m for name, m in model.named_modules() if isinstance(m, Fp8Linear)}
+
+
+def nonfinite_flag(model: nn.Module) -> torch.Tensor | None:
+    """Whether any fp8 layer of ``model`` saw an inf/NaN amax since the last :func:`reset_nonfinite`.
+
+    A 0-dim bool tensor on the first layer's device, computed without a host sync (the
+    caller reads it once, with its other skip flags), or None when ``model`` has no fp8
+    layers. Input, weight and output-gradient amaxes all count, in training mode.
+
+    >>> import torch
+    >>> layer = convert_to_fp8(torch.nn.Linear(16, 16))
+    >>> layer(torch.full((2, 16), float("inf"))).isnan().all().item(), nonfinite_flag(layer)
+    (True, tensor(True))
+    >>> reset_nonfinite(layer); nonfinite_flag(layer)
+    tensor(False)
+    >>> nonfinite_flag(torch.nn.ReLU()) is None
+    True
+    """
+    flags = [layer.fp8_nonfinite for layer in fp8_layers(model).values()]
+    if not flags:
+        return None
+    device = flags[0].device
+    return torch.stack([f.to(device, non_blocking=True) for f in flags]).any()
+
+
+def reset_nonfinite(model: nn.Module) -> None:
+    """Clear the non-finite flag of every fp8 layer of ``model`` (after each step's decision)."""
+    for layer in fp8_layers(model).values():
+        layer.fp8_nonfinite.zero_()
 
 
 def all_reduce_amax(model: nn.Module, group: object = None) -> None:

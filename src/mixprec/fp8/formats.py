@@ -1,4 +1,4 @@
-"""Which fp8 format each tensor class uses: "hybrid" (E4M3 forward, E5M2 gradients) or "e4m3".
+"""Which fp8 format each tensor class uses: "hybrid" (E4M3 forward, E5M2 gradients), "e4m3" or "e5m2".
 
 The format facts themselves (largest finite value, dtype) live in :class:`mixprec.dtypes.Format`;
 this enum only pairs them up, as TransformerEngine's ``Format.HYBRID`` does.
@@ -6,8 +6,8 @@ this enum only pairs them up, as TransformerEngine's ``Format.HYBRID`` does.
 >>> from mixprec.fp8 import Fp8Format
 >>> Fp8Format.HYBRID.forward.max, Fp8Format.HYBRID.backward.max
 (448.0, 57344.0)
->>> Fp8Format("e4m3").backward.max
-448.0
+>>> Fp8Format("e4m3").backward.max, Fp8Format("e5m2").forward.max
+(448.0, 57344.0)
 """
 
 from __future__ import annotations
@@ -27,16 +27,17 @@ class Fp8Format(enum.Enum):
 
     HYBRID = "hybrid"
     E4M3 = "e4m3"
+    E5M2 = "e5m2"
 
     @property
     def forward(self) -> Format:
-        """Format of activations and weights (always E4M3: more precision, max 448)."""
-        return Format.E4M3
+        """Format of activations and weights: E4M3 (precision, max 448), except for "e5m2"."""
+        return Format.E5M2 if self is Fp8Format.E5M2 else Format.E4M3
 
     @property
     def backward(self) -> Format:
-        """Format of output gradients: E5M2 (range, max 57344) for hybrid, else E4M3."""
-        return Format.E5M2 if self is Fp8Format.HYBRID else Format.E4M3
+        """Format of output gradients: E5M2 (range, max 57344) for "hybrid" and "e5m2", else E4M3."""
+        return Format.E4M3 if self is Fp8Format.E4M3 else Format.E5M2
 
     def for_kind(self, kind: str) -> Format:
         """Format of one tensor kind (``"input"``, ``"weight"`` or ``"grad_output"``)."""

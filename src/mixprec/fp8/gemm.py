@@ -1,10 +1,18 @@
 """The fp8 GEMM: ``torch._scaled_mm`` on CUDA GPUs that have one, an exact emulation elsewhere.
 
 Both compute ``(a @ b) * inv_scale_a * inv_scale_b`` from fp8 operands with fp32
-accumulation. The emulation multiplies the fp8 values themselves in fp32: the product of
-two fp8 values has at most 8 significant bits, so every product is exact in fp32 and the
-only rounding is the fp32 accumulation, as in an fp8 tensor-core GEMM. The tensor-wise
-dequantisation scales are applied to the fp32 result, as ``_scaled_mm`` does.
+accumulation. The emulation multiplies the fp8 values themselves with fp32 accumulation:
+the product of two fp8 values has at most 8 significant bits, so every product is exact
+in fp32 and the only rounding is the fp32 accumulation, as in an fp8 tensor-core GEMM.
+The tensor-wise dequantisation scales are applied to the fp32 result, as ``_scaled_mm``
+does, so the operands stay the exact fp8 values.
+
+Every E4M3 and E5M2 value is exactly a bf16 value (bf16 has 8 exponent and 8 significant
+bits), so on CPUs with bf16 matrix units (AVX512-BF16, AMX) the emulated GEMM runs as an
+fp32 GEMM in oneDNN's bf16 math mode (``torch.backends.mkldnn.matmul.fp32_precision =
+"bf16"``, set only around that GEMM): oneDNN rounds the operands to bf16, which changes
+none of them, multiplies in bf16 and accumulates and returns fp32. The result equals the
+plain fp32 GEMM up to the order of the fp32 accumulation, at bf16 GEMM speed.
 
 >>> import torch
 >>> a = torch.tensor([[1.0, 2.0]]).to(torch.float8_e4m3fn)
@@ -15,11 +23,13 @@ tensor([[1.3750]])
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 
 import torch
 
-__all__ = ["native_fp8_available", "scaled_mm"]
+__all__ = ["cpu_bf16_gemm_available", "emulated_mm", "native_fp8_available", "scaled_mm", "widen"]
 
 _NATIVE_MULTIPLE = 16  # cuBLASLt fp8: the inner dim and both dims of the second operand
 
@@ -49,8 +59,96 @@ def native_fp8_available(device: torch.device | str | None = None) -> bool:
 
 
 def _native_shapes_ok(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype == b.dtype == torch.float8_e5m2:  # cuBLASLt needs at least one E4M3 operand
+        return False
     k, n = b.shape
     return a.shape[1] % _NATIVE_MULTIPLE == 0 and k % _NATIVE_MULTIPLE == 0 and n % _NATIVE_MULTIPLE == 0
+
+
+@functools.cache
+def cpu_bf16_gemm_available() -> bool:
+    """Whether fp32 GEMMs on this CPU can run in oneDNN's bf16 math mode (AVX512-BF16 / AMX).
+
+    >>> isinstance(cpu_bf16_gemm_available(), bool)
+    True
+    """
+    mkldnn = getattr(torch.backends, "mkldnn", None)
+    if mkldnn is None or not mkldnn.is_available() or not hasattr(mkldnn, "matmul"):
+        return False
+    checker = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    try:
+        return bool(checker()) if checker is not None else False
+    except RuntimeError:
+        return False
+
+
+@contextlib.contextmanager
+def _bf16_math() -> Iterator[None]:
+    """fp32 GEMMs inside run on bf16-rounded operands with fp32 accumulation (oneDNN)."""
+    matmul = torch.backends.mkldnn.matmul  # type: ignore[attr-defined]
+    previous = matmul.fp32_precision
+    matmul.fp32_precision = "bf16"
+    try:
+        yield
+    finally:
+        matmul.fp32_precision = previous
+
+
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+_TABLES: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The fp32 value of each of the 256 codes of an fp8 dtype (inf and NaN codes included)."""
+    key = (dtype, device)
+    table = _TABLES.get(key)
+    if table is None:
+        table = torch.arange(256, dtype=torch.uint8, device=device).view(dtype).float()
+        _TABLES[key] = table
+    return table
+
+
+def widen(t: torch.Tensor) -> torch.Tensor:
+    """An fp8 tensor as fp32, exactly (other dtypes: ``t.float()``).
+
+    On CPU, torch converts fp8 element by element; a lookup in the 256-entry table of the
+    format's values gives the same numbers (NaN and inf codes included) in about a third
+    of the time. A transposed 2-d view is widened through its contiguous base.
+
+    >>> import torch
+    >>> q = torch.tensor([[0.5, -448.0], [3.0, 1e-3]]).to(torch.float8_e4m3fn)
+    >>> torch.equal(widen(q.t()), q.t().float())
+    True
+    """
+    if t.dtype not in _FP8_DTYPES or t.device.type != "cpu" or t.numel() == 0:
+        return t.float()
+    if t.dim() == 2 and not t.is_contiguous() and t.t().is_contiguous():
+        return widen(t.t()).t()
+    if not t.is_contiguous():
+        return t.float()
+    codes = t.view(torch.uint8).reshape(-1).int()
+    return torch.index_select(_table(t.dtype, t.device), 0, codes).view(t.shape)
+
+
+def emulated_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` for fp8 ``a`` and ``b`` with fp32 accumulation and an fp32 result.
+
+    ``a`` or ``b`` may also be given already widened to fp32 (holding fp8 values).
+
+    On CPUs with bf16 GEMMs the multiplication runs in bf16 (exact: the operands are fp8
+    values); elsewhere in fp32. Either way each product is exact and only the fp32
+    accumulation rounds.
+
+    >>> import torch
+    >>> a = torch.tensor([[1.5, -2.0]]).to(torch.float8_e4m3fn)
+    >>> emulated_mm(a, a.t())
+    tensor([[6.2500]])
+    """
+    a32, b32 = widen(a), widen(b)
+    if a32.device.type == "cpu" and cpu_bf16_gemm_available():
+        with _bf16_math():
+            return a32 @ b32
+    return a32 @ b32
 
 
 def native_operands(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,8 +183,8 @@ def scaled_mm(
             use_fast_accum=False,
         )
         return out if bias is None else out + bias.to(out_dtype)
-    acc = a.float() @ b.float()
-    acc = acc * (inv_scale_a * inv_scale_b)
+    acc = emulated_mm(a, b)
+    acc.mul_(inv_scale_a * inv_scale_b)
     if bias is not None:
-        acc = acc + bias.to(out_dtype).float()
+        acc.add_(bias.to(out_dtype))
     return acc.to(out_dtype)

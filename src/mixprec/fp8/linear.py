@@ -7,11 +7,19 @@ the input gradient (``grad_out @ W``) and the weight gradient (``grad_out.T @ x`
 fp8 input and weight saved by the forward. The bias gradient is the fp32 sum of the
 unquantised output gradient.
 
-Scales and amax histories are registered buffers (``fp8_scale``, ``fp8_amax_history``,
-one row per tensor kind: input, weight, grad_output), so they are checkpointed in
-``state_dict()`` and follow ``.to()``. As BatchNorm's running statistics, they are updated
-only in training mode (``module.train()``); in eval mode the layer quantises with the
-scale the next training iteration would use and changes nothing.
+Scales and amax histories are registered persistent buffers (``fp8_scale``,
+``fp8_amax_history``, one row per tensor kind: input, weight, grad_output), so they are
+checkpointed in ``state_dict()``, follow ``.to()``, and are all the state that a later
+iteration computes from: restoring them undoes an iteration. As BatchNorm's running
+statistics, they are updated only in training mode (``module.train()``); in eval mode the
+layer quantises with the scale the next training iteration would use and changes nothing.
+
+Non-finite values are never saturated silently. When the input, the weight or the output
+gradient holds an inf or NaN (its amax is not finite), that tensor quantises to all NaN,
+so the output (forward) or the input and weight gradients (backward) are NaN; in training
+mode the layer also sets its ``fp8_nonfinite`` flag (a 0-dim bool buffer on the device, no
+host sync; see :func:`mixprec.fp8.nonfinite_flag`), records 0 instead of the non-finite
+amax, and keeps its previous scale.
 
 >>> import torch
 >>> from mixprec.fp8 import DelayedScaling, Fp8Linear
@@ -35,7 +43,7 @@ from torch import nn
 
 from mixprec.dtypes import Format
 from mixprec.fp8.formats import TENSOR_KINDS
-from mixprec.fp8.gemm import native_fp8_available, scaled_mm
+from mixprec.fp8.gemm import native_fp8_available, scaled_mm, widen
 from mixprec.fp8.quantize import Quantized, quantize, quantize_with_stats
 from mixprec.fp8.recipe import DelayedScaling, Fp8Recipe
 from mixprec.fp8.scaling import record_amax
@@ -123,13 +131,15 @@ class _Fp8LinearFunction(torch.autograd.Function):
             g2 = grad_out.reshape(-1, grad_out.shape[-1])
             if need_x or need_w:
                 qg = ctx.layer._quantize(_GRAD, g2, ctx.update)
+                # The emulation widens the fp8 gradient once for both GEMMs (exact either way).
+                g_data = qg.data if ctx.native or not (need_x and need_w) else widen(qg.data)
                 if need_x:
-                    grad_x = scaled_mm(qg.data, qw_data, qg.inv_scale, qw_inv, ctx.x_dtype, native=ctx.native)
+                    grad_x = scaled_mm(g_data, qw_data, qg.inv_scale, qw_inv, ctx.x_dtype, native=ctx.native)
                     grad_x = grad_x.reshape(*grad_out.shape[:-1], grad_x.shape[-1])
                 if need_w:
-                    grad_w = scaled_mm(qg.data.t(), qx_data, qg.inv_scale, qx_inv, ctx.w_dtype, native=ctx.native)
+                    grad_w = scaled_mm(g_data.t(), qx_data, qg.inv_scale, qx_inv, ctx.w_dtype, native=ctx.native)
             if need_b:
-                grad_b = g2.float().sum(0).to(ctx.b_dtype)
+                grad_b = g2.sum(0, dtype=torch.float32).to(ctx.b_dtype)  # fp32 sum, no fp32 copy
         return grad_x, grad_w, grad_b, None, None, None, None
 
 
@@ -152,6 +162,7 @@ class Fp8Linear(nn.Linear):
     fp8_scale: torch.Tensor
     fp8_amax_history: torch.Tensor
     fp8_stats: torch.Tensor
+    fp8_nonfinite: torch.Tensor
 
     def __init__(
         self,
@@ -170,6 +181,10 @@ class Fp8Linear(nn.Linear):
                 f"Fp8Linear(recipe={recipe!r}): expected a mixprec.fp8.DelayedScaling or "
                 "CurrentScaling instance, e.g. DelayedScaling(fmt='hybrid')"
             )
+        if emulate is not None and not isinstance(emulate, bool):
+            raise TypeError(f"Fp8Linear(emulate={emulate!r}): expected None (automatic), True or False")
+        if not isinstance(track_stats, bool):
+            raise TypeError(f"Fp8Linear(track_stats={track_stats!r}): expected True or False")
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self.recipe = DelayedScaling() if recipe is None else recipe
         self.emulate = emulate
@@ -186,6 +201,8 @@ class Fp8Linear(nn.Linear):
         )
         # Diagnostics of the last iteration: (saturation, underflow) per kind; not checkpointed.
         self.register_buffer("fp8_stats", torch.zeros(n, 2, dtype=torch.float32, device=device), persistent=False)
+        # Set when an amax was inf/NaN since the last reset_nonfinite(); not checkpointed.
+        self.register_buffer("fp8_nonfinite", torch.zeros((), dtype=torch.bool, device=device), persistent=False)
 
     @classmethod
     def from_linear(
@@ -237,16 +254,18 @@ class Fp8Linear(nn.Linear):
         with torch.no_grad():
             t = t.detach()
             amax = _amax(t)
+            finite = torch.isfinite(amax)
             scale = self.recipe.select_scale(history, amax, fmt.max, prev)
             if not update:
-                return quantize(t, scale, fmt)
+                return quantize(t, scale, fmt, finite=finite)
             if self.track_stats:
-                q, stats = quantize_with_stats(t, scale, fmt)
+                q, stats = quantize_with_stats(t, scale, fmt, finite=finite)
                 self.fp8_stats[kind] = stats
             else:
-                q = quantize(t, scale, fmt)
+                q = quantize(t, scale, fmt, finite=finite)
+            self.fp8_nonfinite.logical_or_(~finite)
             self.fp8_scale[kind] = scale
-            record_amax(history, amax)
+            record_amax(history, amax)  # a non-finite amax is recorded as 0
         return q
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:

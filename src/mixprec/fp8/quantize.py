@@ -1,8 +1,12 @@
 """Quantise to a real torch fp8 dtype: ``x * scale`` -> clamp to ``±fmt_max`` -> ``.to(float8)``.
 
-Values beyond the format's range saturate at ``±fmt_max`` (they never become inf or NaN);
-``data.float() * inv_scale`` gives back the dequantised values. The same bytes feed the
-native fp8 GEMM and the emulated one.
+Finite values beyond the format's range saturate at ``±fmt_max``; ``data.float() * inv_scale``
+gives back the dequantised values. The same bytes feed the native fp8 GEMM and the emulated one.
+
+A tensor that holds any inf or NaN is never saturated into range: it quantises to all NaN
+(E4M3 has no inf), so whatever is computed from it is NaN too and the overflow cannot pass
+unnoticed. Deciding per tensor instead of per element costs no extra pass: the fp8 layer
+already has the tensor's amax, and the NaN rides on the multiplication by the scale.
 
 >>> import torch
 >>> from mixprec.dtypes import Format
@@ -34,19 +38,39 @@ class Quantized(NamedTuple):
         return (self.data.float() * self.inv_scale).to(dtype)
 
 
-def _cast(x: torch.Tensor, scale: torch.Tensor, fmt: Format) -> tuple[torch.Tensor, torch.Tensor]:
-    scaled = x.float() * scale
-    data = scaled.clamp(-fmt.max, fmt.max).to(fmt.dtype)
-    return scaled, data
+def _scaled(x: torch.Tensor, scale: torch.Tensor, finite: torch.Tensor | None) -> torch.Tensor:
+    """``x * scale`` in fp32 (a new tensor), or all NaN when ``x`` is not finite."""
+    if finite is None:
+        finite = torch.isfinite(x).all()
+    # A 0-dim op: a non-finite tensor is multiplied by NaN, which survives clamp and cast.
+    multiplier = torch.where(finite, scale, torch.full_like(scale, float("nan")))
+    if x.dtype == torch.float32:
+        return x * multiplier
+    return x.float().mul_(multiplier)
 
 
-def quantize(x: torch.Tensor, scale: torch.Tensor, fmt: Format) -> Quantized:
-    """Quantise ``x`` with an fp32 ``scale`` (a 0-dim tensor) to ``fmt`` (E4M3 or E5M2)."""
-    _, data = _cast(x, scale, fmt)
+def quantize(
+    x: torch.Tensor, scale: torch.Tensor, fmt: Format, *, finite: torch.Tensor | None = None
+) -> Quantized:
+    """Quantise ``x`` with an fp32 ``scale`` (a 0-dim tensor) to ``fmt`` (E4M3 or E5M2).
+
+    ``finite`` (a 0-dim bool tensor) says whether every element of ``x`` is finite, when
+    the caller knows it already (from the amax); otherwise it is computed here. A
+    non-finite ``x`` gives all-NaN data (see the module docstring).
+
+    >>> import torch
+    >>> from mixprec.dtypes import Format
+    >>> quantize(torch.tensor([1.0, float("inf")]), torch.tensor(1.0), Format.E5M2).dequantize()
+    tensor([nan, nan])
+    """
+    scaled = _scaled(x, scale, finite)
+    data = scaled.clamp_(-fmt.max, fmt.max).to(fmt.dtype)  # ``scaled`` is our own temporary
     return Quantized(data, scale.reciprocal())
 
 
-def quantize_with_stats(x: torch.Tensor, scale: torch.Tensor, fmt: Format) -> tuple[Quantized, torch.Tensor]:
+def quantize_with_stats(
+    x: torch.Tensor, scale: torch.Tensor, fmt: Format, *, finite: torch.Tensor | None = None
+) -> tuple[Quantized, torch.Tensor]:
     """:func:`quantize`, plus ``tensor([saturation, underflow])`` as fp32 fractions.
 
     ``saturation``: fraction of all elements whose scaled magnitude exceeded ``fmt_max``
@@ -59,16 +83,15 @@ def quantize_with_stats(x: torch.Tensor, scale: torch.Tensor, fmt: Format) -> tu
     >>> s
     tensor([0.2500, 0.3333])
     """
-    scaled, data = _cast(x, scale, fmt)
-    # Counted from the scaled values, in as few passes as possible. Round-to-nearest-even
-    # sends magnitudes up to half the smallest subnormal (inclusive: the tie goes to the
-    # even zero) to zero, so those are exactly the elements whose fp8 value is zero.
-    magnitude = scaled.abs_()  # ``scaled`` is our own temporary
-    half_subnormal = fmt.tiny * 2.0 ** -(fmt.mantissa_bits + 1)
-    saturated = torch.count_nonzero(magnitude > fmt.max)
-    zero_after = torch.count_nonzero(magnitude <= half_subnormal)
-    zero_before = torch.count_nonzero(x == 0)
-    nonzero = (x.numel() - zero_before).clamp(min=1)
-    flushed = zero_after - zero_before
+    scaled = _scaled(x, scale, finite)
+    # Saturated: counted before the clamp, with two compares and no |x| temporary.
+    saturated = torch.count_nonzero(scaled > fmt.max) + torch.count_nonzero(scaled < -fmt.max)
+    data = scaled.clamp_(-fmt.max, fmt.max).to(fmt.dtype)  # ``scaled`` is our own temporary
+    # Flushed: zero fp8 codes (0x00 and -0 at 0x80) among the non-zero inputs, counted on
+    # the one-byte codes rather than on the fp32 values.
+    zero_after = torch.count_nonzero((data.view(torch.uint8) & 0x7F) == 0)
+    nonzero_before = torch.count_nonzero(x)  # one pass, no boolean temporary
+    flushed = zero_after - (x.numel() - nonzero_before)
+    nonzero = nonzero_before.clamp(min=1)
     stats = torch.stack([saturated / max(x.numel(), 1), flushed / nonzero]).float()
     return Quantized(data, scale.reciprocal()), stats

@@ -27,11 +27,17 @@ from typing import Any
 import torch
 
 from mixprec.fp8.formats import Fp8Format
-from mixprec.fp8.scaling import AMAX_COMPUTE_ALGOS, AmaxComputeAlgo, compute_scale, history_amax
+from mixprec.fp8.scaling import (
+    AMAX_COMPUTE_ALGOS,
+    AmaxComputeAlgo,
+    check_margin,
+    compute_scale,
+    history_amax,
+)
 
 __all__ = ["CurrentScaling", "DelayedScaling", "Fp8Recipe"]
 
-_FMT_CHOICES = "'hybrid' (E4M3 forward, E5M2 gradients) or 'e4m3' (E4M3 everywhere)"
+_FMT_CHOICES = "'hybrid' (E4M3 forward, E5M2 gradients), 'e4m3' (E4M3 everywhere) or 'e5m2' (E5M2 everywhere)"
 
 
 class Fp8Recipe(abc.ABC):
@@ -68,16 +74,14 @@ class Fp8Recipe(abc.ABC):
 def _check_common(owner: str, fmt: Any, margin: Any) -> Fp8Format:
     if isinstance(fmt, Fp8Format):
         parsed = fmt
-    else:
+    elif isinstance(fmt, str):
         try:
             parsed = Fp8Format(fmt)
         except ValueError:
             raise ValueError(f"{owner}(fmt={fmt!r}): unknown fp8 format; expected {_FMT_CHOICES}") from None
-    if isinstance(margin, bool) or not isinstance(margin, int) or margin < 0:
-        raise ValueError(
-            f"{owner}(margin={margin!r}): margin must be an int >= 0 (the scale is divided by "
-            "2**margin to leave headroom); pass e.g. margin=0 or margin=1"
-        )
+    else:
+        raise TypeError(f"{owner}(fmt={fmt!r}): expected a str or an Fp8Format: {_FMT_CHOICES}")
+    check_margin(margin, owner)
     return parsed
 
 
@@ -86,9 +90,11 @@ class DelayedScaling(Fp8Recipe):
     """Scale each tensor from the amax history of previous iterations (TransformerEngine's recipe).
 
     Args:
-        fmt: ``"hybrid"`` (E4M3 for inputs and weights, E5M2 for output gradients) or
-            ``"e4m3"`` (E4M3 for all three), or an :class:`Fp8Format`.
-        margin: headroom in powers of two: ``scale = (fmt_max / amax) / 2**margin``.
+        fmt: ``"hybrid"`` (E4M3 for inputs and weights, E5M2 for output gradients),
+            ``"e4m3"`` (E4M3 for all three) or ``"e5m2"`` (E5M2 for all three), or an
+            :class:`Fp8Format`.
+        margin: headroom in powers of two: ``scale = (fmt_max / amax) / 2**margin``; an int
+            from 0 to :data:`~mixprec.fp8.MAX_MARGIN` (64).
         amax_history_len: how many past iterations' amaxes each layer keeps.
         amax_compute_algo: ``"max"`` (largest finite amax in the history) or
             ``"most_recent"`` (the previous iteration's amax).
@@ -113,18 +119,24 @@ class DelayedScaling(Fp8Recipe):
     def __post_init__(self) -> None:
         object.__setattr__(self, "fmt", _check_common("DelayedScaling", self.fmt, self.margin))
         n = self.amax_history_len
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise TypeError(
+                f"DelayedScaling(amax_history_len={n!r}): expected an int >= 1 (the number of past "
+                "iterations whose amax is kept); use 1 to scale from the previous iteration only"
+            )
+        if n < 1:
             raise ValueError(
                 f"DelayedScaling(amax_history_len={n!r}): expected an int >= 1 (the number of past "
                 "iterations whose amax is kept); use 1 to scale from the previous iteration only"
             )
-        if self.amax_compute_algo not in AMAX_COMPUTE_ALGOS:
-            raise ValueError(
+        algo = self.amax_compute_algo
+        if not isinstance(algo, str) or algo not in AMAX_COMPUTE_ALGOS:
+            raise (TypeError if not isinstance(algo, str) else ValueError)(
                 f"DelayedScaling(amax_compute_algo={self.amax_compute_algo!r}): expected 'max' "
                 "(largest amax in the history) or 'most_recent' (the previous iteration's amax)"
             )
         if not isinstance(self.amax_init, bool):
-            raise ValueError(f"DelayedScaling(amax_init={self.amax_init!r}): expected True or False")
+            raise TypeError(f"DelayedScaling(amax_init={self.amax_init!r}): expected True or False")
 
     @property
     def history_len(self) -> int:
@@ -154,13 +166,13 @@ class CurrentScaling(Fp8Recipe):
     """Scale each tensor from its own amax, computed just before the cast (never saturates).
 
     Args:
-        fmt: ``"hybrid"`` or ``"e4m3"``, as for :class:`DelayedScaling`.
-        margin: headroom in powers of two.
+        fmt: ``"hybrid"``, ``"e4m3"`` or ``"e5m2"``, as for :class:`DelayedScaling`.
+        margin: headroom in powers of two, an int from 0 to 64.
 
-    >>> CurrentScaling(fmt="e5m2")
+    >>> CurrentScaling(fmt="e3m4")
     Traceback (most recent call last):
     ...
-    ValueError: CurrentScaling(fmt='e5m2'): unknown fp8 format; expected 'hybrid' (E4M3 forward, E5M2 gradients) or 'e4m3' (E4M3 everywhere)
+    ValueError: CurrentScaling(fmt='e3m4'): unknown fp8 format; expected 'hybrid' (E4M3 forward, E5M2 gradients), 'e4m3' (E4M3 everywhere) or 'e5m2' (E5M2 everywhere)
     """
 
     fmt: Fp8Format | str = "hybrid"

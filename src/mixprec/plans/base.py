@@ -264,5 +264,22 @@ class Plan:
         with autocast(self.compute_dtype, device_type=device_type, policy=self.policy):
             yield
 
+    def before_unscale(self, model: torch.nn.Module, process_group: Any) -> None:
+        """Called by the front door at each step boundary, before gradients are unscaled.
+
+        The default does nothing; the fp8 plan all-reduces its layers' latest amaxes.
+        """
+
+    def nonfinite_flag(self, model: torch.nn.Module) -> torch.Tensor | None:
+        """A 0-dim bool tensor: did the plan's own layers see an inf/NaN since the last step?
+
+        Read (with the loss and gradient flags, one host sync) for the skip decision. The
+        default, None, means the plan keeps no such flag.
+        """
+        return None
+
+    def after_step(self, model: torch.nn.Module) -> None:
+        """Called after each step's decision (stepped or skipped); the fp8 plan resets its flag."""
+
     def replace(self, **changes: Any) -> Plan:
         return dataclasses.replace(self, **changes)

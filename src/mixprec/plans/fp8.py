@@ -47,3 +47,21 @@ class Fp8Plan(MixedPlan):
 
         convert_to_fp8(model, self.recipe, module_filter=self.module_filter, emulate=self.emulate)
         return {}
+
+    def before_unscale(self, model: torch.nn.Module, process_group: Any) -> None:
+        """Every rank computes the next fp8 scales from the same (MAX-reduced) amaxes."""
+        from mixprec.fp8 import all_reduce_amax
+
+        all_reduce_amax(model, process_group)
+
+    def nonfinite_flag(self, model: torch.nn.Module) -> torch.Tensor | None:
+        """Whether an fp8 layer saw an inf/NaN input, weight or output gradient since the last step."""
+        from mixprec.fp8 import nonfinite_flag
+
+        return nonfinite_flag(model)
+
+    def after_step(self, model: torch.nn.Module) -> None:
+        """Clear the fp8 layers' non-finite flags for the next step."""
+        from mixprec.fp8 import reset_nonfinite
+
+        reset_nonfinite(model)
