@@ -1024,3 +1024,13 @@ def test_the_flag_buffer_is_bool_after_dtype_casts_and_not_checkpointed():
     layer.half()
     assert layer.fp8_nonfinite.dtype == torch.bool and layer.fp8_nonfinite.shape == ()
     assert "fp8_nonfinite" not in layer.state_dict() and "fp8_stats" not in layer.state_dict()
+
+
+def test_fp8_plan_leaves_fp32_islands_out_of_fp8():
+    from mixprec import MixedPrecision, OpPolicy, get_plan
+    from mixprec.fp8 import fp8_layers
+
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16))
+    plan = get_plan("fp8-mixed", policy=OpPolicy(dtype=torch.bfloat16, fp32_modules=("2",)))
+    model, opt = MixedPrecision(plan).prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert list(fp8_layers(model)) == ["0"]

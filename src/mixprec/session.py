@@ -50,7 +50,10 @@ class StepResult:
         stepped: the optimizers updated the parameters.
         skipped: an accumulation boundary was reached but the update was skipped
             (``skip_reason`` says why: ``"overflow"`` for inf/NaN gradients,
-            ``"nonfinite_loss"`` for an inf/NaN loss).
+            ``"nonfinite_loss"`` for an inf/NaN loss, ``"nonfinite_plan"`` for an inf/NaN
+            value only the plan saw (an fp8 layer's input or output gradient),
+            ``"nonfinite_weights"`` for an update that would have written inf/NaN into
+            low-precision weights; a skipped step changes nothing).
         scale: the loss scale after this step (what ``get_scale()`` returns next).
         grad_norm: the true (unscaled) gradient norm before clipping; None while
             accumulating.
@@ -463,13 +466,8 @@ class MixedPrecision:
             return
         if self._micro == 0:
             raise RuntimeError("unscale_() called before any backward(); call mp.backward(loss) first")
-        before_unscale = getattr(self.plan, "before_unscale", None)
-        if before_unscale is not None:  # e.g. fp8: every rank computes the next scales from the same amaxes
-            before_unscale(self.model, self.process_group)
-        elif self.plan.family == "fp8" and self.model is not None:
-            from mixprec.fp8 import all_reduce_amax
-
-            all_reduce_amax(self.model, self.process_group)
+        # e.g. fp8: every rank computes the next scales from the same amaxes
+        self.plan.before_unscale(self.model, self.process_group)  # type: ignore[arg-type]
         for opt in self.optimizers:
             prepare_grads = getattr(opt, "prepare_grads", None)
             if prepare_grads is not None:  # e.g. masters: the model's gradients into the fp32 masters
@@ -530,20 +528,30 @@ class MixedPrecision:
         return result
 
     def _skip_reason(self, norm: torch.Tensor) -> str | None:
-        """The one skip decision for every optimizer and rank: one collective, one host read."""
+        """The one skip decision for every optimizer and rank: one collective, one host read.
+
+        Reasons, first match wins: ``"nonfinite_loss"`` (the forward overflowed; the scale
+        is kept), ``"overflow"`` (inf/NaN gradients; a dynamic scale backs off),
+        ``"nonfinite_plan"`` (the plan saw a non-finite value the gradients do not show,
+        e.g. an inf input or output gradient of an fp8 layer; the scale is kept).
+        """
+        device = norm.device
         loss_bad = self._loss_nonfinite if self._loss_nonfinite is not None else torch.zeros((), dtype=torch.bool)
-        flags = torch.stack([loss_bad.to(norm.device).float(), (~torch.isfinite(norm)).float()])
-        nonfinite_flag = getattr(self.plan, "nonfinite_flag", None)
-        plan_flag = nonfinite_flag(self.model) if nonfinite_flag is not None else None
-        if plan_flag is not None:  # e.g. an fp8 layer saw a non-finite amax
-            flags[1] = torch.maximum(flags[1], plan_flag.to(flags.device).float())
+        plan_flag = self.plan.nonfinite_flag(self.model)  # type: ignore[arg-type]
+        flags = torch.stack([
+            loss_bad.to(device).float(),
+            (~torch.isfinite(norm)).float(),
+            torch.zeros((), device=device) if plan_flag is None else plan_flag.to(device).float(),
+        ])
         if self.scaler.is_enabled():
             combined = self.scaler.sync_found_inf(self.optimizers)
-            flags[1] = torch.maximum(flags[1], combined.to(flags.device))
-        nonfinite_loss, overflow = (bool(v) for v in self._all_ranks_max(flags).tolist())
+            flags[1] = torch.maximum(flags[1], combined.to(device))
+        nonfinite_loss, overflow, plan_bad = (bool(v) for v in self._all_ranks_max(flags).tolist())
         if nonfinite_loss:
             return "nonfinite_loss"
-        return "overflow" if overflow else None
+        if overflow:
+            return "overflow"
+        return "nonfinite_plan" if plan_bad else None
 
     def _apply_update(self) -> str | None:
         """Step every optimizer; undo them all if one refused a non-finite low-precision weight."""
@@ -585,9 +593,7 @@ class MixedPrecision:
             self._buffers.restore()
             self._consecutive_skips += 1
             self._last_skip_reason = reason
-        after_step = getattr(self.plan, "after_step", None)
-        if after_step is not None:
-            after_step(self.model)
+        self.plan.after_step(self.model)  # type: ignore[arg-type]
         self._buffers.commit()
         self._micro = 0
         self._loss_nonfinite = None
@@ -630,6 +636,13 @@ class MixedPrecision:
                 "overflows, which loss scaling cannot fix. Look for activations beyond the dtype's range "
                 "(mixprec.trace_overflow names the first module), keep that part in fp32 with "
                 "OpPolicy(fp32_modules=...), or lower the learning rate."
+            )
+        if reason == "nonfinite_plan":
+            raise RuntimeError(
+                f"{n} consecutive steps were skipped because the plan's layers saw inf/NaN values (for "
+                "fp8-mixed: an input, weight or output gradient of an fp8 linear layer). Look for the first "
+                "non-finite activation (MixedPrecision(trace_overflow=True)), check the data, or keep that "
+                "layer out of fp8 (convert_to_fp8(module_filter=...))."
             )
         if reason == "nonfinite_weights":
             raise RuntimeError(

@@ -44,8 +44,19 @@ class Fp8Plan(MixedPlan):
 
     def convert_model(self, model: torch.nn.Module) -> dict[torch.Tensor, torch.Tensor]:
         from mixprec.fp8 import convert_to_fp8
+        from mixprec.islands import apply_fp32_islands, is_fp32_island
 
-        convert_to_fp8(model, self.recipe, module_filter=self.module_filter, emulate=self.emulate)
+        if self.policy is not None and self.policy.fp32_modules:  # islands first: they stay out of fp8
+            apply_fp32_islands(model, self.policy)
+        islands = [name for name, module in model.named_modules() if is_fp32_island(module)]
+        user_filter = self.module_filter
+
+        def outside_islands(name: str, module: torch.nn.Module) -> bool:
+            if any(name == i or name.startswith(f"{i}.") or i == "" for i in islands):
+                return False
+            return user_filter is None or bool(user_filter(name, module))
+
+        convert_to_fp8(model, self.recipe, module_filter=outside_islands, emulate=self.emulate)
         return {}
 
     def before_unscale(self, model: torch.nn.Module, process_group: Any) -> None:
