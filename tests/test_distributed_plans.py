@@ -19,13 +19,15 @@ PLANS = (
     "bf16-mixed", "fp16-mixed", "bf16-master", "fp16-master", "bf16-pure", "fp16-pure",
     "bf16-kahan", "bf16-sr", "fp8-mixed",
 )
-# Max abs difference of any weight vs one process: DDP averages gradients in another order
-# (and, for a framework's DDP, in the gradient dtype), so low-precision weights may differ by
-# an ulp or so of the weights (|w| < 1 here: bf16 ulp <= 2**-8).
+# Max abs difference of any weight vs one process after the run (SGD with momentum): DDP
+# averages gradients in another order and, under autocast, computes on half batches (other
+# GEMM blocking), so results differ in the last bits of the compute dtype; low-precision
+# weights may then round to the neighbouring value (|w| < 1 here: a bf16 ulp is <= 2**-8,
+# an fp16 ulp <= 2**-11). fp8 quantises each rank's output gradients with its own scale.
 TOLERANCE = {
-    "bf16-mixed": 1e-4, "fp16-mixed": 1e-4, "fp8-mixed": 1e-4,
-    "bf16-master": 2e-2, "fp16-master": 4e-3, "bf16-pure": 2e-2, "fp16-pure": 4e-3,
-    "bf16-kahan": 2e-2, "bf16-sr": 2e-2,
+    "bf16-mixed": 5e-4, "fp16-mixed": 1e-4, "fp8-mixed": 1e-2,
+    "bf16-master": 4e-3, "fp16-master": 5e-4, "bf16-pure": 8e-3, "fp16-pure": 1e-3,
+    "bf16-kahan": 8e-3, "bf16-sr": 8e-3,
 }
 
 
@@ -44,7 +46,7 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _train(plan: str, rank: int, mode: str) -> list[dict[str, torch.Tensor]]:
     """mode: "prepare" (ddp=True), "wrapped" (framework DDP after prepare_model) or "single"."""
     model = _model()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     mp = MixedPrecision(plan)
     if mode == "prepare":
         model, opt = mp.prepare(model, opt, ddp=True)
@@ -99,6 +101,7 @@ def test_every_plan_under_ddp_keeps_replicas_identical_and_matches_one_process(d
     single = _train(plan, 0, "single")
     for name, value in r0[-1].items():
         diff = (value - single[-1][name]).abs().max().item()
+        print(f"{plan} {mode} {name}: max |DDP - one process| = {diff:.3g}")
         assert diff <= TOLERANCE[plan], f"{plan} {mode}: {name} differs from one process by {diff}"
     first = copy.deepcopy(single[0])
     assert any(not torch.equal(first[n], r0[-1][n]) for n in first), "nothing trained"
