@@ -12,7 +12,45 @@ from typing import Any
 
 import torch
 
-__all__ = ["WrappedOptimizer"]
+__all__ = ["WrappedOptimizer", "check_inner_state_dict"]
+
+
+def check_inner_state_dict(optimizer: torch.optim.Optimizer, state_dict: Any) -> None:
+    """Raise ValueError/TypeError, naming the key, if torch's ``Optimizer.load_state_dict``
+    would refuse ``state_dict`` for ``optimizer`` (or fail half-way with a KeyError)."""
+    if not isinstance(state_dict, dict):
+        raise TypeError(f"an optimizer state_dict must be a dict, got {type(state_dict).__name__}")
+    for key, kind in (("state", dict), ("param_groups", list)):
+        if key not in state_dict:
+            raise ValueError(
+                f"the optimizer state_dict has no {key!r} entry; pass what optimizer.state_dict() returned"
+            )
+        if not isinstance(state_dict[key], kind):
+            raise TypeError(
+                f"the optimizer state_dict's {key!r} must be a {kind.__name__}, got {type(state_dict[key]).__name__}"
+            )
+    groups = state_dict["param_groups"]
+    if len(groups) != len(optimizer.param_groups):
+        raise ValueError(
+            f"the optimizer state_dict has {len(groups)} parameter group(s), this optimizer "
+            f"{len(optimizer.param_groups)}; was it saved from another optimizer?"
+        )
+    for i, (saved, live) in enumerate(zip(groups, optimizer.param_groups, strict=True)):
+        if not isinstance(saved, dict) or not isinstance(saved.get("params"), list):
+            raise ValueError(f"the optimizer state_dict's param_groups[{i}] has no 'params' list")
+        if len(saved["params"]) != len(live["params"]):
+            raise ValueError(
+                f"the optimizer state_dict's param_groups[{i}] holds {len(saved['params'])} parameters, this "
+                f"optimizer's {len(live['params'])}; was it saved from another model?"
+            )
+        if not all(isinstance(k, str) for k in saved):
+            raise TypeError(f"the optimizer state_dict's param_groups[{i}] has non-string keys")
+    ids = {pid for g in groups for pid in g["params"]}
+    for pid, value in state_dict["state"].items():
+        if pid not in ids:
+            raise ValueError(f"the optimizer state_dict's 'state' names parameter {pid!r}, which no group holds")
+        if not isinstance(value, dict):
+            raise TypeError(f"the optimizer state_dict's state[{pid!r}] must be a dict, got {type(value).__name__}")
 
 
 class WrappedOptimizer(torch.optim.Optimizer):

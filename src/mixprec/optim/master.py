@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from mixprec.dtypes import LOW_PRECISION_DTYPES
-from mixprec.optim.base import WrappedOptimizer
+from mixprec.optim.base import WrappedOptimizer, check_inner_state_dict
 
 __all__ = ["MasterWeightOptimizer"]
 
@@ -525,6 +525,7 @@ class MasterWeightOptimizer(WrappedOptimizer):
                     f"master weight {i} in the state_dict has dtype {saved.dtype}, expected torch.float32; "
                     "save it with MasterWeightOptimizer.state_dict()"
                 )
+        check_inner_state_dict(self.optimizer, sd)
         old_state, old_groups = self.optimizer.state, self.optimizer.param_groups
         self.optimizer.load_state_dict(sd)  # builds new state and groups; raises before replacing them
         try:
