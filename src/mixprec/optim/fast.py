@@ -1,0 +1,243 @@
+"""Multi-tensor fast paths of the low-precision optimizer wrappers for torch's Adam, AdamW and SGD.
+
+:class:`~mixprec.optim.LowPrecisionOptimizer` and its Kahan / stochastic-rounding
+subclasses run any inner optimizer once per low-precision parameter on fp32
+expansions (the generic path). For ``torch.optim.Adam``, ``AdamW`` and ``SGD`` this
+module does the same arithmetic over all parameters of a group at once, chunk by
+chunk: a chunk's weights, gradients and state are expanded into flat fp32 buffers
+of at most ``chunk_numel`` elements (or one parameter, when a parameter is larger),
+the update runs as a handful of ``torch._foreach_*`` / flat kernels, and the results
+are stored back (round to nearest, Kahan residual, or stochastic rounding).
+
+Hyperparameters are read from the inner optimizer's ``param_groups`` at every step
+(LR schedulers keep working) and state lives in ``optimizer.state[p]`` under torch's
+key names (``step``, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``,
+``momentum_buffer``) in the wrapper's ``state_dtype``: a state_dict saved by the fast
+path loads into the generic path and back.
+
+The fp32 operations are torch's own single-tensor ones in torch's order, so on CPU the
+results are bit-identical to the generic path; on CUDA, where torch's own
+``foreach``/single-tensor kernels may contract operations differently, they agree to
+within fp32 rounding before the final low-precision store (at most one unit in the
+last place of the stored dtype, and only for values that fall next to a rounding
+boundary).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["DEFAULT_CHUNK_NUMEL", "FAST_OPTIMIZERS", "fast_kind", "fast_step"]
+
+DEFAULT_CHUNK_NUMEL = 1 << 22  # 16 MiB per fp32 working buffer
+
+FAST_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
+
+# store(params, values32, flat32): write the fp32 results of a chunk into the low-precision parameters
+Store = Callable[[list[torch.Tensor], list[torch.Tensor], torch.Tensor], None]
+# expand(params, values32): fill the fp32 views with the parameters' values (plus compensation)
+Expand = Callable[[list[torch.Tensor], list[torch.Tensor]], None]
+
+
+def _scalar(value: Any) -> float:
+    return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
+
+
+def fast_kind(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> str | None:
+    """``"adam"`` or ``"sgd"`` when ``group`` of ``optimizer`` can take the fast path, else None.
+
+    Only the exact torch classes qualify (a subclass may change ``step``), without
+    ``capturable``, ``differentiable`` or ``fused`` and with a tensor-free weight decay.
+    """
+    kind = type(optimizer)
+    if kind not in FAST_OPTIMIZERS:
+        return None
+    if group.get("differentiable") or group.get("fused") or group.get("capturable"):
+        return None
+    if isinstance(group.get("weight_decay"), torch.Tensor):
+        return None
+    for p in group["params"]:
+        if p.grad is not None and (p.grad.is_sparse or p.is_complex()):
+            return None
+    return "sgd" if kind is torch.optim.SGD else "adam"
+
+
+def _chunks(params: list[torch.Tensor], key: Callable[[torch.Tensor], Any], chunk_numel: int) -> list[list[torch.Tensor]]:
+    """Consecutive runs of parameters with the same ``key`` (device, dtype, step), each up to ``chunk_numel`` elements."""
+    out: list[list[torch.Tensor]] = []
+    current: list[torch.Tensor] = []
+    current_key: Any = None
+    size = 0
+    for p in params:
+        k = key(p)
+        if current and (k != current_key or size + p.numel() > chunk_numel):
+            out.append(current)
+            current, size = [], 0
+        current.append(p)
+        current_key = k
+        size += p.numel()
+    if current:
+        out.append(current)
+    return out
+
+
+def _flat_views(params: list[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    total = sum(p.numel() for p in params)
+    flat = torch.empty(total, dtype=torch.float32, device=device)
+    views, offset = [], 0
+    for p in params:
+        views.append(flat[offset : offset + p.numel()].view(p.shape))
+        offset += p.numel()
+    return flat, views
+
+
+def _expand_state(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """fp32 working copies of state tensors (the tensors themselves when already fp32)."""
+    if all(t.dtype == torch.float32 for t in tensors):
+        return tensors
+    _, views = _flat_views(tensors, device)
+    torch._foreach_copy_(views, tensors)
+    return views
+
+
+def _store_state(tensors: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+    if values is not tensors:
+        torch._foreach_copy_(tensors, values)
+
+
+def fast_step(
+    optimizer: torch.optim.Optimizer,
+    group: dict[str, Any],
+    params: Sequence[torch.Tensor],
+    *,
+    kind: str,
+    state_dtype: torch.dtype | None,
+    expand: Expand,
+    store: Store,
+    chunk_numel: int,
+) -> None:
+    """One step of ``optimizer``'s math for the low-precision ``params`` of ``group``, chunk by chunk."""
+    active = [p for p in params if p.grad is not None]
+    if not active:
+        return
+    dtype = torch.float32 if state_dtype is None else state_dtype
+    if kind == "adam":
+        _init_adam_state(optimizer, group, active, dtype)
+        def key(p: torch.Tensor) -> Any:
+            return (p.device, p.dtype, p.grad.dtype if p.grad is not None else None,
+                    float(optimizer.state[p]["step"]))
+        for chunk in _chunks(active, key, chunk_numel):
+            _adam_chunk(optimizer, group, chunk, expand, store)
+    else:
+        momentum = _scalar(group["momentum"])
+        def sgd_key(p: torch.Tensor) -> Any:
+            has_buf = momentum != 0 and optimizer.state.get(p, {}).get("momentum_buffer") is not None
+            return (p.device, p.dtype, p.grad.dtype if p.grad is not None else None, has_buf)
+        for chunk in _chunks(active, sgd_key, chunk_numel):
+            _sgd_chunk(optimizer, group, chunk, dtype, expand, store)
+
+
+def _init_adam_state(optimizer: torch.optim.Optimizer, group: dict[str, Any], params: list[torch.Tensor], dtype: torch.dtype) -> None:
+    """torch.optim.Adam's lazy state initialisation, with the moments in ``dtype``."""
+    for p in params:
+        state = optimizer.state[p]
+        if len(state) == 0:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+            if group["amsgrad"]:
+                state["max_exp_avg_sq"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+        elif not torch.is_tensor(state["step"]):
+            state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
+
+
+def _expanded(params: list[torch.Tensor], expand: Expand) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    device = params[0].device
+    flat, values = _flat_views(params, device)
+    expand(params, values)
+    _, grads = _flat_views(params, device)
+    torch._foreach_copy_(grads, [p.grad for p in params])  # type: ignore[misc]
+    return flat, values, grads
+
+
+def _adam_chunk(optimizer: torch.optim.Optimizer, group: dict[str, Any], params: list[torch.Tensor], expand: Expand, store: Store) -> None:
+    lr = _scalar(group["lr"])
+    beta1, beta2 = (_scalar(b) for b in group["betas"])
+    eps, weight_decay = float(group["eps"]), float(group["weight_decay"])
+    decoupled = bool(group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW)))
+    device = params[0].device
+    states = [optimizer.state[p] for p in params]
+
+    flat, values, grads = _expanded(params, expand)
+    if group["maximize"]:
+        torch._foreach_neg_(grads)
+    steps = [s["step"] for s in states]
+    torch._foreach_add_(steps, 1.0)
+    if weight_decay != 0:
+        if decoupled:
+            torch._foreach_mul_(values, 1 - lr * weight_decay)
+        else:
+            torch._foreach_add_(grads, values, alpha=weight_decay)
+    exp_avg_low = [s["exp_avg"] for s in states]
+    exp_avg_sq_low = [s["exp_avg_sq"] for s in states]
+    exp_avgs = _expand_state(exp_avg_low, device)
+    exp_avg_sqs = _expand_state(exp_avg_sq_low, device)
+    torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+    step = float(steps[0])  # every parameter of a chunk has the same step (see the chunk key)
+    bias_correction1 = 1 - beta1**step
+    bias_correction2 = 1 - beta2**step
+    step_size = lr / bias_correction1
+    bias_correction2_sqrt = bias_correction2**0.5
+    if group["amsgrad"]:
+        max_low = [s["max_exp_avg_sq"] for s in states]
+        maxes = _expand_state(max_low, device)
+        torch._foreach_maximum_(maxes, exp_avg_sqs)
+        denom = torch._foreach_sqrt(maxes)
+        _store_state(max_low, maxes)
+    else:
+        denom = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_div_(denom, bias_correction2_sqrt)
+    torch._foreach_add_(denom, eps)
+    torch._foreach_addcdiv_(values, exp_avgs, denom, value=-step_size)
+    _store_state(exp_avg_low, exp_avgs)
+    _store_state(exp_avg_sq_low, exp_avg_sqs)
+    store(params, values, flat)
+
+
+def _sgd_chunk(
+    optimizer: torch.optim.Optimizer, group: dict[str, Any], params: list[torch.Tensor], dtype: torch.dtype,
+    expand: Expand, store: Store,
+) -> None:
+    lr = _scalar(group["lr"])
+    momentum, dampening = _scalar(group["momentum"]), _scalar(group["dampening"])
+    weight_decay = float(group["weight_decay"])
+    device = params[0].device
+
+    flat, values, grads = _expanded(params, expand)
+    if group["maximize"]:
+        torch._foreach_neg_(grads)
+    if weight_decay != 0:
+        torch._foreach_add_(grads, values, alpha=weight_decay)
+    if momentum != 0:
+        states = [optimizer.state[p] for p in params]
+        if states[0].get("momentum_buffer") is None:  # first step: the buffer is the gradient (same for the chunk)
+            for s, g in zip(states, grads, strict=True):
+                s["momentum_buffer"] = g.to(dtype, copy=True)
+            bufs = grads
+        else:
+            buf_low = [s["momentum_buffer"] for s in states]
+            bufs = _expand_state(buf_low, device)
+            torch._foreach_mul_(bufs, momentum)
+            torch._foreach_add_(bufs, grads, alpha=1 - dampening)
+            _store_state(buf_low, bufs)
+        if group["nesterov"]:
+            torch._foreach_add_(grads, bufs, alpha=momentum)
+        else:
+            grads = bufs
+    torch._foreach_add_(values, grads, alpha=-lr)
+    store(params, values, flat)
