@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["DEFAULT_CHUNK_NUMEL", "FAST_OPTIMIZERS", "fast_kind", "fast_step"]
+__all__ = ["DEFAULT_CHUNK_NUMEL", "FAST_OPTIMIZERS", "fast_kind", "fast_step", "fused_available"]
 
 DEFAULT_CHUNK_NUMEL = 1 << 22  # 16 MiB per fp32 working buffer
 
@@ -44,6 +44,11 @@ Expand = Callable[[list[torch.Tensor], list[torch.Tensor]], None]
 
 def _scalar(value: Any) -> float:
     return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
+
+
+def fused_available(device: torch.device) -> bool:
+    """Whether torch has fused Adam/AdamW kernels for ``device`` (CPU and CUDA)."""
+    return device.type in ("cpu", "cuda")
 
 
 def fast_kind(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> str | None:
@@ -118,8 +123,17 @@ def fast_step(
     expand: Expand,
     store: Store,
     chunk_numel: int,
+    fused: bool = False,
+    plain_store: bool = False,
 ) -> None:
-    """One step of ``optimizer``'s math for the low-precision ``params`` of ``group``, chunk by chunk."""
+    """One step of ``optimizer``'s math for the low-precision ``params`` of ``group``, chunk by chunk.
+
+    ``fused``: Adam/AdamW chunks run torch's fused kernel (``torch._fused_adam(w)_``, fp32
+    arithmetic inside) instead of the foreach sequence: one pass over memory instead of
+    about ten, results equal within fp32 rounding. With ``plain_store`` (round to
+    nearest) and parameters, gradients and state all in one dtype, the kernel runs on the
+    low-precision tensors directly, with no fp32 expansion at all.
+    """
     active = [p for p in params if p.grad is not None]
     if not active:
         return
@@ -130,7 +144,7 @@ def fast_step(
             return (p.device, p.dtype, p.grad.dtype if p.grad is not None else None,
                     float(optimizer.state[p]["step"]))
         for chunk in _chunks(active, key, chunk_numel):
-            _adam_chunk(optimizer, group, chunk, expand, store)
+            _adam_chunk(optimizer, group, chunk, expand, store, fused=fused, plain_store=plain_store)
     else:
         momentum = _scalar(group["momentum"])
         def sgd_key(p: torch.Tensor) -> Any:
@@ -163,13 +177,20 @@ def _expanded(params: list[torch.Tensor], expand: Expand) -> tuple[torch.Tensor,
     return flat, values, grads
 
 
-def _adam_chunk(optimizer: torch.optim.Optimizer, group: dict[str, Any], params: list[torch.Tensor], expand: Expand, store: Store) -> None:
+def _adam_chunk(
+    optimizer: torch.optim.Optimizer, group: dict[str, Any], params: list[torch.Tensor], expand: Expand, store: Store,
+    *, fused: bool, plain_store: bool,
+) -> None:
     lr = _scalar(group["lr"])
     beta1, beta2 = (_scalar(b) for b in group["betas"])
     eps, weight_decay = float(group["eps"]), float(group["weight_decay"])
     decoupled = bool(group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW)))
     device = params[0].device
     states = [optimizer.state[p] for p in params]
+    if fused:
+        _adam_fused_chunk(group, params, states, expand, store, plain_store=plain_store,
+                          lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, decoupled=decoupled)
+        return
 
     flat, values, grads = _expanded(params, expand)
     if group["maximize"]:
@@ -206,6 +227,35 @@ def _adam_chunk(optimizer: torch.optim.Optimizer, group: dict[str, Any], params:
     torch._foreach_addcdiv_(values, exp_avgs, denom, value=-step_size)
     _store_state(exp_avg_low, exp_avgs)
     _store_state(exp_avg_sq_low, exp_avg_sqs)
+    store(params, values, flat)
+
+
+def _adam_fused_chunk(
+    group: dict[str, Any], params: list[torch.Tensor], states: list[dict[Any, Any]], expand: Expand, store: Store, *,
+    plain_store: bool, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, decoupled: bool,
+) -> None:
+    kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
+    amsgrad = bool(group["amsgrad"])
+    steps = [s["step"] for s in states]
+    torch._foreach_add_(steps, 1.0)
+    keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else [])
+    low_state = {k: [s[k] for s in states] for k in keys}
+    dtype = params[0].dtype
+    hyper: dict[str, Any] = {"lr": lr, "beta1": beta1, "beta2": beta2, "weight_decay": weight_decay, "eps": eps,
+             "amsgrad": amsgrad, "maximize": bool(group["maximize"])}
+    if plain_store and all(p.grad is not None and p.grad.dtype == dtype for p in params) and all(
+        t.dtype == dtype for ts in low_state.values() for t in ts
+    ):
+        # round to nearest of fp32 results, in one kernel on the low-precision tensors
+        kernel(params, [p.grad for p in params], low_state["exp_avg"], low_state["exp_avg_sq"],  # type: ignore[misc]
+               low_state.get("max_exp_avg_sq", []), steps, **hyper)
+        return
+    device = params[0].device
+    flat, values, grads = _expanded(params, expand)
+    state32 = {k: _expand_state(v, device) for k, v in low_state.items()}
+    kernel(values, grads, state32["exp_avg"], state32["exp_avg_sq"], state32.get("max_exp_avg_sq", []), steps, **hyper)
+    for k in keys:
+        _store_state(low_state[k], state32[k])
     store(params, values, flat)
 
 

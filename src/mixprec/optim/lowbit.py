@@ -37,7 +37,7 @@ import torch
 
 from mixprec.dtypes import LOW_PRECISION_DTYPES, parse_dtype
 from mixprec.optim.base import WrappedOptimizer
-from mixprec.optim.fast import DEFAULT_CHUNK_NUMEL, fast_kind, fast_step
+from mixprec.optim.fast import DEFAULT_CHUNK_NUMEL, fast_kind, fast_step, fused_available
 
 __all__ = ["KahanOptimizer", "LowPrecisionOptimizer", "StochasticRoundingOptimizer", "stochastic_round"]
 
@@ -79,6 +79,11 @@ class LowPrecisionOptimizer(WrappedOptimizer):
             key names, so state_dicts move freely between them.
         chunk_numel: the fast path expands at most this many elements (or one parameter,
             when a parameter is larger) to fp32 at a time.
+        fused: on the fast path, run Adam/AdamW's arithmetic in torch's fused kernel (one
+            pass; CPU and CUDA) rather than torch's foreach sequence (bit-identical to the
+            generic path on CPU, several passes). Fused results equal the generic path's
+            within fp32 rounding: a stored weight or moment can differ by one unit in the
+            last place of its dtype where the fp32 result lies next to a rounding boundary.
 
     The wrapper never changes a parameter's ``data`` or ``grad`` (DDP's gradient hooks
     and bucket views stay attached): the generic path runs the inner optimizer on fp32
@@ -89,6 +94,7 @@ class LowPrecisionOptimizer(WrappedOptimizer):
     """
 
     _STATE_KEY = "mixprec_lowbit"
+    _PLAIN_STORE = True  # stores round to nearest: fused kernels may update low-precision tensors in place
 
     def __init__(
         self,
@@ -97,11 +103,14 @@ class LowPrecisionOptimizer(WrappedOptimizer):
         state_dtype: torch.dtype | str | None = torch.bfloat16,
         fast: bool = True,
         chunk_numel: int = DEFAULT_CHUNK_NUMEL,
+        fused: bool = True,
     ) -> None:
         super().__init__(optimizer)
         self.state_dtype = None if state_dtype is None else parse_dtype(state_dtype)
-        if not isinstance(fast, bool):
-            raise TypeError(f"fast must be True or False, got {fast!r}")
+        for name, flag in (("fast", fast), ("fused", fused)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be True or False, got {flag!r}")
+        self.fused = fused
         if isinstance(chunk_numel, bool) or not isinstance(chunk_numel, int) or chunk_numel < 1:
             raise ValueError(f"chunk_numel must be a positive int (elements expanded to fp32 at a time), got {chunk_numel!r}")
         self.fast = fast
@@ -161,6 +170,7 @@ class LowPrecisionOptimizer(WrappedOptimizer):
                     fast_step(
                         self.optimizer, group, active, kind=kind, state_dtype=self.state_dtype,
                         expand=self._expand_many, store=self._store_many, chunk_numel=self.chunk_numel,
+                        fused=self.fused and fused_available(active[0].device), plain_store=self._PLAIN_STORE,
                     )
                 else:
                     for p in active:
@@ -324,7 +334,7 @@ class KahanOptimizer(LowPrecisionOptimizer):
     Args:
         optimizer: any torch optimizer over low-precision parameters.
         state_dtype: dtype the optimizer state is kept in between steps (None: fp32).
-        fast, chunk_numel: see :class:`LowPrecisionOptimizer`.
+        fast, chunk_numel, fused: see :class:`LowPrecisionOptimizer`.
 
     Training-state memory for AdamW: 2 (weight) + 2 (grad) + 2 (compensation) +
     4 (two bf16 moments) = 10 bytes per parameter, against 16 for fp32 training.
@@ -337,9 +347,12 @@ class KahanOptimizer(LowPrecisionOptimizer):
         state_dtype: torch.dtype | str | None = torch.bfloat16,
         fast: bool = True,
         chunk_numel: int = DEFAULT_CHUNK_NUMEL,
+        fused: bool = True,
     ) -> None:
-        super().__init__(optimizer, state_dtype=state_dtype, fast=fast, chunk_numel=chunk_numel)
+        super().__init__(optimizer, state_dtype=state_dtype, fast=fast, chunk_numel=chunk_numel, fused=fused)
         self._comp: dict[torch.Tensor, torch.Tensor] = {}
+
+    _PLAIN_STORE = False
 
     def _compensation(self, param: torch.Tensor) -> torch.Tensor:
         comp = self._comp.get(param)
@@ -387,7 +400,7 @@ class StochasticRoundingOptimizer(LowPrecisionOptimizer):
         optimizer: any torch optimizer over bf16 parameters.
         state_dtype: dtype the optimizer state is kept in between steps (None: fp32).
         seed: seed of the rounding noise (its generator state is checkpointed).
-        fast, chunk_numel: see :class:`LowPrecisionOptimizer`.
+        fast, chunk_numel, fused: see :class:`LowPrecisionOptimizer`.
 
     The noise is one ``randint`` per parameter on the generic path and one per chunk on
     the fast path, drawn from the same generator in the same parameter order (on CPU
@@ -402,8 +415,9 @@ class StochasticRoundingOptimizer(LowPrecisionOptimizer):
         seed: int = 0,
         fast: bool = True,
         chunk_numel: int = DEFAULT_CHUNK_NUMEL,
+        fused: bool = True,
     ) -> None:
-        super().__init__(optimizer, state_dtype=state_dtype, fast=fast, chunk_numel=chunk_numel)
+        super().__init__(optimizer, state_dtype=state_dtype, fast=fast, chunk_numel=chunk_numel, fused=fused)
         for p in self._low_params():
             if p.dtype != torch.bfloat16:
                 raise ValueError(
@@ -411,6 +425,8 @@ class StochasticRoundingOptimizer(LowPrecisionOptimizer):
                 )
         self._seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
+
+    _PLAIN_STORE = False
 
     def _generator(self, device: torch.device) -> torch.Generator:
         gen = self._generators.get(device)
