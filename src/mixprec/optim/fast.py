@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["DEFAULT_CHUNK_NUMEL", "FAST_OPTIMIZERS", "fast_kind", "fast_step", "fused_available"]
+__all__ = ["DEFAULT_CHUNK_NUMEL", "FAST_OPTIMIZERS", "compiled_adam_step", "fast_kind", "fast_step", "fused_available"]
 
 DEFAULT_CHUNK_NUMEL = 1 << 22  # 16 MiB per fp32 working buffer
 
@@ -291,3 +291,110 @@ def _sgd_chunk(
             grads = bufs
     torch._foreach_add_(values, grads, alpha=-lr)
     store(params, values, flat)
+
+
+# --------------------------------------------------------------------- compiled route
+def _adam_lists(
+    params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor],
+    max_exp_avg_sqs: list[torch.Tensor], comps: list[torch.Tensor], noises: list[torch.Tensor], hyper: torch.Tensor,
+    *, decoupled: bool, amsgrad: bool, maximize: bool, weight_decay: bool, rounding: str,
+) -> None:
+    """Adam/AdamW on low-precision tensors, one fused loop per parameter under ``torch.compile``.
+
+    ``hyper`` holds [lr, beta1, beta2, eps, weight_decay, step_size, bias_correction2_sqrt]
+    (a tensor, so new values do not recompile). ``rounding``: "nearest", "kahan" (with
+    ``comps``) or "stochastic" (with int32 ``noises`` in [0, 2**16)).
+    """
+    lr, beta1, beta2, eps, wd, step_size, bc2_sqrt = hyper.unbind(0)
+    for i, p in enumerate(params):
+        w = p.float()
+        if rounding == "kahan":
+            w = w + comps[i].float()
+        g = grads[i].float()
+        if maximize:
+            g = -g
+        if weight_decay:
+            if decoupled:
+                w = w * (1 - lr * wd)
+            else:
+                g = g + w * wd
+        m = exp_avgs[i].float().lerp(g, 1 - beta1)
+        v = exp_avg_sqs[i].float() * beta2 + g * g * (1 - beta2)
+        if amsgrad:
+            vmax = torch.maximum(max_exp_avg_sqs[i].float(), v)
+            max_exp_avg_sqs[i].copy_(vmax)
+            denom = vmax.sqrt() / bc2_sqrt + eps
+        else:
+            denom = v.sqrt() / bc2_sqrt + eps
+        w = w - step_size * (m / denom)
+        exp_avgs[i].copy_(m)
+        exp_avg_sqs[i].copy_(v)
+        if rounding == "stochastic":
+            bits = (w.view(torch.int32) + noises[i]) & -65536
+            p.copy_(bits.view(torch.float32))
+        else:
+            low = w.to(p.dtype)
+            p.copy_(low)
+            if rounding == "kahan":
+                comps[i].copy_(w - low.float())
+
+
+_COMPILED: dict[str, Callable[..., None]] = {}
+
+
+def compiled_adam_step(
+    optimizer: torch.optim.Optimizer,
+    group: dict[str, Any],
+    params: Sequence[torch.Tensor],
+    *,
+    state_dtype: torch.dtype | None,
+    rounding: str,
+    comps: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    generator: Callable[[torch.device], torch.Generator] | None = None,
+) -> None:
+    """Adam/AdamW for the low-precision ``params`` of ``group`` in one ``torch.compile``-d call.
+
+    No fp32 copies are materialised: expansion, update and store fuse into one loop per
+    parameter. The first call per group layout compiles (tens of seconds). Results equal
+    the generic path within fp32 rounding (the compiler may reorder and contract the
+    fp32 operations); stochastic rounding draws its noise from the wrapper's generator,
+    one ``randint`` per group.
+    """
+    active = [p for p in params if p.grad is not None]
+    if not active:
+        return
+    dtype = torch.float32 if state_dtype is None else state_dtype
+    _init_adam_state(optimizer, group, active, dtype)
+    states = [optimizer.state[p] for p in active]
+    steps = [s["step"] for s in states]
+    by_step: dict[float, list[int]] = {}
+    torch._foreach_add_(steps, 1.0)
+    for i, s in enumerate(steps):
+        by_step.setdefault(float(s), []).append(i)
+    lr = _scalar(group["lr"])
+    beta1, beta2 = (_scalar(b) for b in group["betas"])
+    eps, weight_decay = float(group["eps"]), float(group["weight_decay"])
+    decoupled = bool(group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW)))
+    fn = _COMPILED.get("adam")
+    if fn is None:
+        fn = _COMPILED["adam"] = torch.compile(_adam_lists, dynamic=False)
+    for step, index in by_step.items():
+        ps = [active[i] for i in index]
+        st = [states[i] for i in index]
+        device = ps[0].device
+        hyper = torch.tensor(
+            [lr, beta1, beta2, eps, weight_decay, lr / (1 - beta1**step), (1 - beta2**step) ** 0.5],
+            dtype=torch.float32,
+        ).to(device, non_blocking=True)
+        noises: list[torch.Tensor] = []
+        if rounding == "stochastic" and generator is not None:
+            total = sum(p.numel() for p in ps)
+            flat = torch.randint(0, 1 << 16, (total,), dtype=torch.int32, device=device, generator=generator(device))
+            noises = [t.view(p.shape) for t, p in zip(flat.split([p.numel() for p in ps]), ps, strict=True)]
+        fn(
+            ps, [p.grad for p in ps], [s["exp_avg"] for s in st], [s["exp_avg_sq"] for s in st],
+            [s["max_exp_avg_sq"] for s in st] if group["amsgrad"] else [],
+            [comps(p) for p in ps] if (rounding == "kahan" and comps is not None) else [], noises, hyper,
+            decoupled=decoupled, amsgrad=bool(group["amsgrad"]), maximize=bool(group["maximize"]),
+            weight_decay=weight_decay != 0, rounding=rounding,
+        )

@@ -12,9 +12,12 @@ that keep the weights in bf16:
   expectation.
 
 Both wrap any torch optimizer: during ``step()`` each low-precision parameter is
-expanded to fp32 (with its gradient and optimizer state), the inner optimizer runs
-its usual fp32 math, and the result is stored back in low precision. Between steps
-optimizer state is kept in ``state_dtype`` (bf16 by default, halving its memory).
+expanded to fp32 (with its gradient and optimizer state) into a proxy parameter, the
+inner optimizer runs its usual fp32 math on the proxy, and the result is stored back in
+low precision; the parameters' ``data`` and ``grad`` are never swapped (DDP's hooks stay
+attached). ``torch.optim.Adam``, ``AdamW`` and ``SGD`` take a multi-tensor fast path
+(:mod:`mixprec.optim.fast`) with the same results and state. Between steps optimizer
+state is kept in ``state_dtype`` (bf16 by default, halving its memory).
 
 >>> import torch
 >>> from mixprec.optim import KahanOptimizer
@@ -37,7 +40,13 @@ import torch
 
 from mixprec.dtypes import LOW_PRECISION_DTYPES, parse_dtype
 from mixprec.optim.base import WrappedOptimizer
-from mixprec.optim.fast import DEFAULT_CHUNK_NUMEL, fast_kind, fast_step, fused_available
+from mixprec.optim.fast import (
+    DEFAULT_CHUNK_NUMEL,
+    compiled_adam_step,
+    fast_kind,
+    fast_step,
+    fused_available,
+)
 
 __all__ = ["KahanOptimizer", "LowPrecisionOptimizer", "StochasticRoundingOptimizer", "stochastic_round"]
 
@@ -84,6 +93,11 @@ class LowPrecisionOptimizer(WrappedOptimizer):
             generic path on CPU, several passes). Fused results equal the generic path's
             within fp32 rounding: a stored weight or moment can differ by one unit in the
             last place of its dtype where the fp32 result lies next to a rounding boundary.
+        compile: on the fast path, run Adam/AdamW groups through ``torch.compile``
+            (:func:`~mixprec.optim.fast.compiled_adam_step`): expansion, update and store
+            fuse into one loop per parameter, nothing is materialised in fp32; the first
+            step compiles (tens of seconds to minutes). Within fp32 rounding of the
+            generic path, like ``fused``.
 
     The wrapper never changes a parameter's ``data`` or ``grad`` (DDP's gradient hooks
     and bucket views stay attached): the generic path runs the inner optimizer on fp32
@@ -95,6 +109,7 @@ class LowPrecisionOptimizer(WrappedOptimizer):
 
     _STATE_KEY = "mixprec_lowbit"
     _PLAIN_STORE = True  # stores round to nearest: fused kernels may update low-precision tensors in place
+    _ROUNDING = "nearest"
 
     def __init__(
         self,
@@ -104,13 +119,15 @@ class LowPrecisionOptimizer(WrappedOptimizer):
         fast: bool = True,
         chunk_numel: int = DEFAULT_CHUNK_NUMEL,
         fused: bool = True,
+        compile: bool = False,
     ) -> None:
         super().__init__(optimizer)
         self.state_dtype = None if state_dtype is None else parse_dtype(state_dtype)
-        for name, flag in (("fast", fast), ("fused", fused)):
+        for name, flag in (("fast", fast), ("fused", fused), ("compile", compile)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be True or False, got {flag!r}")
         self.fused = fused
+        self.compile = compile
         if isinstance(chunk_numel, bool) or not isinstance(chunk_numel, int) or chunk_numel < 1:
             raise ValueError(f"chunk_numel must be a positive int (elements expanded to fp32 at a time), got {chunk_numel!r}")
         self.fast = fast
@@ -166,7 +183,12 @@ class LowPrecisionOptimizer(WrappedOptimizer):
                     continue
                 group["params"] = active
                 kind = fast_kind(self.optimizer, group) if self.fast else None
-                if kind is not None:
+                if kind == "adam" and self.compile:
+                    compiled_adam_step(
+                        self.optimizer, group, active, state_dtype=self.state_dtype, rounding=self._ROUNDING,
+                        comps=getattr(self, "_compensation", None), generator=getattr(self, "_generator", None),
+                    )
+                elif kind is not None:
                     fast_step(
                         self.optimizer, group, active, kind=kind, state_dtype=self.state_dtype,
                         expand=self._expand_many, store=self._store_many, chunk_numel=self.chunk_numel,
@@ -334,7 +356,7 @@ class KahanOptimizer(LowPrecisionOptimizer):
     Args:
         optimizer: any torch optimizer over low-precision parameters.
         state_dtype: dtype the optimizer state is kept in between steps (None: fp32).
-        fast, chunk_numel, fused: see :class:`LowPrecisionOptimizer`.
+        fast, chunk_numel, fused, compile: see :class:`LowPrecisionOptimizer`.
 
     Training-state memory for AdamW: 2 (weight) + 2 (grad) + 2 (compensation) +
     4 (two bf16 moments) = 10 bytes per parameter, against 16 for fp32 training.
@@ -348,11 +370,15 @@ class KahanOptimizer(LowPrecisionOptimizer):
         fast: bool = True,
         chunk_numel: int = DEFAULT_CHUNK_NUMEL,
         fused: bool = True,
+        compile: bool = False,
     ) -> None:
-        super().__init__(optimizer, state_dtype=state_dtype, fast=fast, chunk_numel=chunk_numel, fused=fused)
+        super().__init__(
+            optimizer, state_dtype=state_dtype, fast=fast, chunk_numel=chunk_numel, fused=fused, compile=compile
+        )
         self._comp: dict[torch.Tensor, torch.Tensor] = {}
 
     _PLAIN_STORE = False
+    _ROUNDING = "kahan"
 
     def _compensation(self, param: torch.Tensor) -> torch.Tensor:
         comp = self._comp.get(param)
@@ -400,7 +426,7 @@ class StochasticRoundingOptimizer(LowPrecisionOptimizer):
         optimizer: any torch optimizer over bf16 parameters.
         state_dtype: dtype the optimizer state is kept in between steps (None: fp32).
         seed: seed of the rounding noise (its generator state is checkpointed).
-        fast, chunk_numel, fused: see :class:`LowPrecisionOptimizer`.
+        fast, chunk_numel, fused, compile: see :class:`LowPrecisionOptimizer`.
 
     The noise is one ``randint`` per parameter on the generic path and one per chunk on
     the fast path, drawn from the same generator in the same parameter order (on CPU
@@ -416,8 +442,11 @@ class StochasticRoundingOptimizer(LowPrecisionOptimizer):
         fast: bool = True,
         chunk_numel: int = DEFAULT_CHUNK_NUMEL,
         fused: bool = True,
+        compile: bool = False,
     ) -> None:
-        super().__init__(optimizer, state_dtype=state_dtype, fast=fast, chunk_numel=chunk_numel, fused=fused)
+        super().__init__(
+            optimizer, state_dtype=state_dtype, fast=fast, chunk_numel=chunk_numel, fused=fused, compile=compile
+        )
         for p in self._low_params():
             if p.dtype != torch.bfloat16:
                 raise ValueError(
@@ -427,6 +456,7 @@ class StochasticRoundingOptimizer(LowPrecisionOptimizer):
         self._generators: dict[torch.device, torch.Generator] = {}
 
     _PLAIN_STORE = False
+    _ROUNDING = "stochastic"
 
     def _generator(self, device: torch.device) -> torch.Generator:
         gen = self._generators.get(device)
