@@ -227,7 +227,9 @@ def test_argument_errors():
 @pytest.mark.parametrize("wrapper", list(WRAPPERS))
 def test_compiled_route_matches_generic_within_rounding(wrapper):
     """``compile=True``: one torch.compile-d loop per parameter (no fp32 copies), within
-    FUSED_ULPS of the generic path over 4 steps, state in torch's keys and state_dtype."""
+    FUSED_ULPS of the generic path over 4 steps, state in torch's keys and state_dtype.
+    Stochastic rounding draws other noise bits there (hashed in the kernel): each step's
+    store may land on the other neighbour, one ulp per step."""
     pytest.importorskip("torch._inductor")
     dtypes = (torch.bfloat16,)
     groups_a, groups_b = _params(11, dtypes), _params(11, dtypes)
@@ -249,4 +251,27 @@ def test_compiled_route_matches_generic_within_rounding(wrapper):
             for key, value in a.state.get(x, {}).items():
                 assert value.dtype == b.state[y][key].dtype
                 worst = max(worst, _ulps(value, b.state[y][key]))
-    assert worst <= FUSED_ULPS, worst
+    assert worst <= (FUSED_ULPS + 4 if wrapper == "sr" else FUSED_ULPS), worst
+
+
+@pytest.mark.slow
+def test_compiled_stochastic_rounding_is_unbiased_and_resumes_exactly():
+    # Adam's first step moves every weight by lr = 2**-9: 1 - 2**-9 lies halfway between the
+    # bf16 neighbours 1 - 2**-8 and 1, so the stored weights split evenly, mean 1 - 2**-9
+    def make():
+        w = torch.nn.Parameter(torch.ones(100_000, dtype=torch.bfloat16))
+        return w, StochasticRoundingOptimizer(torch.optim.Adam([w], lr=2.0**-9), compile=True, seed=3)
+
+    w, opt = make()
+    sd = copy.deepcopy(opt.state_dict())
+    w.grad = torch.ones_like(w)
+    opt.step()
+    assert set(w.float().unique().tolist()) == {1.0 - 2.0**-8, 1.0}
+    assert abs(w.float().mean().item() - (1.0 - 2.0**-9)) < 2e-5
+    first = w.detach().clone()
+    # the noise counter is checkpointed: a fresh wrapper loaded from sd rounds identically
+    w2, opt2 = make()
+    opt2.load_state_dict(sd)
+    w2.grad = torch.ones_like(w2)
+    opt2.step()
+    assert torch.equal(w2, first)

@@ -296,16 +296,18 @@ def _sgd_chunk(
 # --------------------------------------------------------------------- compiled route
 def _adam_lists(
     params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor],
-    max_exp_avg_sqs: list[torch.Tensor], comps: list[torch.Tensor], noises: list[torch.Tensor], hyper: torch.Tensor,
+    max_exp_avg_sqs: list[torch.Tensor], comps: list[torch.Tensor], counter: torch.Tensor, hyper: torch.Tensor,
     *, decoupled: bool, amsgrad: bool, maximize: bool, weight_decay: bool, rounding: str,
 ) -> None:
     """Adam/AdamW on low-precision tensors, one fused loop per parameter under ``torch.compile``.
 
     ``hyper`` holds [lr, beta1, beta2, eps, weight_decay, step_size, bias_correction2_sqrt]
     (a tensor, so new values do not recompile). ``rounding``: "nearest", "kahan" (with
-    ``comps``) or "stochastic" (with int32 ``noises`` in [0, 2**16)).
+    ``comps``) or "stochastic": 16 noise bits per element from a counter-based hash of
+    ``counter`` (int64) plus the element's position in the group, computed in the kernel.
     """
     lr, beta1, beta2, eps, wd, step_size, bc2_sqrt = hyper.unbind(0)
+    offset = 0
     for i, p in enumerate(params):
         w = p.float()
         if rounding == "kahan":
@@ -330,13 +332,26 @@ def _adam_lists(
         exp_avgs[i].copy_(m)
         exp_avg_sqs[i].copy_(v)
         if rounding == "stochastic":
-            bits = (w.view(torch.int32) + noises[i]) & -65536
+            index = torch.arange(p.numel(), device=p.device, dtype=torch.int64).view(p.shape)
+            bits = (w.view(torch.int32) + _hash16(index + (counter + offset))) & -65536
             p.copy_(bits.view(torch.float32))
+            offset += p.numel()
         else:
             low = w.to(p.dtype)
             p.copy_(low)
             if rounding == "kahan":
                 comps[i].copy_(w - low.float())
+
+
+def _hash16(x: torch.Tensor) -> torch.Tensor:
+    """16 well-mixed bits of each int64 ``x`` (a multiply-xorshift hash; products stay below 2**63)."""
+    x = x & 0xFFFFFFFF
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x = x ^ (x >> 15)
+    x = (x * 0x5BD1E995) & 0xFFFFFFFF
+    x = x ^ (x >> 16)
+    return (x & 0xFFFF).to(torch.int32)
 
 
 _COMPILED: dict[str, Callable[..., None]] = {}
@@ -350,15 +365,16 @@ def compiled_adam_step(
     state_dtype: torch.dtype | None,
     rounding: str,
     comps: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    generator: Callable[[torch.device], torch.Generator] | None = None,
+    counter: list[int] | None = None,
 ) -> None:
     """Adam/AdamW for the low-precision ``params`` of ``group`` in one ``torch.compile``-d call.
 
     No fp32 copies are materialised: expansion, update and store fuse into one loop per
     parameter. The first call per group layout compiles (tens of seconds). Results equal
     the generic path within fp32 rounding (the compiler may reorder and contract the
-    fp32 operations); stochastic rounding draws its noise from the wrapper's generator,
-    one ``randint`` per group.
+    fp32 operations). Stochastic rounding hashes ``counter[0]`` (the wrapper's
+    checkpointed noise counter, advanced here by the number of elements rounded) with
+    each element's position: no random tensor is drawn or stored.
     """
     active = [p for p in params if p.grad is not None]
     if not active:
@@ -386,15 +402,17 @@ def compiled_adam_step(
             [lr, beta1, beta2, eps, weight_decay, lr / (1 - beta1**step), (1 - beta2**step) ** 0.5],
             dtype=torch.float32,
         ).to(device, non_blocking=True)
-        noises: list[torch.Tensor] = []
-        if rounding == "stochastic" and generator is not None:
-            total = sum(p.numel() for p in ps)
-            flat = torch.randint(0, 1 << 16, (total,), dtype=torch.int32, device=device, generator=generator(device))
-            noises = [t.view(p.shape) for t, p in zip(flat.split([p.numel() for p in ps]), ps, strict=True)]
+        start = 0
+        if rounding == "stochastic":
+            if counter is None:
+                raise ValueError("stochastic rounding needs the wrapper's noise counter")
+            start = counter[0]
+            counter[0] = (start + sum(p.numel() for p in ps)) % (1 << 32)
         fn(
             ps, [p.grad for p in ps], [s["exp_avg"] for s in st], [s["exp_avg_sq"] for s in st],
             [s["max_exp_avg_sq"] for s in st] if group["amsgrad"] else [],
-            [comps(p) for p in ps] if (rounding == "kahan" and comps is not None) else [], noises, hyper,
+            [comps(p) for p in ps] if (rounding == "kahan" and comps is not None) else [],
+            torch.tensor(start, dtype=torch.int64, device=device), hyper,
             decoupled=decoupled, amsgrad=bool(group["amsgrad"]), maximize=bool(group["maximize"]),
             weight_decay=weight_decay != 0, rounding=rounding,
         )

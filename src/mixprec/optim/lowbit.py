@@ -164,17 +164,30 @@ class LowPrecisionOptimizer(WrappedOptimizer):
         """
         if closure is not None:
             raise ValueError(f"{type(self).__name__}.step() does not take a closure; compute the loss before step()")
-        groups = self.optimizer.param_groups
-        saved = [group["params"] for group in groups]
-        low = [[p for p in params if p.dtype in LOW_PRECISION_DTYPES] for params in saved]
-        guarded = any(p.dtype == torch.float16 for params in low for p in params)
+        guarded = any(p.dtype == torch.float16 for p in self._low_params())
         self._snapshot = self._take_snapshot() if guarded else None
         self._nonfinite = None
+        result = self._step_selected(None)
+        if self._snapshot is not None:
+            self._nonfinite = self._check_nonfinite(self._snapshot)
+            if bool(self._nonfinite):
+                self._restore(self._snapshot)
+        return result
+
+    @torch.no_grad()
+    def _step_selected(self, selected: set[torch.Tensor] | None) -> Any:
+        """Step every parameter with a gradient, or only those in ``selected`` (no overflow guard)."""
+        groups = self.optimizer.param_groups
+        saved = [group["params"] for group in groups]
+        picked = saved if selected is None else [[p for p in params if p in selected] for params in saved]
+        low = [[p for p in params if p.dtype in LOW_PRECISION_DTYPES] for params in picked]
         scratch: dict[tuple[int, torch.device], torch.Tensor] = {}
+        result = None
         try:
-            for group, params in zip(groups, saved, strict=True):
+            for group, params in zip(groups, picked, strict=True):
                 group["params"] = [p for p in params if p.dtype not in LOW_PRECISION_DTYPES]
-            result = self.optimizer.step()  # fp32 parameters (norm layers), unexpanded
+            if selected is None or any(group["params"] for group in groups):
+                result = self.optimizer.step()  # fp32 parameters (norm layers), unexpanded
             for group in groups:
                 group["params"] = []
             for group, params in zip(groups, low, strict=True):
@@ -186,7 +199,7 @@ class LowPrecisionOptimizer(WrappedOptimizer):
                 if kind == "adam" and self.compile:
                     compiled_adam_step(
                         self.optimizer, group, active, state_dtype=self.state_dtype, rounding=self._ROUNDING,
-                        comps=getattr(self, "_compensation", None), generator=getattr(self, "_generator", None),
+                        comps=getattr(self, "_compensation", None), counter=getattr(self, "_counter", None),
                     )
                 elif kind is not None:
                     fast_step(
@@ -201,10 +214,6 @@ class LowPrecisionOptimizer(WrappedOptimizer):
         finally:
             for group, params in zip(groups, saved, strict=True):
                 group["params"] = params
-        if self._snapshot is not None:
-            self._nonfinite = self._check_nonfinite(self._snapshot)
-            if bool(self._nonfinite):
-                self._restore(self._snapshot)
         return result
 
     def _step_one(self, p: torch.nn.Parameter, group: dict[str, Any], scratch: dict[tuple[int, torch.device], torch.Tensor]) -> None:
@@ -430,7 +439,9 @@ class StochasticRoundingOptimizer(LowPrecisionOptimizer):
 
     The noise is one ``randint`` per parameter on the generic path and one per chunk on
     the fast path, drawn from the same generator in the same parameter order (on CPU
-    both paths draw identical bits).
+    both paths draw identical bits). The compiled route (``compile=True``) instead hashes
+    a checkpointed counter with each element's position inside the kernel (no random
+    tensor at all): the same distribution, other bits.
     """
 
     def __init__(
@@ -454,6 +465,7 @@ class StochasticRoundingOptimizer(LowPrecisionOptimizer):
                 )
         self._seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
+        self._counter = [(seed * 0x9E3779B9) % (1 << 32)]  # noise counter of the compiled route
 
     _PLAIN_STORE = False
     _ROUNDING = "stochastic"
@@ -478,10 +490,15 @@ class StochasticRoundingOptimizer(LowPrecisionOptimizer):
         torch._foreach_copy_(params, values)
 
     def _extra_state(self) -> dict[str, Any]:
-        return {"generators": {str(dev): g.get_state() for dev, g in self._generators.items()}, "seed": self._seed}
+        return {
+            "generators": {str(dev): g.get_state() for dev, g in self._generators.items()},
+            "seed": self._seed,
+            "counter": self._counter[0],
+        }
 
     def _load_extra_state(self, extra: dict[str, Any]) -> None:
         self._seed = int(extra.get("seed", self._seed))
+        self._counter = [int(extra.get("counter", (self._seed * 0x9E3779B9) % (1 << 32)))]
         self._generators = {}
         for dev, state in extra.get("generators", {}).items():
             self._generator(torch.device(dev)).set_state(state)
