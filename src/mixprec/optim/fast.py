@@ -238,6 +238,10 @@ def _adam_fused_chunk(
     amsgrad = bool(group["amsgrad"])
     steps = [s["step"] for s in states]
     torch._foreach_add_(steps, 1.0)
+    if params[0].device.type != "cpu":
+        # the kernel reads the step counts on the parameters' device (torch keeps them on
+        # the CPU for non-fused Adam); every parameter of a chunk has the same count
+        steps = [torch.tensor(float(steps[0]), dtype=torch.float32, device=params[0].device)] * len(params)
     keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else [])
     low_state = {k: [s[k] for s in states] for k in keys}
     dtype = params[0].dtype
