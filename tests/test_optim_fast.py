@@ -275,3 +275,19 @@ def test_compiled_stochastic_rounding_is_unbiased_and_resumes_exactly():
     w2.grad = torch.ones_like(w2)
     opt2.step()
     assert torch.equal(w2, first)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("compile", [False, True])
+def test_kahan_adam_keeps_updates_below_half_an_ulp(compile):
+    # Adam with a constant gradient moves by lr = 2**-12 per step, a quarter of 1.0's
+    # half-ulp in bf16: plain rounding never moves the weight, weight + compensation must
+    # hold the sum (64 steps: 1 - 2**-6, up to the bf16 rounding of the compensation).
+    # The compiled route must not fold the bf16 round trip of the stored weight away.
+    w = torch.nn.Parameter(torch.ones(8, dtype=torch.bfloat16))
+    opt = KahanOptimizer(torch.optim.Adam([w], lr=2.0**-12), compile=compile)
+    for _ in range(64):
+        w.grad = torch.ones_like(w)
+        opt.step()
+    total = w.float() + opt._comp[w].float()
+    assert (total - (1 - 2.0**-6)).abs().max().item() < 1e-4

@@ -397,7 +397,11 @@ def compiled_adam_step(
     decoupled = bool(group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW)))
     fn = _COMPILED.get("adam")
     if fn is None:
-        fn = _COMPILED["adam"] = torch.compile(_adam_lists, dynamic=False)
+        # emulate_precision_casts: keep the bf16/fp16 rounding of the stored weight when the
+        # Kahan residual reads it back (inductor otherwise folds to(bf16).float() into a no-op)
+        fn = _COMPILED["adam"] = torch.compile(
+            _adam_lists, dynamic=False, options={"emulate_precision_casts": True}
+        )
     for step, index in by_step.items():
         ps = [active[i] for i in index]
         st = [states[i] for i in index]
