@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import shlex
 import statistics
 import sys
@@ -215,8 +216,10 @@ def markdown(results: dict[str, dict[str, float]], args: argparse.Namespace) -> 
         "|---|---:|---:|---:|---:|" + ("---:|---:|" if args.loss_steps else ""),
     ]
     for name, r in results.items():
+        trained = not math.isnan(r["train_ms"])
         cells = [name, f"{r['opt_ms']:.1f}", _ratio(r["opt_ms"], base.get("opt_ms")),
-                 f"{r['train_ms']:.1f}", _ratio(r["train_ms"], base.get("train_ms"))]
+                 f"{r['train_ms']:.1f}" if trained else "-",
+                 _ratio(r["train_ms"], base.get("train_ms")) if trained else "-"]
         if args.loss_steps:
             loss = r.get("eval_loss")
             ref = base.get("eval_loss")
