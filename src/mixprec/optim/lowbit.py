@@ -12,9 +12,12 @@ that keep the weights in bf16:
   expectation.
 
 Both wrap any torch optimizer: during ``step()`` each low-precision parameter is
-expanded to fp32 (with its gradient and optimizer state), the inner optimizer runs
-its usual fp32 math, and the result is stored back in low precision. Between steps
-optimizer state is kept in ``state_dtype`` (bf16 by default, halving its memory).
+expanded to fp32 (with its gradient and optimizer state) into a proxy parameter, the
+inner optimizer runs its usual fp32 math on the proxy, and the result is stored back in
+low precision; the parameters' ``data`` and ``grad`` are never swapped (DDP's hooks stay
+attached). ``torch.optim.Adam``, ``AdamW`` and ``SGD`` take a multi-tensor fast path
+(:mod:`mixprec.optim.fast`) with the same results and state. Between steps optimizer
+state is kept in ``state_dtype`` (bf16 by default, halving its memory).
 
 >>> import torch
 >>> from mixprec.optim import KahanOptimizer
@@ -29,6 +32,7 @@ optimizer state is kept in ``state_dtype`` (bf16 by default, halving its memory)
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +40,13 @@ import torch
 
 from mixprec.dtypes import LOW_PRECISION_DTYPES, parse_dtype
 from mixprec.optim.base import WrappedOptimizer
+from mixprec.optim.fast import (
+    DEFAULT_CHUNK_NUMEL,
+    compiled_adam_step,
+    fast_kind,
+    fast_step,
+    fused_available,
+)
 
 __all__ = ["KahanOptimizer", "LowPrecisionOptimizer", "StochasticRoundingOptimizer", "stochastic_round"]
 
@@ -60,63 +71,154 @@ def stochastic_round(x: torch.Tensor, dtype: torch.dtype = torch.bfloat16, gener
 class LowPrecisionOptimizer(WrappedOptimizer):
     """Low-precision weights and state, fp32 arithmetic inside ``step()``, round-to-nearest store.
 
-    The inner optimizer runs its usual math on fp32 expansions of the bf16/fp16
-    parameters, gradients and state, so constants such as Adam's ``eps=1e-8`` (zero
-    in fp16) and small second moments do not break it; results are rounded back.
-    Updates smaller than half a unit in the last place are still lost: see
-    :class:`KahanOptimizer` and :class:`StochasticRoundingOptimizer`.
+    The inner optimizer's math runs on fp32 expansions of the bf16/fp16 parameters,
+    gradients and state, so constants such as Adam's ``eps=1e-8`` (zero in fp16) and
+    small second moments do not break it; results are rounded back. Updates smaller
+    than half a unit in the last place are still lost: see :class:`KahanOptimizer` and
+    :class:`StochasticRoundingOptimizer`.
+
+    Args:
+        optimizer: any torch optimizer; its fp32 parameters are stepped as usual.
+        state_dtype: dtype the optimizer state of low-precision parameters is kept in
+            between steps (None: fp32).
+        fast: use the multi-tensor fast path (:mod:`mixprec.optim.fast`) for
+            ``torch.optim.Adam``, ``AdamW`` and ``SGD`` param groups it supports; other
+            optimizers and options (``capturable``, ``differentiable``, ``fused``) take the
+            generic per-parameter path either way. Both keep the same state under torch's
+            key names, so state_dicts move freely between them.
+        chunk_numel: the fast path expands at most this many elements (or one parameter,
+            when a parameter is larger) to fp32 at a time.
+        fused: on the fast path, run Adam/AdamW's arithmetic in torch's fused kernel (one
+            pass; CPU and CUDA) rather than torch's foreach sequence (bit-identical to the
+            generic path on CPU, several passes). Fused results equal the generic path's
+            within fp32 rounding: a stored weight or moment can differ by one unit in the
+            last place of its dtype where the fp32 result lies next to a rounding boundary.
+        compile: on the fast path, run Adam/AdamW groups through ``torch.compile``
+            (:func:`~mixprec.optim.fast.compiled_adam_step`): expansion, update and store
+            fuse into one loop per parameter, nothing is materialised in fp32; the first
+            step compiles (tens of seconds to minutes). Within fp32 rounding of the
+            generic path, like ``fused``.
+
+    The wrapper never changes a parameter's ``data`` or ``grad`` (DDP's gradient hooks
+    and bucket views stay attached): the generic path runs the inner optimizer on fp32
+    proxy parameters and moves their state back under the real parameters after each
+    step. With fp16 parameters, whose range a finite update can overflow, ``step()``
+    snapshots parameters and state first, and undoes an update that stores a non-finite
+    weight (see :meth:`step_nonfinite` and :meth:`undo_step`).
     """
 
     _STATE_KEY = "mixprec_lowbit"
+    _PLAIN_STORE = True  # stores round to nearest: fused kernels may update low-precision tensors in place
+    _ROUNDING = "nearest"
 
-    def __init__(self, optimizer: torch.optim.Optimizer, *, state_dtype: torch.dtype | str | None = torch.bfloat16) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        state_dtype: torch.dtype | str | None = torch.bfloat16,
+        fast: bool = True,
+        chunk_numel: int = DEFAULT_CHUNK_NUMEL,
+        fused: bool = True,
+        compile: bool = False,
+    ) -> None:
         super().__init__(optimizer)
         self.state_dtype = None if state_dtype is None else parse_dtype(state_dtype)
+        for name, flag in (("fast", fast), ("fused", fused), ("compile", compile)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be True or False, got {flag!r}")
+        self.fused = fused
+        self.compile = compile
+        if isinstance(chunk_numel, bool) or not isinstance(chunk_numel, int) or chunk_numel < 1:
+            raise ValueError(f"chunk_numel must be a positive int (elements expanded to fp32 at a time), got {chunk_numel!r}")
+        self.fast = fast
+        self.chunk_numel = chunk_numel
+        self._snapshot: dict[str, Any] | None = None
+        self._nonfinite: torch.Tensor | None = None
 
     def _low_params(self) -> list[torch.nn.Parameter]:
         return [p for p in self.params() if p.dtype in LOW_PRECISION_DTYPES]
 
+    # ------------------------------------------------- expand / store (one parameter or many)
     def _expand_into(self, param: torch.Tensor, out: torch.Tensor) -> None:
         out.copy_(param)
 
-    def _store(self, param: torch.Tensor, value32: torch.Tensor, low: torch.Tensor) -> None:
-        low.copy_(value32)
+    def _store(self, param: torch.Tensor, value32: torch.Tensor) -> None:
+        param.copy_(value32)
 
+    def _expand_many(self, params: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        torch._foreach_copy_(values, params)
+
+    def _store_many(self, params: list[torch.Tensor], values: list[torch.Tensor], flat: torch.Tensor) -> None:
+        torch._foreach_copy_(params, values)
+
+    # ------------------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> Any:  # type: ignore[override]
-        """One optimizer step: fp32 parameters as usual, then each low-precision one expanded.
+        """One optimizer step: fp32 parameters by the inner optimizer, low-precision ones expanded.
 
-        Low-precision parameters are stepped one at a time, expanded (with gradient and
-        state) into fp32 scratch buffers reused from parameter to parameter, so the fp32
-        working memory is that of the largest parameter, not of the whole model. The
-        inner optimizer's math is per parameter either way, so results do not change;
-        its step hooks run once per low-precision parameter.
+        Low-precision parameters without a gradient are left alone (as torch does).
+        Supported torch optimizers take the multi-tensor fast path, chunk by chunk; the
+        others are stepped one parameter at a time on fp32 proxies whose scratch memory
+        is reused from parameter to parameter (the inner optimizer's step hooks then run
+        once per low-precision parameter).
         """
         if closure is not None:
             raise ValueError(f"{type(self).__name__}.step() does not take a closure; compute the loss before step()")
+        guarded = any(p.dtype == torch.float16 for p in self._low_params())
+        self._snapshot = self._take_snapshot() if guarded else None
+        self._nonfinite = None
+        result = self._step_selected(None)
+        if self._snapshot is not None:
+            self._nonfinite = self._check_nonfinite(self._snapshot)
+            if bool(self._nonfinite):
+                self._restore(self._snapshot)
+        return result
+
+    @torch.no_grad()
+    def _step_selected(self, selected: set[torch.Tensor] | None) -> Any:
+        """Step every parameter with a gradient, or only those in ``selected`` (no overflow guard)."""
         groups = self.optimizer.param_groups
         saved = [group["params"] for group in groups]
-        low = [[p for p in params if p.dtype in LOW_PRECISION_DTYPES] for params in saved]
-        if not any(low):
-            return self.optimizer.step()
+        picked = saved if selected is None else [[p for p in params if p in selected] for params in saved]
+        low = [[p for p in params if p.dtype in LOW_PRECISION_DTYPES] for params in picked]
         scratch: dict[tuple[int, torch.device], torch.Tensor] = {}
+        result = None
         try:
-            for group, params in zip(groups, saved, strict=True):
+            for group, params in zip(groups, picked, strict=True):
                 group["params"] = [p for p in params if p.dtype not in LOW_PRECISION_DTYPES]
-            result = self.optimizer.step()  # fp32 parameters (norm layers), unexpanded
+            if selected is None or any(group["params"] for group in groups):
+                result = self.optimizer.step()  # fp32 parameters (norm layers), unexpanded
             for group in groups:
                 group["params"] = []
             for group, params in zip(groups, low, strict=True):
-                for p in params:
-                    group["params"] = [p]
-                    self._step_one(p, scratch)
+                active = [p for p in params if p.grad is not None]
+                if not active:
+                    continue
+                group["params"] = active
+                kind = fast_kind(self.optimizer, group) if self.fast else None
+                if kind == "adam" and self.compile:
+                    compiled_adam_step(
+                        self.optimizer, group, active, state_dtype=self.state_dtype, rounding=self._ROUNDING,
+                        comps=getattr(self, "_compensation", None), counter=getattr(self, "_counter", None),
+                    )
+                elif kind is not None:
+                    fast_step(
+                        self.optimizer, group, active, kind=kind, state_dtype=self.state_dtype,
+                        expand=self._expand_many, store=self._store_many, chunk_numel=self.chunk_numel,
+                        fused=self.fused and fused_available(active[0].device), plain_store=self._PLAIN_STORE,
+                    )
+                else:
+                    for p in active:
+                        self._step_one(p, group, scratch)
                 group["params"] = []
         finally:
             for group, params in zip(groups, saved, strict=True):
                 group["params"] = params
         return result
 
-    def _step_one(self, p: torch.nn.Parameter, scratch: dict[tuple[int, torch.device], torch.Tensor]) -> None:
+    def _step_one(self, p: torch.nn.Parameter, group: dict[str, Any], scratch: dict[tuple[int, torch.device], torch.Tensor]) -> None:
+        """The inner optimizer on an fp32 proxy of ``p`` (its value, gradient and state expanded)."""
+
         def buffer(slot: int) -> torch.Tensor:
             key = (slot, p.device)
             buf = scratch.get(key)
@@ -125,32 +227,106 @@ class LowPrecisionOptimizer(WrappedOptimizer):
                 scratch[key] = buf
             return buf[: p.numel()].view(p.shape)
 
-        low, grad_low = p.data, p.grad
         value32 = buffer(0)
         self._expand_into(p, value32)
-        p.data = value32
-        if grad_low is not None:
-            p.grad = buffer(1).copy_(grad_low)
-        state = self.optimizer.state.get(p)
+        proxy = torch.nn.Parameter(value32, requires_grad=p.requires_grad)
+        proxy.grad = buffer(1).copy_(p.grad)  # type: ignore[arg-type]
+        state = self.optimizer.state.pop(p, None)
         stored: dict[Any, torch.Tensor] = {}
         if state:
+            expanded: dict[Any, Any] = {}
             for slot, (key, value) in enumerate(list(state.items()), start=2):
-                if _is_param_state(value, p) and value.dtype != torch.float32:
+                if _is_param_state(key, value, p) and value.dtype != torch.float32:
                     stored[key] = value
-                    state[key] = buffer(slot).copy_(value)
+                    expanded[key] = buffer(slot).copy_(value)
+                else:
+                    expanded[key] = value
+            self.optimizer.state[proxy] = expanded
+        group["params"] = [proxy]
         try:
             self.optimizer.step()
         finally:
-            self._store(p, value32, low)
-            p.data = low
-            p.grad = grad_low
-            state = self.optimizer.state.get(p) or {}
-            for key, value in list(state.items()):
-                if key in stored:
-                    state[key] = stored[key].copy_(value)
-                elif _is_param_state(value, p) and self.state_dtype is not None and value.dtype != self.state_dtype:
-                    state[key] = value.to(self.state_dtype)  # state created by this first step
+            group["params"] = []
+            self._store(p, value32)
+            new = self.optimizer.state.pop(proxy, None)
+            if new is not None:
+                scratch_ptrs = {buf.untyped_storage().data_ptr() for buf in scratch.values()}
+                for key, value in list(new.items()):
+                    if key in stored:
+                        new[key] = stored[key].copy_(value)
+                    elif _is_param_state(key, value, p):
+                        target = value.dtype if self.state_dtype is None else self.state_dtype
+                        if value.dtype != target or value.untyped_storage().data_ptr() in scratch_ptrs:
+                            new[key] = value.to(target, copy=True)  # created by this step
+                self.optimizer.state[p] = new
 
+    # ------------------------------------------------------------- overflow guard (fp16)
+    def step_nonfinite(self) -> torch.Tensor | None:
+        """After ``step()``: True when the update would have stored a non-finite weight (then undone).
+
+        Only wrappers over fp16 parameters check (a finite fp32 result can exceed fp16's
+        65504; bf16 has fp32's range): None otherwise. A weight that was already
+        non-finite before the step does not count.
+        """
+        if self._snapshot is None:
+            return None
+        return self._nonfinite
+
+    def undo_step(self) -> None:
+        """Restore parameters, compensation, RNG and optimizer state (step counts included) to before the last ``step()``.
+
+        Available after a step of a wrapper over fp16 parameters (those snapshot their
+        state before stepping); undoing twice, or an undone step, changes nothing more.
+        """
+        snapshot = self._snapshot
+        if snapshot is not None:
+            self._restore(snapshot)
+        elif any(p.dtype == torch.float16 for p in self._low_params()):
+            raise RuntimeError(f"{type(self).__name__}.undo_step() needs a step() to undo; none was taken since the last load")
+        else:
+            super().undo_step()
+
+    def _take_snapshot(self) -> dict[str, Any]:
+        params = list(self.params())
+        state: dict[torch.Tensor, dict[Any, Any] | None] = {}
+        for p in params:
+            live = self.optimizer.state.get(p)
+            state[p] = None if live is None else {
+                k: (v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)) for k, v in live.items()
+            }
+        return {
+            "params": [(p, p.detach().clone()) for p in params],
+            "state": state,
+            "extra": copy.deepcopy(self._extra_state()),
+            "restored": False,
+        }
+
+    @torch.no_grad()
+    def _check_nonfinite(self, snapshot: dict[str, Any]) -> torch.Tensor:
+        flags = [
+            (torch.isfinite(old) & ~torch.isfinite(p)).any()
+            for p, old in snapshot["params"]
+            if p.dtype == torch.float16
+        ]
+        if not flags:
+            return torch.zeros((), dtype=torch.bool)
+        return torch.stack(flags).any()
+
+    @torch.no_grad()
+    def _restore(self, snapshot: dict[str, Any]) -> None:
+        if snapshot["restored"]:
+            return
+        for p, old in snapshot["params"]:
+            p.copy_(old)
+        for p, saved_state in snapshot["state"].items():
+            if saved_state is None:
+                self.optimizer.state.pop(p, None)
+            else:
+                self.optimizer.state[p] = saved_state
+        self._load_extra_state(snapshot["extra"])
+        snapshot["restored"] = True
+
+    # ------------------------------------------------------------------------ checkpoints
     def _extra_state(self) -> dict[str, Any]:
         return {}
 
@@ -177,9 +353,10 @@ class LowPrecisionOptimizer(WrappedOptimizer):
             param = params[int(index)]
             live = self.optimizer.state.get(param, {})
             for key, value in saved.items():
-                if isinstance(value, torch.Tensor) and value.is_floating_point() and value.shape == param.shape:
+                if _is_param_state(key, value, param):
                     live[key] = value.detach().clone().to(param.device)
         self._load_extra_state(extra)
+        self._snapshot = None
 
 
 class KahanOptimizer(LowPrecisionOptimizer):
@@ -188,14 +365,29 @@ class KahanOptimizer(LowPrecisionOptimizer):
     Args:
         optimizer: any torch optimizer over low-precision parameters.
         state_dtype: dtype the optimizer state is kept in between steps (None: fp32).
+        fast, chunk_numel, fused, compile: see :class:`LowPrecisionOptimizer`.
 
     Training-state memory for AdamW: 2 (weight) + 2 (grad) + 2 (compensation) +
     4 (two bf16 moments) = 10 bytes per parameter, against 16 for fp32 training.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, *, state_dtype: torch.dtype | str | None = torch.bfloat16) -> None:
-        super().__init__(optimizer, state_dtype=state_dtype)
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        state_dtype: torch.dtype | str | None = torch.bfloat16,
+        fast: bool = True,
+        chunk_numel: int = DEFAULT_CHUNK_NUMEL,
+        fused: bool = True,
+        compile: bool = False,
+    ) -> None:
+        super().__init__(
+            optimizer, state_dtype=state_dtype, fast=fast, chunk_numel=chunk_numel, fused=fused, compile=compile
+        )
         self._comp: dict[torch.Tensor, torch.Tensor] = {}
+
+    _PLAIN_STORE = False
+    _ROUNDING = "kahan"
 
     def _compensation(self, param: torch.Tensor) -> torch.Tensor:
         comp = self._comp.get(param)
@@ -207,10 +399,19 @@ class KahanOptimizer(LowPrecisionOptimizer):
     def _expand_into(self, param: torch.Tensor, out: torch.Tensor) -> None:
         out.copy_(param).add_(self._compensation(param))
 
-    def _store(self, param: torch.Tensor, value32: torch.Tensor, low: torch.Tensor) -> None:
-        low.copy_(value32)
+    def _store(self, param: torch.Tensor, value32: torch.Tensor) -> None:
+        param.copy_(value32)
         # value32 is scratch of this step: reuse it for the residual
-        self._comp[param].copy_(value32.sub_(low))
+        self._comp[param].copy_(value32.sub_(param))
+
+    def _expand_many(self, params: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        torch._foreach_copy_(values, params)
+        torch._foreach_add_(values, [self._compensation(p) for p in params])
+
+    def _store_many(self, params: list[torch.Tensor], values: list[torch.Tensor], flat: torch.Tensor) -> None:
+        torch._foreach_copy_(params, values)
+        torch._foreach_sub_(values, params)
+        torch._foreach_copy_([self._comp[p] for p in params], values)
 
     def _extra_state(self) -> dict[str, Any]:
         params = list(self.params())
@@ -218,12 +419,13 @@ class KahanOptimizer(LowPrecisionOptimizer):
 
     def _load_extra_state(self, extra: dict[str, Any]) -> None:
         params = list(self.params())
-        self._comp = {}
+        comps: dict[torch.Tensor, torch.Tensor] = {}
         for index, comp in extra.get("compensation", {}).items():
             param = params[int(index)]
             if comp.shape != param.shape:
                 raise ValueError(f"saved compensation {index} has shape {tuple(comp.shape)}, expected {tuple(param.shape)}")
-            self._comp[param] = comp.detach().clone().to(device=param.device, dtype=param.dtype)
+            comps[param] = comp.detach().clone().to(device=param.device, dtype=param.dtype)
+        self._comp = comps
 
 
 class StochasticRoundingOptimizer(LowPrecisionOptimizer):
@@ -233,6 +435,13 @@ class StochasticRoundingOptimizer(LowPrecisionOptimizer):
         optimizer: any torch optimizer over bf16 parameters.
         state_dtype: dtype the optimizer state is kept in between steps (None: fp32).
         seed: seed of the rounding noise (its generator state is checkpointed).
+        fast, chunk_numel, fused, compile: see :class:`LowPrecisionOptimizer`.
+
+    The noise is one ``randint`` per parameter on the generic path and one per chunk on
+    the fast path, drawn from the same generator in the same parameter order (on CPU
+    both paths draw identical bits). The compiled route (``compile=True``) instead hashes
+    a checkpointed counter with each element's position inside the kernel (no random
+    tensor at all): the same distribution, other bits.
     """
 
     def __init__(
@@ -241,8 +450,14 @@ class StochasticRoundingOptimizer(LowPrecisionOptimizer):
         *,
         state_dtype: torch.dtype | str | None = torch.bfloat16,
         seed: int = 0,
+        fast: bool = True,
+        chunk_numel: int = DEFAULT_CHUNK_NUMEL,
+        fused: bool = True,
+        compile: bool = False,
     ) -> None:
-        super().__init__(optimizer, state_dtype=state_dtype)
+        super().__init__(
+            optimizer, state_dtype=state_dtype, fast=fast, chunk_numel=chunk_numel, fused=fused, compile=compile
+        )
         for p in self._low_params():
             if p.dtype != torch.bfloat16:
                 raise ValueError(
@@ -250,6 +465,10 @@ class StochasticRoundingOptimizer(LowPrecisionOptimizer):
                 )
         self._seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
+        self._counter = [(seed * 0x9E3779B9) % (1 << 32)]  # noise counter of the compiled route
+
+    _PLAIN_STORE = False
+    _ROUNDING = "stochastic"
 
     def _generator(self, device: torch.device) -> torch.Generator:
         gen = self._generators.get(device)
@@ -258,18 +477,35 @@ class StochasticRoundingOptimizer(LowPrecisionOptimizer):
             self._generators[device] = gen
         return gen
 
-    def _store(self, param: torch.Tensor, value32: torch.Tensor, low: torch.Tensor) -> None:
-        low.copy_(stochastic_round(value32, generator=self._generator(value32.device)))
+    def _store(self, param: torch.Tensor, value32: torch.Tensor) -> None:
+        param.copy_(stochastic_round(value32, generator=self._generator(value32.device)))
+
+    def _store_many(self, params: list[torch.Tensor], values: list[torch.Tensor], flat: torch.Tensor) -> None:
+        # ``values`` are consecutive views of ``flat``: one draw of noise for the chunk
+        noise = torch.randint(
+            0, 1 << 16, flat.shape, dtype=torch.int32, device=flat.device, generator=self._generator(flat.device)
+        )
+        bits = flat.view(torch.int32)
+        bits.add_(noise).bitwise_and_(-65536)  # keep the top 16 bits: exactly a bf16 value
+        torch._foreach_copy_(params, values)
 
     def _extra_state(self) -> dict[str, Any]:
-        return {"generators": {str(dev): g.get_state() for dev, g in self._generators.items()}, "seed": self._seed}
+        return {
+            "generators": {str(dev): g.get_state() for dev, g in self._generators.items()},
+            "seed": self._seed,
+            "counter": self._counter[0],
+        }
 
     def _load_extra_state(self, extra: dict[str, Any]) -> None:
         self._seed = int(extra.get("seed", self._seed))
+        self._counter = [int(extra.get("counter", (self._seed * 0x9E3779B9) % (1 << 32)))]
         self._generators = {}
         for dev, state in extra.get("generators", {}).items():
             self._generator(torch.device(dev)).set_state(state)
 
 
-def _is_param_state(value: Any, param: torch.Tensor) -> bool:
-    return isinstance(value, torch.Tensor) and value.is_floating_point() and value.shape == param.shape
+def _is_param_state(key: Any, value: Any, param: torch.Tensor) -> bool:
+    """A per-element state tensor of ``param`` (kept in ``state_dtype``); never the step count."""
+    return (
+        key != "step" and isinstance(value, torch.Tensor) and value.is_floating_point() and value.shape == param.shape
+    )

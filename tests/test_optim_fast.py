@@ -1,0 +1,293 @@
+"""The multi-tensor fast paths of the low-precision wrappers against the generic per-parameter path.
+
+Reference: the same wrapper with ``fast=False``, which runs torch's own optimizer on fp32
+proxies of each parameter. On CPU the fast path performs torch's single-tensor fp32
+operations in torch's order and draws the same rounding noise, so every weight,
+compensation and state tensor must be bit-identical, step after step, and after
+state_dict round trips between the two paths.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+import torch
+
+from mixprec.optim import KahanOptimizer, LowPrecisionOptimizer, StochasticRoundingOptimizer
+from mixprec.optim.fast import fast_kind
+
+SHAPES = [(), (0,), (3,), (5, 7), (2, 3, 4), (40,), (1, 1)]
+
+OPTIMIZERS = {
+    "adamw": lambda groups: torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.1),
+    "adamw-amsgrad": lambda groups: torch.optim.AdamW(groups, lr=1e-2, betas=(0.8, 0.95), amsgrad=True),
+    "adam-l2-maximize": lambda groups: torch.optim.Adam(groups, lr=1e-2, weight_decay=0.05, maximize=True),
+    "adam-amsgrad-l2": lambda groups: torch.optim.Adam(groups, lr=3e-3, weight_decay=0.01, amsgrad=True, eps=1e-6),
+    "sgd": lambda groups: torch.optim.SGD(groups, lr=0.1),
+    "sgd-momentum-wd": lambda groups: torch.optim.SGD(groups, lr=0.05, momentum=0.9, weight_decay=0.01, dampening=0.1),
+    "sgd-nesterov-maximize": lambda groups: torch.optim.SGD(groups, lr=0.05, momentum=0.8, nesterov=True, maximize=True),
+}
+WRAPPERS = {
+    "pure": LowPrecisionOptimizer,
+    "kahan": KahanOptimizer,
+    "sr": StochasticRoundingOptimizer,
+}
+
+
+def _params(seed: int, dtypes: tuple[torch.dtype, ...]) -> list[list[torch.nn.Parameter]]:
+    gen = torch.Generator().manual_seed(seed)
+    groups: list[list[torch.nn.Parameter]] = [[], []]
+    for i, shape in enumerate(SHAPES * 2):
+        dtype = dtypes[i % len(dtypes)]
+        value = torch.randn(shape, generator=gen) * 2
+        groups[i % 2].append(torch.nn.Parameter(value.to(dtype)))
+    return groups
+
+
+def _build(opt_name: str, wrapper: str, seed: int, *, fast: bool, dtypes, state_dtype, chunk_numel: int = 64,
+           fused: bool = False):
+    groups = _params(seed, dtypes)
+    inner = OPTIMIZERS[opt_name]([{"params": groups[0]}, {"params": groups[1], "lr": 2e-3}])
+    cls = WRAPPERS[wrapper]
+    opt = cls(inner, state_dtype=state_dtype, fast=fast, chunk_numel=chunk_numel, fused=fused)
+    return [p for g in groups for p in g], opt
+
+
+def _grads(params, step: int) -> None:
+    gen = torch.Generator().manual_seed(1000 + step)
+    for i, p in enumerate(params):
+        g = torch.randn(p.shape, generator=gen).to(p.dtype)
+        p.grad = None if (i + step) % 9 == 0 else g  # a parameter without gradient now and then
+
+
+def _assert_same(params_a, opt_a, params_b, opt_b, label: str) -> None:
+    for i, (a, b) in enumerate(zip(params_a, params_b, strict=True)):
+        assert a.dtype == b.dtype and torch.equal(a, b), f"{label}: parameter {i} differs"
+        sa, sb = opt_a.state.get(a, {}), opt_b.state.get(b, {})
+        assert list(sa) == list(sb), f"{label}: state keys of parameter {i}: {list(sa)} vs {list(sb)}"
+        for key in sa:
+            va, vb = sa[key], sb[key]
+            if va is None or vb is None:
+                assert va is vb, (label, i, key)
+                continue
+            assert va.dtype == vb.dtype and torch.equal(va, vb), f"{label}: state {key!r} of parameter {i} differs"
+    if isinstance(opt_a, KahanOptimizer):
+        for i, (a, b) in enumerate(zip(params_a, params_b, strict=True)):
+            ca, cb = opt_a._comp.get(a), opt_b._comp.get(b)
+            assert (ca is None) == (cb is None) or a.numel() == 0, (label, i)
+            if ca is not None and cb is not None:
+                assert torch.equal(ca, cb), f"{label}: compensation of parameter {i} differs"
+
+
+def _step(params, opt, step: int) -> None:
+    _grads(params, step)
+    opt.step()
+
+
+CASES = [
+    (opt_name, wrapper)
+    for opt_name in OPTIMIZERS
+    for wrapper in WRAPPERS
+]
+
+
+@pytest.mark.parametrize(("opt_name", "wrapper"), CASES)
+def test_fast_path_is_bit_identical_to_generic(opt_name, wrapper):
+    dtypes = (torch.bfloat16,) if wrapper == "sr" else (torch.bfloat16, torch.float16, torch.float32)
+    for seed, state_dtype in ((0, torch.bfloat16), (1, None)):
+        pa, fast = _build(opt_name, wrapper, seed, fast=True, dtypes=dtypes, state_dtype=state_dtype)
+        pb, generic = _build(opt_name, wrapper, seed, fast=False, dtypes=dtypes, state_dtype=state_dtype)
+        assert fast_kind(fast.optimizer, fast.param_groups[0]) is not None
+        for step in range(5):
+            if step == 3:  # an LR scheduler changes the group's lr: both paths read it
+                for o in (fast, generic):
+                    o.param_groups[0]["lr"] *= 0.5
+            _step(pa, fast, step)
+            _step(pb, generic, step)
+            _assert_same(pa, fast, pb, generic, f"{opt_name}/{wrapper}/{state_dtype} step {step}")
+        # state stays in state_dtype, the step count in fp32
+        for p in pa:
+            for key, value in fast.state.get(p, {}).items():
+                if key == "step":
+                    assert value.dtype == torch.float32 and value.shape == ()
+                elif value is not None and p.dtype != torch.float32:
+                    assert value.dtype == (state_dtype or torch.float32), (key, value.dtype)
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest difference in units in the last place of ``a``'s dtype (at the larger magnitude)."""
+    if a.numel() == 0:
+        return 0.0
+    mantissa = {torch.bfloat16: 8, torch.float16: 11, torch.float32: 24}[a.dtype]
+    a32, b32 = a.float(), b.float()
+    scale = torch.maximum(a32.abs(), b32.abs()).clamp_min(torch.finfo(a.dtype).tiny)
+    ulp = torch.exp2(torch.floor(torch.log2(scale)) - (mantissa - 1))
+    return ((a32 - b32).abs() / ulp).max().item()
+
+
+FUSED_ULPS = 3
+
+
+@pytest.mark.parametrize("wrapper", list(WRAPPERS))
+@pytest.mark.parametrize("opt_name", ["adamw", "adamw-amsgrad", "adam-l2-maximize", "adam-amsgrad-l2"])
+def test_fused_kernel_path_matches_generic_within_rounding(opt_name, wrapper):
+    """torch's fused Adam kernels round differently inside fp32: each stored weight and
+    moment stays within FUSED_ULPS units in the last place of its dtype of the generic
+    path over 5 steps (one ulp per rounding boundary crossed, compounding through the
+    moments: measured worst 2 on x86 CPU)."""
+    dtypes = (torch.bfloat16,) if wrapper == "sr" else (torch.bfloat16, torch.float16, torch.float32)
+    for seed, state_dtype in ((0, torch.bfloat16), (1, None)):
+        pa, fast = _build(opt_name, wrapper, seed, fast=True, fused=True, dtypes=dtypes, state_dtype=state_dtype)
+        pb, generic = _build(opt_name, wrapper, seed, fast=False, dtypes=dtypes, state_dtype=state_dtype)
+        worst = 0.0
+        for step in range(5):
+            _step(pa, fast, step)
+            _step(pb, generic, step)
+            for a, b in zip(pa, pb, strict=True):
+                worst = max(worst, _ulps(a, b))
+                for key, va in fast.state.get(a, {}).items():
+                    worst = max(worst, _ulps(va, generic.state[b][key]))
+        assert worst <= FUSED_ULPS, f"{opt_name}/{wrapper}/{state_dtype}: {worst} ulps"
+
+
+@pytest.mark.parametrize("wrapper", list(WRAPPERS))
+@pytest.mark.parametrize("opt_name", ["adamw-amsgrad", "sgd-momentum-wd"])
+def test_state_dict_round_trips_between_fast_and_generic(opt_name, wrapper):
+    dtypes = (torch.bfloat16,)
+    pa, a = _build(opt_name, wrapper, 3, fast=True, dtypes=dtypes, state_dtype=torch.bfloat16)
+    for step in range(3):
+        _step(pa, a, step)
+    for src_fast in (True, False):
+        # continue from the same checkpoint on the other path and on the same path
+        pb, b = _build(opt_name, wrapper, 3, fast=src_fast, dtypes=dtypes, state_dtype=torch.bfloat16)
+        pc, c = _build(opt_name, wrapper, 3, fast=not src_fast, dtypes=dtypes, state_dtype=torch.bfloat16)
+        with torch.no_grad():
+            for x, y, z in zip(pa, pb, pc, strict=True):
+                y.copy_(x)
+                z.copy_(x)
+        sd = copy.deepcopy(a.state_dict())
+        b.load_state_dict(sd)
+        c.load_state_dict(copy.deepcopy(b.state_dict()))  # saved by one path, loaded by the other
+        _assert_same(pb, b, pc, c, "after load")
+        for step in range(3, 6):
+            _step(pb, b, step)
+            _step(pc, c, step)
+            _assert_same(pb, b, pc, c, f"{opt_name}/{wrapper} resumed, step {step}")
+
+
+def test_chunks_are_bounded_and_large_parameters_go_alone():
+    # chunk_numel smaller than some parameters and a single huge one: same result as one big chunk
+    dtypes = (torch.bfloat16,)
+    pa, a = _build("adamw", "kahan", 5, fast=True, dtypes=dtypes, state_dtype=torch.bfloat16, chunk_numel=1)
+    pb, b = _build("adamw", "kahan", 5, fast=True, dtypes=dtypes, state_dtype=torch.bfloat16, chunk_numel=1 << 20)
+    for step in range(3):
+        _step(pa, a, step)
+        _step(pb, b, step)
+    _assert_same(pa, a, pb, b, "chunk_numel=1 vs 2**20")
+
+
+def test_unsupported_options_take_the_generic_path():
+    w = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    for inner in (
+        torch.optim.AdamW([w], lr=0.1, capturable=True),
+        torch.optim.Adam([w], lr=0.1, differentiable=True),
+        torch.optim.RMSprop([w], lr=0.1),
+    ):
+        assert fast_kind(inner, inner.param_groups[0]) is None
+    # and they still train through the generic path
+    opt = KahanOptimizer(torch.optim.RMSprop([w], lr=0.01))
+    w.grad = torch.ones_like(w)
+    opt.step()
+    assert (w < 1).all() and opt.state[w]["square_avg"].dtype == torch.bfloat16
+
+
+def test_scalar_parameter_step_count_is_not_cast_to_the_state_dtype():
+    # a 0-d parameter has the same shape as Adam's step counter: the counter must stay fp32
+    w = torch.nn.Parameter(torch.tensor(1.0, dtype=torch.bfloat16))
+    for fast in (True, False):
+        opt = LowPrecisionOptimizer(torch.optim.Adam([w], lr=1e-3), fast=fast)
+        for _ in range(300):
+            w.grad = torch.tensor(1.0, dtype=torch.bfloat16)
+            opt.step()
+        step = opt.state[w]["step"]
+        assert step.dtype == torch.float32 and step.item() == 300.0, (fast, step)
+
+
+def test_argument_errors():
+    w = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=re.escape("chunk_numel must be a positive int (elements expanded to fp32 at a time), got 0")):
+        KahanOptimizer(torch.optim.SGD([w], lr=0.1), chunk_numel=0)
+    with pytest.raises(TypeError, match=re.escape("fast must be True or False, got 'yes'")):
+        KahanOptimizer(torch.optim.SGD([w], lr=0.1), fast="yes")  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("wrapper", list(WRAPPERS))
+def test_compiled_route_matches_generic_within_rounding(wrapper):
+    """``compile=True``: one torch.compile-d loop per parameter (no fp32 copies), within
+    FUSED_ULPS of the generic path over 4 steps, state in torch's keys and state_dtype.
+    Stochastic rounding draws other noise bits there (hashed in the kernel): each step's
+    store may land on the other neighbour, one ulp per step."""
+    pytest.importorskip("torch._inductor")
+    dtypes = (torch.bfloat16,)
+    groups_a, groups_b = _params(11, dtypes), _params(11, dtypes)
+
+    def make(groups, **kw):
+        inner = torch.optim.AdamW([{"params": groups[0][:4]}, {"params": groups[1][:3], "lr": 2e-3}],
+                                  lr=1e-2, weight_decay=0.1, amsgrad=True)
+        return [p for g in (groups[0][:4], groups[1][:3]) for p in g], WRAPPERS[wrapper](inner, **kw)
+
+    pa, a = make(groups_a, compile=True)
+    pb, b = make(groups_b, fast=False)
+    worst = 0.0
+    for step in range(4):
+        _step(pa, a, step)
+        _step(pb, b, step)
+        for x, y in zip(pa, pb, strict=True):
+            worst = max(worst, _ulps(x, y))
+            assert list(a.state.get(x, {})) == list(b.state.get(y, {}))
+            for key, value in a.state.get(x, {}).items():
+                assert value.dtype == b.state[y][key].dtype
+                worst = max(worst, _ulps(value, b.state[y][key]))
+    assert worst <= (FUSED_ULPS + 4 if wrapper == "sr" else FUSED_ULPS), worst
+
+
+@pytest.mark.slow
+def test_compiled_stochastic_rounding_is_unbiased_and_resumes_exactly():
+    # Adam's first step moves every weight by lr = 2**-9: 1 - 2**-9 lies halfway between the
+    # bf16 neighbours 1 - 2**-8 and 1, so the stored weights split evenly, mean 1 - 2**-9
+    def make():
+        w = torch.nn.Parameter(torch.ones(100_000, dtype=torch.bfloat16))
+        return w, StochasticRoundingOptimizer(torch.optim.Adam([w], lr=2.0**-9), compile=True, seed=3)
+
+    w, opt = make()
+    sd = copy.deepcopy(opt.state_dict())
+    w.grad = torch.ones_like(w)
+    opt.step()
+    assert set(w.float().unique().tolist()) == {1.0 - 2.0**-8, 1.0}
+    assert abs(w.float().mean().item() - (1.0 - 2.0**-9)) < 2e-5
+    first = w.detach().clone()
+    # the noise counter is checkpointed: a fresh wrapper loaded from sd rounds identically
+    w2, opt2 = make()
+    opt2.load_state_dict(sd)
+    w2.grad = torch.ones_like(w2)
+    opt2.step()
+    assert torch.equal(w2, first)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("compile", [False, True])
+def test_kahan_adam_keeps_updates_below_half_an_ulp(compile):
+    # Adam with a constant gradient moves by lr = 2**-12 per step, a quarter of 1.0's
+    # half-ulp in bf16: plain rounding never moves the weight, weight + compensation must
+    # hold the sum (64 steps: 1 - 2**-6, up to the bf16 rounding of the compensation).
+    # The compiled route must not fold the bf16 round trip of the stored weight away.
+    w = torch.nn.Parameter(torch.ones(8, dtype=torch.bfloat16))
+    opt = KahanOptimizer(torch.optim.Adam([w], lr=2.0**-12), compile=compile)
+    for _ in range(64):
+        w.grad = torch.ones_like(w)
+        opt.step()
+    total = w.float() + opt._comp[w].float()
+    assert (total - (1 - 2.0**-6)).abs().max().item() < 1e-4

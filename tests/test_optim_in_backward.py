@@ -1,0 +1,124 @@
+"""Optimizer in backward: each parameter updated inside backward, its gradient freed, exact skips.
+
+References: the same wrapper stepped after backward (bit-identical weights, state and
+compensation on CPU), and copies taken before a backward in which one gradient is made
+non-finite (every parameter, state and compensation restored bit for bit).
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+import torch
+
+from mixprec.optim import KahanOptimizer, LowPrecisionOptimizer, StochasticRoundingOptimizer
+from mixprec.optim.in_backward import InBackwardOptimizer
+from mixprec.plans import cast_module_
+
+WRAPPERS = [LowPrecisionOptimizer, KahanOptimizer, StochasticRoundingOptimizer]
+
+
+def _model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.LayerNorm(32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    cast_module_(model, torch.bfloat16, keep=(torch.nn.LayerNorm,), keep_dtype=torch.float32)
+    return model
+
+
+def _loss(model, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(step)
+    x, y = torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)
+    return torch.nn.functional.mse_loss(model(x.bfloat16()).float(), y)
+
+
+def _state(model, opt):
+    comps = getattr(opt, "_comp", {})
+    return [
+        (p.detach().clone(), {k: v.clone() for k, v in opt.state.get(p, {}).items()},
+         comps[p].clone() if p in comps else None)
+        for p in model.parameters()
+    ]
+
+
+def _assert_equal_states(a, b, label: str, *, weight_ulps: int = 0) -> None:
+    for i, ((pa, sa, ca), (pb, sb, cb)) in enumerate(zip(a, b, strict=True)):
+        if weight_ulps:
+            ulp = torch.finfo(pa.dtype).eps * torch.maximum(pa.float().abs(), pb.float().abs())
+            assert ((pa.float() - pb.float()).abs() <= weight_ulps * ulp).all(), f"{label}: parameter {i}"
+        else:
+            assert torch.equal(pa, pb), f"{label}: parameter {i}"
+        assert list(sa) == list(sb), f"{label}: state keys {i}"
+        for k in sa:
+            assert torch.equal(sa[k], sb[k]), f"{label}: state {k} of {i}"
+        assert (ca is None) == (cb is None) and (ca is None or torch.equal(ca, cb)), f"{label}: compensation {i}"
+
+
+@pytest.mark.parametrize("cls", WRAPPERS)
+def test_in_backward_equals_stepping_after_backward_and_frees_grads(cls):
+    ref_model, model = _model(), _model()
+    ref = cls(torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.1))
+    opt = cls(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1))
+    in_bwd = InBackwardOptimizer(opt)
+    # stochastic rounding: the hooks draw the noise in backward's parameter order, so each
+    # weight may land on the other bf16 neighbour (one step compared: same moments)
+    sr = cls is StochasticRoundingOptimizer
+    for step in range(1 if sr else 4):
+        _loss(ref_model, step).backward()
+        ref.step()
+        ref.zero_grad()
+        _loss(model, step).backward()
+        assert all(p.grad is None for p in model.parameters())  # released inside backward
+        assert in_bwd.finish()
+        _assert_equal_states(_state(model, opt), _state(ref_model, ref), f"{cls.__name__} step {step}",
+                             weight_ulps=1 if sr else 0)
+
+
+@pytest.mark.parametrize("cls", WRAPPERS)
+def test_nonfinite_gradient_anywhere_leaves_every_parameter_untouched(cls):
+    model = _model()
+    opt = cls(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    in_bwd = InBackwardOptimizer(opt)
+    for step in range(2):
+        _loss(model, step).backward()
+        assert in_bwd.finish()
+    before = _state(model, opt)
+    extra = copy.deepcopy(opt._extra_state())
+    # the first layer's gradient is the last one backward produces: every other parameter
+    # is already updated when it turns out non-finite
+    handle = model[0].weight.register_hook(lambda g: g * float("inf"))
+    _loss(model, 2).backward()
+    handle.remove()
+    assert not in_bwd.finish()
+    _assert_equal_states(_state(model, opt), before, f"{cls.__name__} after the refused backward")
+    assert str(opt._extra_state()) == str(extra)
+    assert all(opt.state[p]["step"].item() == 2.0 for p in model.parameters())
+    # training goes on as if that backward never happened
+    _loss(model, 3).backward()
+    assert in_bwd.finish()
+
+
+def test_loss_scale_is_undone_in_the_hooks():
+    ref_model, model = _model(), _model()
+    ref = KahanOptimizer(torch.optim.SGD(ref_model.parameters(), lr=0.1, momentum=0.9))
+    opt = KahanOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    in_bwd = InBackwardOptimizer(opt)
+    for step in range(3):
+        _loss(ref_model, step).backward()
+        ref.step()
+        ref.zero_grad()
+        in_bwd.set_grad_scale(1 / 256)
+        (_loss(model, step) * 256).backward()
+        assert in_bwd.finish()
+    _assert_equal_states(_state(model, opt), _state(ref_model, ref), "scaled")
+
+
+def test_in_backward_needs_a_lowbit_wrapper():
+    model = _model()
+    with pytest.raises(TypeError, match=re.escape("InBackwardOptimizer needs a mixprec LowPrecisionOptimizer")):
+        InBackwardOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))  # type: ignore[arg-type]
+    in_bwd = InBackwardOptimizer(KahanOptimizer(torch.optim.SGD(model.parameters(), lr=0.1)))
+    in_bwd.remove()
+    _loss(model, 0).backward()
+    assert all(p.grad is not None for p in model.parameters())
