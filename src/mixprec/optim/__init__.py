@@ -1,6 +1,7 @@
 """Optimizer wrappers for low-precision models: fp32 masters, Kahan and stochastic-rounding updates."""
 
 from mixprec.optim.base import WrappedOptimizer
+from mixprec.optim.in_backward import InBackwardOptimizer
 from mixprec.optim.lowbit import (
     KahanOptimizer,
     LowPrecisionOptimizer,
@@ -10,6 +11,7 @@ from mixprec.optim.lowbit import (
 from mixprec.optim.master import MasterWeightOptimizer
 
 __all__ = [
+    "InBackwardOptimizer",
     "KahanOptimizer",
     "LowPrecisionOptimizer",
     "MasterWeightOptimizer",

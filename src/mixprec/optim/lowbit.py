@@ -33,13 +33,13 @@ state is kept in ``state_dtype`` (bf16 by default, halving its memory).
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from mixprec.dtypes import LOW_PRECISION_DTYPES, parse_dtype
-from mixprec.optim.base import WrappedOptimizer
+from mixprec.optim.base import WrappedOptimizer, check_inner_state_dict
 from mixprec.optim.fast import (
     DEFAULT_CHUNK_NUMEL,
     compiled_adam_step,
@@ -339,6 +339,10 @@ class LowPrecisionOptimizer(WrappedOptimizer):
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load the inner optimizer's state and this wrapper's own (compensation, rounding
+        noise); all or nothing: a refused state_dict (ValueError/TypeError) changes nothing."""
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"state_dict must be a dict (from {type(self).__name__}.state_dict()), got {type(state_dict).__name__}")
         sd = dict(state_dict)
         extra = sd.pop(self._STATE_KEY, None)
         if extra is None:
@@ -346,16 +350,37 @@ class LowPrecisionOptimizer(WrappedOptimizer):
                 f"this optimizer state_dict has no {self._STATE_KEY!r} entry: it was not saved by a "
                 f"{type(self).__name__}; load it into the optimizer that saved it"
             )
-        self.optimizer.load_state_dict(sd)
-        # torch casts loaded state to the parameter dtype; restore the saved dtypes exactly.
+        if not isinstance(extra, dict):
+            raise TypeError(f"the state_dict's {self._STATE_KEY!r} entry must be a dict, got {type(extra).__name__}")
+        check_inner_state_dict(self.optimizer, sd)
         params = list(self.params())
-        for index, saved in sd.get("state", {}).items():
-            param = params[int(index)]
-            live = self.optimizer.state.get(param, {})
+        order = [pid for group in sd["param_groups"] for pid in group["params"]]
+        for pid, saved in sd["state"].items():
+            param = params[order.index(pid)]
             for key, value in saved.items():
-                if _is_param_state(key, value, param):
-                    live[key] = value.detach().clone().to(param.device)
-        self._load_extra_state(extra)
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != param.shape:
+                    raise ValueError(
+                        f"the optimizer state_dict's state[{pid!r}][{key!r}] has shape {tuple(value.shape)}, but its "
+                        f"parameter has shape {tuple(param.shape)}; was it saved from another model?"
+                    )
+        old_state, old_groups, old_attrs = self.optimizer.state, self.optimizer.param_groups, dict(self.__dict__)
+        try:
+            self.optimizer.load_state_dict(sd)
+            # torch casts loaded state to the parameter dtype; restore the saved dtypes exactly.
+            for index, saved in sd["state"].items():
+                param = params[order.index(index)]
+                live = self.optimizer.state.get(param, {})
+                for key, value in saved.items():
+                    if _is_param_state(key, value, param):
+                        live[key] = value.detach().clone().to(param.device)
+            self._load_extra_state(extra)
+        except Exception as exc:
+            self.optimizer.state, self.optimizer.param_groups = old_state, old_groups
+            self.__dict__.clear()
+            self.__dict__.update(old_attrs)
+            if isinstance(exc, ValueError | TypeError):
+                raise
+            raise ValueError(f"cannot load this {type(self).__name__} state_dict: {type(exc).__name__}: {exc}") from exc
         self._snapshot = None
 
 

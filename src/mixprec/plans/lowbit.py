@@ -8,8 +8,9 @@ from typing import ClassVar, Literal
 import torch
 
 from mixprec.dtypes import dtype_name
+from mixprec.islands import cast_outside_islands
 from mixprec.optim import KahanOptimizer, StochasticRoundingOptimizer
-from mixprec.plans.base import NORM_LAYERS, Plan, cast_module_
+from mixprec.plans.base import NORM_LAYERS, Plan
 
 __all__ = ["LowBitPlan"]
 
@@ -19,7 +20,9 @@ class LowBitPlan(Plan):
     """bf16 weights and compute under autocast; the optimizer updates bf16 weights without losing small updates.
 
     ``rounding="kahan"`` keeps a bf16 compensation buffer per weight; ``"stochastic"``
-    rounds updates stochastically. Optimizer state is kept in ``state_dtype``
+    rounds updates stochastically. ``optimizer_compile=True`` runs Adam/AdamW updates as
+    one ``torch.compile``d kernel per parameter (about 5x faster steps on CPU after a
+    compilation of seconds to a minute). Optimizer state is kept in ``state_dtype``
     (bf16 by default: 10 bytes per parameter for AdamW with Kahan). Norm layers
     (a negligible share of the parameters) stay fp32, so they accept both bf16
     activations and fp32 ones coming from fp32-list ops or fp32 islands.
@@ -28,6 +31,7 @@ class LowBitPlan(Plan):
     rounding: Literal["kahan", "stochastic"] = "kahan"
     state_dtype: torch.dtype = torch.bfloat16
     seed: int = 0
+    optimizer_compile: bool = False
 
     family: ClassVar[str] = "lowbit"
     summary: ClassVar[str] = "bf16 weights and compute, compensated updates, no fp32 master"
@@ -61,11 +65,14 @@ class LowBitPlan(Plan):
         return {**super().fingerprint(), "optimizer": self.rounding}
 
     def convert_model(self, model: torch.nn.Module) -> dict[torch.Tensor, torch.Tensor]:
-        return cast_module_(model, self.compute_dtype, keep=NORM_LAYERS, keep_dtype=torch.float32)
+        # fp32 islands are marked first and never cast down, so they keep their exact values.
+        return cast_outside_islands(model, self.compute_dtype, self.policy, keep=NORM_LAYERS, keep_dtype=torch.float32)
 
     def wrap_optimizer(
         self, optimizer: torch.optim.Optimizer, fp32_values: dict[torch.Tensor, torch.Tensor]
     ) -> torch.optim.Optimizer:
         if self.rounding == "kahan":
-            return KahanOptimizer(optimizer, state_dtype=self.state_dtype)
-        return StochasticRoundingOptimizer(optimizer, state_dtype=self.state_dtype, seed=self.seed)
+            return KahanOptimizer(optimizer, state_dtype=self.state_dtype, compile=self.optimizer_compile)
+        return StochasticRoundingOptimizer(
+            optimizer, state_dtype=self.state_dtype, seed=self.seed, compile=self.optimizer_compile
+        )

@@ -31,6 +31,7 @@ class PurePlan(Plan):
     """
 
     state_dtype: torch.dtype | None = None
+    optimizer_compile: bool = False
 
     family: ClassVar[str] = "pure"
     summary: ClassVar[str] = "low precision everything, no master weights"
@@ -63,7 +64,7 @@ class PurePlan(Plan):
     def wrap_optimizer(
         self, optimizer: torch.optim.Optimizer, fp32_values: dict[torch.Tensor, torch.Tensor]
     ) -> torch.optim.Optimizer:
-        return LowPrecisionOptimizer(optimizer, state_dtype=self.optimizer_state_dtype)
+        return LowPrecisionOptimizer(optimizer, state_dtype=self.optimizer_state_dtype, compile=self.optimizer_compile)
 
     @contextlib.contextmanager
     def autocast(self, device_type: str = "cpu") -> Iterator[None]:
