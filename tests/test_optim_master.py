@@ -328,7 +328,7 @@ def _bad_state_dicts(sd: dict) -> list[tuple[str, dict, type[Exception], str]]:
     out.append(("dtype", d, ValueError, "master weight 0 in the state_dict has dtype torch.float64, expected torch.float32"))
     d = copy.deepcopy(sd)
     d["param_groups"][0]["params"] = d["param_groups"][0]["params"][:-1]
-    out.append(("groups", d, ValueError, "doesn't match the size of optimizer's group"))
+    out.append(("groups", d, ValueError, "holds 5 parameters, this optimizer's 6; was it saved from another model?"))
     d = copy.deepcopy(sd)
     first = next(iter(d["state"]))
     d["state"][first]["exp_avg"] = torch.zeros(3, 3)

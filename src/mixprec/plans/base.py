@@ -56,6 +56,8 @@ class ScalingConfig:
     max_scale: float | None = None
 
     def __post_init__(self) -> None:
+        if self.init_scale is None:  # as torch.amp.GradScaler(init_scale=None): the default
+            object.__setattr__(self, "init_scale", 2.0**16)
         if self.kind not in ("dynamic", "constant", "none"):
             raise ValueError(f"loss scaling kind must be 'dynamic', 'constant' or 'none', got {self.kind!r}")
         if self.kind != "none":
