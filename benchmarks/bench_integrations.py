@@ -4,7 +4,7 @@ Every row trains the same small model on the same generated data with the framew
 loop twice: once with mixprec's ``bf16-mixed`` plan through the integration, once with the
 framework's own bf16 (``TrainingArguments(bf16=True)``, Lightning ``precision="bf16-mixed"``,
 ``Accelerator(mixed_precision="bf16")``). Runs alternate (mixprec, native, mixprec, ...)
-so machine noise hits both sides alike; a step is timed from the framework's own hooks
+in ABBA order so machine noise and warm-up effects hit both sides alike; a step is timed from the framework's own hooks
 (batch start to batch end), the first steps of each run are warm-up, and the median
 step time over all rounds is reported with the ratio mixprec / native.
 
@@ -29,13 +29,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 
 SEQ, BATCH, VOCAB = 32, 8, 256
+LAYERS, WIDTH = 2, 128
+# --size: (layers, width, sequence length); "tiny" shows the fixed per-step cost, "small" a
+# model whose step is ~10x longer.
+SIZES = {"tiny": (2, 128, 32), "small": (4, 256, 128)}
 
 
 def _gpt2() -> torch.nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=VOCAB, n_positions=SEQ,
+    return GPT2LMHeadModel(GPT2Config(n_layer=LAYERS, n_embd=WIDTH, n_head=4, vocab_size=VOCAB, n_positions=SEQ,
                                       bos_token_id=0, eos_token_id=0))
 
 
@@ -157,14 +161,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=5, help="untimed first steps of each run (default: 5)")
     parser.add_argument("--rounds", type=int, default=3, help="alternating run pairs (default: 3)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--size", default="tiny", choices=list(SIZES), help="model size (default: tiny)")
     args = parser.parse_args(argv)
+    global LAYERS, WIDTH, SEQ
+    LAYERS, WIDTH, SEQ = SIZES[args.size]
     if args.threads:
         torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
     import logging
 
     logging.disable(logging.WARNING)
-    print(f"GPT-2 2x128, batch {BATCH}x{SEQ}, CPU, {args.steps} steps x {args.rounds} rounds per side, "
+    print(f"GPT-2 {LAYERS}x{WIDTH}, batch {BATCH}x{SEQ}, CPU, {args.steps} steps x {args.rounds} rounds per side, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads\n")
     print("| framework | native bf16 | native ms/step | mixprec bf16-mixed ms/step | ratio |")
     print("|---|---|---:|---:|---:|")
@@ -172,9 +179,9 @@ def main(argv: list[str] | None = None) -> int:
         runner, native = RUNNERS[name]
         ours: list[float] = []
         theirs: list[float] = []
-        for _ in range(args.rounds):
-            ours += runner(True, args.steps)[args.warmup:]
-            theirs += runner(False, args.steps)[args.warmup:]
+        for round_ in range(args.rounds):  # ABBA order: a side that runs first gains or loses nothing
+            for side in ((True, False) if round_ % 2 == 0 else (False, True)):
+                (ours if side else theirs).extend(runner(side, args.steps)[args.warmup:])
         a, b = statistics.median(ours) * 1e3, statistics.median(theirs) * 1e3
         print(f"| {name} | `{native}` | {b:.1f} | {a:.1f} | {a / b:.3f} |", flush=True)
     return 0

@@ -304,3 +304,33 @@ def test_tf32_plan_holds_tf32_in_the_backward_too():
     before = torch.get_float32_matmul_precision()
     mp.backward(out.sum())
     assert seen == ["high"] and torch.get_float32_matmul_precision() == before
+
+
+@pytest.mark.parametrize("plan", ["bf16-mixed", "bf16-master", "bf16-kahan"])
+def test_step_clears_every_gradient_also_of_parameters_no_optimizer_holds(plan):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    mp = MixedPrecision(plan)
+    model, opt = mp.prepare(model, torch.optim.SGD(model[0].parameters(), lr=0.1))
+    with mp.autocast():
+        loss = model(torch.randn(3, 4)).float().sum()
+    mp.backward(loss)
+    assert model[1].weight.grad is not None
+    assert mp.step().stepped
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_skip_restores_batchnorm_when_the_loop_calls_a_submodule_not_the_root():
+    # Frameworks (a LightningModule's training_step) often call submodules directly.
+    torch.manual_seed(0)
+    root = torch.nn.Module()
+    root.net = BNNet()
+    mp = MixedPrecision("bf16-mixed")
+    root, opt = mp.prepare(root, torch.optim.SGD(root.parameters(), lr=0.01))
+    x, y = torch.randn(16, 8), torch.randn(16, 4)
+    before = root.net.bn.running_mean.clone()
+    x[0, 0] = float("nan")
+    with mp.autocast():
+        loss = torch.nn.functional.mse_loss(root.net(x).float(), y)
+    mp.backward(loss)
+    assert mp.step().skipped
+    assert torch.equal(root.net.bn.running_mean, before)

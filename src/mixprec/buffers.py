@@ -18,27 +18,35 @@ class BufferGuard:
 
     BatchNorm updates its running statistics in forward, before anyone knows whether the
     step will be skipped. The guard copies the model's persistent buffers at the first
-    training-mode forward of each step (a forward pre-hook on the prepared model) and
-    copies them back when the step is skipped. Models without persistent buffers get no hook.
+    training-mode forward of each step and copies them back when the step is skipped.
+    The forward pre-hooks sit on the modules that own persistent buffers, so the snapshot
+    is taken however the model is called (a framework's training step often calls
+    submodules directly, never the root); a compiled model gets one hook on the compiled
+    wrapper instead (hooks inside a compiled graph would break it). Models without
+    persistent buffers get no hook.
     """
 
     def __init__(self) -> None:
         self._buffers: list[torch.Tensor] = []
         self._saved: list[torch.Tensor] = []
         self._taken = False
-        self._module: torch.nn.Module | None = None
 
     def install(self, prepared: torch.nn.Module, inner: torch.nn.Module) -> None:
         buffers = [b for _, b in persistent_buffers(inner)]
         if not buffers:
             return
         self._buffers = buffers
-        self._module = inner
-        prepared.register_forward_pre_hook(self._pre_forward)
+        if prepared is not inner:  # torch.compile's wrapper: its own hooks run eagerly
+            prepared.register_forward_pre_hook(self._pre_forward)
+            return
+        for module in inner.modules():
+            skip: set[str] = getattr(module, "_non_persistent_buffers_set", set())
+            if any(b is not None and n not in skip for n, b in module.named_buffers(recurse=False)):
+                module.register_forward_pre_hook(self._pre_forward)
 
     @torch.compiler.disable
     def _pre_forward(self, module: torch.nn.Module, args: Any) -> None:
-        if self._taken or self._module is None or not self._module.training:
+        if self._taken or not module.training:
             return
         with torch.no_grad():
             if len(self._saved) != len(self._buffers) or any(

@@ -177,6 +177,7 @@ class MixedPrecision:
         self._published = False
         self._fp32_values: dict[torch.Tensor, torch.Tensor] = {}
         self._model_params: set[torch.Tensor] = set()
+        self._uncovered: list[torch.Tensor] = []
         self._ddp = False
         self._buffers = BufferGuard()
         self._warned_zero_grads = False
@@ -253,6 +254,8 @@ class MixedPrecision:
             fp32_values = {p: v for p, v in fp32_values.items() if p.dtype != torch.float32}
         self._fp32_values = fp32_values
         self._model_params = {p for p in model.parameters()}
+        # Parameters no optimizer holds (frozen ones, say): their gradients are cleared too.
+        self._uncovered = [p for p in model.parameters() if p.requires_grad]
         if self.trace_overflow:  # on the inner model, before DDP/compile wrap it
             from mixprec.diagnostics import OverflowTracer
 
@@ -308,6 +311,8 @@ class MixedPrecision:
                     "parameters of the prepared model (was the optimizer built over another model or a copy?). "
                     "Build the optimizer over model.parameters() of the model you pass to prepare()"
                 )
+        covered = {id(p) for opt in optimizers for g in opt.param_groups for p in g["params"]}
+        self._uncovered = [p for p in self._uncovered if id(p) not in covered]
         wrapped = [self.plan.wrap_optimizer(opt, self._fp32_values) for opt in optimizers]
         self.optimizers.extend(wrapped)
         if wrapped:  # the fp32 seeds are used; do not keep a second copy of the model alive
@@ -330,10 +335,11 @@ class MixedPrecision:
         Under DDP it also skips the gradient all-reduce on micro-batches that are
         not accumulation boundaries.
         """
-        with contextlib.ExitStack() as stack:
-            if self.is_accumulating() and self.model is not None and hasattr(self.model, "no_sync"):
-                stack.enter_context(self.model.no_sync())  # type: ignore[operator]
-            stack.enter_context(self.plan.autocast(self.device_type))
+        if not (self.is_accumulating() and self.model is not None and hasattr(self.model, "no_sync")):
+            with self.plan.autocast(self.device_type):
+                yield
+            return
+        with self.model.no_sync(), self.plan.autocast(self.device_type):  # type: ignore[operator]
             yield
 
     # -------------------------------------------------------------- backward
@@ -422,10 +428,12 @@ class MixedPrecision:
         if has_dtensor(grads):  # FSDP2 shards: sum squared norms across the shard group
             return total_grad_norm(grads)
         target = grads[0].device
-        norms = [
-            n.to(target) for gs in _by_device_dtype(grads).values() for n in torch._foreach_norm(gs, 2.0, dtype=torch.float32)
+        # One norm per (device, dtype) group, then the norm of those: few small tensors.
+        group_norms = [
+            torch.linalg.vector_norm(torch.stack(torch._foreach_norm(gs, 2.0, dtype=torch.float32)), 2.0).to(target)
+            for gs in _by_device_dtype(grads).values()
         ]
-        return torch.linalg.vector_norm(torch.stack(norms), 2.0)
+        return group_norms[0] if len(group_norms) == 1 else torch.linalg.vector_norm(torch.stack(group_norms), 2.0)
 
     def _all_ranks_max(self, flag: torch.Tensor) -> torch.Tensor:
         group = self.process_group
@@ -621,10 +629,10 @@ class MixedPrecision:
         )
 
     def _clear_grads(self) -> None:
-        for opt in self.optimizers:
+        for opt in self.optimizers:  # the wrappers also clear the model gradients they stand for
             opt.zero_grad(set_to_none=True)
-        if self.model is not None:
-            self.model.zero_grad(set_to_none=True)
+        for p in self._uncovered:
+            p.grad = None
 
     def _check_skips(self, reason: str, norm: float) -> None:
         if self._consecutive_skips < self.max_consecutive_skips:
