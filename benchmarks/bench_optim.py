@@ -55,6 +55,7 @@ class Setup:
     opt: Any
     train_step: Callable[[Any, Any], float]
     evaluate: Callable[[Any, Any], float]
+    params: list[torch.nn.Parameter]  # the model's parameters: where backward leaves gradients
 
 
 def _torch_fp32(task: Any, device: torch.device, **flags: Any) -> Setup:
@@ -68,7 +69,7 @@ def _torch_fp32(task: Any, device: torch.device, **flags: Any) -> Setup:
         opt.zero_grad(set_to_none=True)
         return float(loss.detach())
 
-    return Setup(opt, train_step, lambda x, y: float(task.criterion(model(x), y)))
+    return Setup(opt, train_step, lambda x, y: float(task.criterion(model(x), y)), list(model.parameters()))
 
 
 def _plan(task: Any, device: torch.device, plan: str, fast: bool = True, compile: bool = False) -> Setup:
@@ -89,7 +90,7 @@ def _plan(task: Any, device: torch.device, plan: str, fast: bool = True, compile
         with mp.autocast():
             return float(criterion(model(x), y).float())
 
-    return Setup(opt, train_step, evaluate)
+    return Setup(opt, train_step, evaluate, list(task.model.parameters()))
 
 
 def _optimi_kahan(task: Any, device: torch.device) -> Setup:
@@ -110,7 +111,7 @@ def _optimi_kahan(task: Any, device: torch.device) -> Setup:
         opt.zero_grad(set_to_none=True)
         return float(loss.detach())
 
-    return Setup(opt, train_step, lambda x, y: float(loss_of(x, y)))
+    return Setup(opt, train_step, lambda x, y: float(loss_of(x, y)), list(model.parameters()))
 
 
 ROWS: dict[str, Callable[[Any, torch.device], Setup]] = {
@@ -174,7 +175,7 @@ def bench(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     # gradients for the optimizer-step timings: one backward per row, then only steps
     for s in setups.values():
         s.train_step(x, y)
-        _fill_grads(s.opt)
+        _fill_grads(s.params)
     opt_times: dict[str, list[float]] = {n: [] for n in setups}
     train_times: dict[str, list[float]] = {n: [] for n in setups}
     for _ in range(args.repeats):
@@ -197,10 +198,10 @@ def bench(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     return results
 
 
-def _fill_grads(opt: Any) -> None:
-    """Give every parameter a gradient (the front door's step cleared them)."""
+def _fill_grads(params: list[torch.nn.Parameter]) -> None:
+    """Give every model parameter a gradient, where backward would (the front door's step
+    cleared them); a master-weight optimizer gathers them into its fp32 masters in step()."""
     gen = torch.Generator().manual_seed(7)
-    params = opt.masters if hasattr(opt, "masters") else [p for g in opt.param_groups for p in g["params"]]
     for p in params:
         p.grad = (torch.randn(p.shape, generator=gen) * 1e-3).to(device=p.device, dtype=p.dtype)
 

@@ -24,7 +24,7 @@ BENCHMARKS: dict[str, tuple[str, list[str]]] = {
     "scaler": ("bench_scaler.py", ["--size", "tiny", "--repeats", "3", "--warmup", "1"]),
     "autocast": ("bench_autocast.py", ["--size", "tiny", "--repeats", "2", "--warmup", "1"]),
     "fp8": ("bench_fp8.py", ["--size", "tiny", "--repeats", "2", "--warmup", "1"]),
-    "optim": ("bench_optim.py", ["--quick"]),
+    "optim": ("bench_optim.py", ["--size", "tiny", "--repeats", "2", "--inner", "1", "--warmup", "1"]),
     "integrations": ("bench_integrations.py", ["--steps", "6", "--warmup", "2", "--rounds", "1"]),
     "distributed": ("bench_distributed.py", ["--size", "tiny", "--steps", "3", "--warmup", "1"]),
     "soak": ("soak.py", ["--steps", "200"]),

@@ -78,7 +78,10 @@ class MixprecPrecision(Precision):
     def __init__(self, precision: str | Any = "bf16-mixed") -> None:
         self.mp: MixedPrecision = as_mixed_precision(precision)
         _check_mp(self.mp)
-        self.precision = "32-true"  # what Lightning reads for logging and dtype defaults: mixprec keeps fp32 I/O
+        # Lightning reads this string for its model summary; it also changes how its loop runs
+        # (a "32-true" plugin around a bf16 forward measured ~10% slower), so name the compute dtype.
+        compute = self.mp.plan.compute_dtype
+        self.precision = "bf16-mixed" if compute == torch.bfloat16 else "16-mixed" if compute == torch.float16 else "32-true"
         self._held_classes: dict[type, type] = {}
         self._skipped: dict[int, bool] = {}  # id(wrapped optimizer) -> its last step was skipped
         self._pending = False
