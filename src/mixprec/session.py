@@ -112,6 +112,13 @@ class MixedPrecision:
         trace_overflow: install an :class:`~mixprec.diagnostics.OverflowTracer` on the
             model; a skipped step's ``StepResult.overflow`` then names the first module
             whose output or gradient became inf/NaN (a few percent slower; off by default).
+        optimizer_in_backward: update each parameter inside backward, as soon as its
+            gradient is complete, and free the gradient at once (peak memory drops by the
+            gradient bytes). For the bf16 pure, Kahan and stochastic-rounding plans with one
+            optimizer, on one process, without accumulation or clipping (a global-norm clip
+            needs every gradient before the first update). A step whose gradients hold
+            inf/NaN anywhere is still skipped exactly: every parameter updated during that
+            backward is restored (:class:`mixprec.optim.InBackwardOptimizer`).
 
     The one-line path is :meth:`prepare`, :meth:`autocast`, :meth:`backward`, :meth:`step`.
     Frameworks that own the loop use the halves: :meth:`prepare_model`,
@@ -132,6 +139,7 @@ class MixedPrecision:
         max_consecutive_skips: int = 50,
         process_group: Any = None,
         trace_overflow: bool = False,
+        optimizer_in_backward: bool = False,
     ) -> None:
         self.plan = get_plan(plan)
         if not isinstance(grad_accum_steps, int) or isinstance(grad_accum_steps, bool) or grad_accum_steps < 1:
@@ -154,7 +162,9 @@ class MixedPrecision:
                 f"scaler must be a mixprec LossScaler (DynamicLossScaler, ConstantLossScaler, NoOpScaler), "
                 f"got {type(scaler).__name__}"
             )
-        for name, flag in (("compile", compile), ("trace_overflow", trace_overflow)):
+        for name, flag in (
+            ("compile", compile), ("trace_overflow", trace_overflow), ("optimizer_in_backward", optimizer_in_backward)
+        ):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name}= must be True or False, got {flag!r}")
         self.grad_accum_steps = grad_accum_steps
@@ -183,6 +193,11 @@ class MixedPrecision:
         self._warned_zero_grads = False
         self._hooks: list[Any] = []
         self.trace_overflow = trace_overflow
+        self.optimizer_in_backward = optimizer_in_backward
+        self._in_backward: Any = None
+        self._in_backward_ok = True
+        if optimizer_in_backward:
+            self._check_in_backward_options()
         self.tracer: Any = None
 
     # ---------------------------------------------------------------- prepare
@@ -295,6 +310,21 @@ class MixedPrecision:
         wrapped = self._wrap_optimizers(optimizers)
         return wrapped[0] if len(wrapped) == 1 else tuple(wrapped)
 
+    def _check_in_backward_options(self) -> None:
+        problems = []
+        if self.grad_accum_steps != 1:
+            problems.append(f"grad_accum_steps={self.grad_accum_steps} (each micro-batch would update the weights)")
+        if self.clip_grad_norm is not None:
+            problems.append(f"clip_grad_norm={self.clip_grad_norm} (the global norm needs every gradient first)")
+        if self.scaler.is_enabled():
+            problems.append(f"a loss scaler ({type(self.scaler).__name__}; use a bf16 plan)")
+        if self.plan.family not in ("pure", "lowbit"):
+            problems.append(f"plan {self.plan.name!r} (use bf16-pure, bf16-kahan or bf16-sr)")
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            problems.append("several ranks (each rank would update before the others' gradients arrive)")
+        if problems:
+            raise ValueError("optimizer_in_backward=True does not work with " + "; ".join(problems))
+
     def _wrap_optimizers(self, optimizers: Sequence[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
         seen = {id(o) for o in self.optimizers} | {id(getattr(o, "optimizer", o)) for o in self.optimizers}
         for opt in optimizers:
@@ -314,6 +344,15 @@ class MixedPrecision:
         covered = {id(p) for opt in optimizers for g in opt.param_groups for p in g["params"]}
         self._uncovered = [p for p in self._uncovered if id(p) not in covered]
         wrapped = [self.plan.wrap_optimizer(opt, self._fp32_values) for opt in optimizers]
+        if self.optimizer_in_backward and wrapped:
+            from mixprec.optim import InBackwardOptimizer
+
+            if self.optimizers or len(wrapped) > 1 or self._ddp:
+                raise ValueError(
+                    "optimizer_in_backward=True takes one optimizer on a model without DDP; pass a single "
+                    "optimizer (one param group per learning rate) to prepare()"
+                )
+            self._in_backward = InBackwardOptimizer(wrapped[0])  # type: ignore[arg-type]
         self.optimizers.extend(wrapped)
         if wrapped:  # the fp32 seeds are used; do not keep a second copy of the model alive
             self._fp32_values = {}
@@ -414,6 +453,8 @@ class MixedPrecision:
             scaled = scaled / self.grad_accum_steps
         with self.backward_context():
             scaled.backward(**kwargs)
+        if self._in_backward is not None:  # the updates ran in backward; one host read: did they stand?
+            self._in_backward_ok = self._in_backward.finish()
         self.micro_batch_done()
 
     # ------------------------------------------------------------------ step
@@ -523,6 +564,8 @@ class MixedPrecision:
                 stepped=False, skipped=False, scale=self.scaler.get_scale(), grad_norm=None,
                 accumulating=True, optimizer_steps=self._optimizer_steps,
             )
+        if self._in_backward is not None:
+            return self._step_in_backward()
         self._unscale()
         grads = self._grads()
         norm = self._total_norm(grads)
@@ -532,6 +575,17 @@ class MixedPrecision:
                 self._clip(grads, norm, self.clip_grad_norm)
             reason = self._apply_update()
         result = self._finish(reason, norm)
+        self.last_result = result
+        return result
+
+    def _step_in_backward(self) -> StepResult:
+        """The parameters were updated (or restored) during backward: account for it."""
+        if self._in_backward_ok:
+            reason = None
+        else:
+            loss_bad = self._loss_nonfinite is not None and bool(self._loss_nonfinite)
+            reason = "nonfinite_loss" if loss_bad else "overflow"
+        result = self._finish(reason, None)
         self.last_result = result
         return result
 
@@ -579,7 +633,7 @@ class MixedPrecision:
                 opt.undo_step()  # type: ignore[attr-defined]
         return "nonfinite_weights"
 
-    def _finish(self, reason: str | None, norm: torch.Tensor) -> StepResult:
+    def _finish(self, reason: str | None, norm: torch.Tensor | None) -> StepResult:
         scaler = self.scaler
         overflow_info = None
         if reason is None:
@@ -608,7 +662,7 @@ class MixedPrecision:
         self._unscaled = False
         self._published = False
         self._clear_grads()
-        grad_norm = float(norm)
+        grad_norm = None if norm is None else float(norm)  # no norm when the update ran in backward
         if reason is not None:
             self._check_skips(reason, grad_norm)
         elif grad_norm == 0.0 and scaler.is_enabled() and not self._warned_zero_grads:
@@ -634,7 +688,7 @@ class MixedPrecision:
         for p in self._uncovered:
             p.grad = None
 
-    def _check_skips(self, reason: str, norm: float) -> None:
+    def _check_skips(self, reason: str, norm: float | None) -> None:
         if self._consecutive_skips < self.max_consecutive_skips:
             return
         n = self._consecutive_skips

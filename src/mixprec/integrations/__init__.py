@@ -63,6 +63,11 @@ def as_mixed_precision(precision: Any, **kwargs: Any) -> Any:
 
 
 def _check_mp(mp: Any) -> None:
+    if mp.optimizer_in_backward:
+        raise ValueError(
+            "MixedPrecision(optimizer_in_backward=True) needs mixprec's own backward(); a framework runs its "
+            "own backward and step, so use optimizer_in_backward=False under a framework"
+        )
     if mp.grad_accum_steps != 1:
         raise ValueError(
             f"MixedPrecision(grad_accum_steps={mp.grad_accum_steps}) under a framework loop would divide the "
