@@ -87,7 +87,9 @@ def test_demo_writes_table_report_and_plots(tmp_path: Path, capsys: pytest.Captu
         assert f"]({png})" in report
         assert (out / png).read_bytes()[:8] == PNG_MAGIC
     data = json.loads((out / "results.json").read_text())
-    assert [p["plan"] for p in data["plans"]] == ["fp32", "bf16-mixed", "bf16-master", "bf16-kahan"]
+    assert [p["plan"] for p in data["plans"]] == ["fp32", "bf16-mixed", "bf16-master", "bf16-kahan", "fp16-mixed",
+                                                  "fp16-mixed"]
+    assert [p["label"] for p in data["plans"]][-2:] == ["fp16-mixed", "fp16-mixed hysteresis=2"]
     for p in data["plans"]:
         assert len(p["losses"]) == len(p["scales"]) == len(p["times_s"]) == 4
         assert p["eval_steps"] == [0, 1, 2, 3, 4]  # every steps//15 steps, at least every step
@@ -98,7 +100,7 @@ def test_demo_writes_table_report_and_plots(tmp_path: Path, capsys: pytest.Captu
 
 def test_demo_is_deterministic_and_adds_fp32(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     args = ["--quiet", "--seed", "3", "demo", "--model", "mlp", "--plans", "bf16-mixed,fp16-mixed", "--steps", "3",
-            "--no-plots"]
+            "--no-plots", "--no-fp16"]
     runs = []
     for name in ("a", "b"):
         assert main([*args, "--out", str(tmp_path / name)]) == 0
@@ -116,13 +118,41 @@ def test_demo_is_deterministic_and_adds_fp32(tmp_path: Path, capsys: pytest.Capt
 
 def test_demo_with_a_plain_module_factory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["demo", "--quiet", "--model", "tests.test_cli:tiny_classifier", "--input-shape", "8",
-                 "--num-classes", "3", "--plans", "bf16-mixed", "--steps", "3", "--out", str(tmp_path), "--no-plots"])
+                 "--num-classes", "3", "--plans", "bf16-mixed", "--steps", "3", "--out", str(tmp_path), "--no-plots",
+                 "--no-fp16"])
     assert code == 0
     data = json.loads((tmp_path / "results.json").read_text())
     assert data["workload"] == "tiny_classifier"
     assert data["chance"] == pytest.approx(1 / 3)
     assert all(p["eval_accuracies"][-1] is not None for p in data["plans"])
     capsys.readouterr()
+
+
+def _changes(scales: list[float]) -> tuple[int, int]:
+    """(growths, backoffs) in a scale history."""
+    pairs = list(zip(scales, scales[1:]))
+    return sum(b > a for a, b in pairs), sum(b < a for a, b in pairs)
+
+
+def test_demo_fp16_runs_show_growth_backoff_and_skips(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The default demo trains two fp16-mixed runs whose scale visibly grows, backs off and skips steps."""
+    code = main(["demo", "--quiet", "--plans", "fp32", "--steps", "30", "--batch-size", "16",
+                 "--eval-batch-size", "16", "--out", str(tmp_path), "--no-plots"])
+    assert code == 0
+    capsys.readouterr()
+    data = json.loads((tmp_path / "results.json").read_text())
+    runs = {p["label"]: p for p in data["plans"]}
+    assert list(runs) == ["fp32", "fp16-mixed", "fp16-mixed hysteresis=2"]
+    for label in ("fp16-mixed", "fp16-mixed hysteresis=2"):
+        scales, skipped = runs[label]["scales"], runs[label]["skipped"]
+        growths, backoffs = _changes([2.0**24, *scales])
+        assert growths >= 1 and backoffs >= 1, (label, scales)
+        assert any(skipped), label
+    # hysteresis 2: the first overflow is skipped without a backoff.
+    first = runs["fp16-mixed hysteresis=2"]
+    assert first["skipped"][0] and first["scales"][0] == 2.0**24
+    assert runs["fp16-mixed"]["scales"][0] == 2.0**23
+    assert "fp16-mixed hysteresis=2:" in (tmp_path / "report.md").read_text()
 
 
 # ------------------------------------------------------------------- bench

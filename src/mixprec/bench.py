@@ -37,7 +37,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from mixprec.plans import PLANS, get_plan, resolve_plan_name
+from mixprec.plans import PLANS, Plan, get_plan, resolve_plan_name
 from mixprec.session import MixedPrecision
 
 __all__ = [
@@ -208,7 +208,7 @@ def format_bytes(n: float | None) -> str:
 
 
 # ------------------------------------------------------------------ memory
-def measure_peak(workload: Workload, plan: str, batch: int, seed: int) -> int | None:
+def measure_peak(workload: Workload, plan: str | Plan, batch: int, seed: int) -> int | None:
     """Peak bytes of one training step of ``workload`` under ``plan``, measured by
     :func:`mixprec.diagnostics.memory.measure_memory` (every live storage accounted, so it
     works on CPUs too). None for the plain torch.autocast loop, which it does not run."""
@@ -268,8 +268,8 @@ class StepOutcome:
 class Runner:
     """A fresh model and AdamW optimizer trained under one plan, or under the plain torch.autocast loop."""
 
-    def __init__(self, plan: str, task: TaskLike, *, lr: float) -> None:
-        """Prepare ``task.model`` for ``plan`` (a plan name or :data:`TORCH_AUTOCAST`)."""
+    def __init__(self, plan: str | Plan, task: TaskLike, *, lr: float) -> None:
+        """Prepare ``task.model`` for ``plan`` (a plan name, a :class:`Plan`, or :data:`TORCH_AUTOCAST`)."""
         self.plan = plan
         self.task = task
         first = next(iter(task.model.parameters()), None)
@@ -562,10 +562,14 @@ class PlanHistory:
     state_bytes_per_param: dict[str, float] = field(default_factory=dict)
     peak_memory_bytes: int | None = None
     warmup_steps: int = 0
+    run_label: str | None = None
+    """How the run is named where it is not the plain named plan (e.g. fp16-mixed with other scaler settings)."""
+    explain: str = ""
+    """The plan's dtype table (:meth:`Plan.explain`), as trained."""
 
     @property
     def label(self) -> str:
-        return plan_label(self.plan)
+        return self.run_label or plan_label(self.plan)
 
     @property
     def median_step_s(self) -> float:
@@ -620,9 +624,13 @@ class DemoResult:
         }
 
 
+DemoRun = tuple[str, Plan]
+"""A run of the demo under a plan with its own settings: ``(label, plan)``."""
+
+
 def train_side_by_side(
     workload: Workload,
-    plans: Sequence[str],
+    plans: Sequence[str | DemoRun],
     *,
     steps: int,
     batch_size: int | None = None,
@@ -636,7 +644,8 @@ def train_side_by_side(
 
     Every plan starts from the same weights (``workload.make(seed)``); step ``i`` of
     every plan sees the same batch. The held-out loss and accuracy are evaluated every
-    ``eval_every`` steps, before the first and after the last one.
+    ``eval_every`` steps, before the first and after the last one. A plan is a name (or
+    :data:`TORCH_AUTOCAST`), or ``(label, Plan)`` for a plan with its own settings.
     """
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
@@ -645,15 +654,27 @@ def train_side_by_side(
     start = time.perf_counter()
     lr = workload.lr if lr is None else lr
     runners = []
-    for plan in plans:
+    histories = []
+    for entry in plans:
         torch.manual_seed(seed)
-        runners.append(Runner(plan, workload.make(seed), lr=lr))
+        if isinstance(entry, tuple):
+            label, plan_obj = entry
+            if not isinstance(plan_obj, Plan):
+                raise TypeError(f"a demo run is (label, Plan), got ({label!r}, {type(plan_obj).__name__})")
+            runner = Runner(plan_obj, workload.make(seed), lr=lr)
+            histories.append(PlanHistory(plan=plan_obj.name, run_label=label, explain=plan_obj.explain()))
+        else:
+            runner = Runner(entry, workload.make(seed), lr=lr)
+            explain = "" if entry == TORCH_AUTOCAST else get_plan(entry).explain()
+            histories.append(PlanHistory(plan=entry, explain=explain))
+        runners.append(runner)
     task = runners[0].task
     bs = batch_size or task.default_batch_size
     ebs = eval_batch_size or task.eval_batch_size
     eval_inputs, eval_targets = task.eval_batch(ebs)
     every = eval_every or max(steps // 15, 1)
-    histories = [PlanHistory(plan=p, warmup_steps=min(5, steps // 10)) for p in plans]
+    for h in histories:
+        h.warmup_steps = min(5, steps // 10)
     width = max(len(h.label) for h in histories)
     bars = [_progress(steps, h.label.ljust(width), progress, position=i) for i, h in enumerate(histories)]
     generator = torch.Generator().manual_seed(seed)
@@ -692,9 +713,9 @@ def train_side_by_side(
     for runner, h in zip(runners, histories, strict=True):
         h.state_bytes_per_param = runner.state_bytes_per_param()
     runners.clear()  # free the models before measuring memory
-    for h in histories:
-        h.peak_memory_bytes = measure_peak(workload, h.plan, bs, seed)
+    for entry, h in zip(plans, histories, strict=True):
+        h.peak_memory_bytes = measure_peak(workload, entry[1] if isinstance(entry, tuple) else entry, bs, seed)
     settings = {"steps": steps, "batch_size": bs, "lr": lr, "seed": seed, "eval_every": every,
-                "eval_batch_size": ebs, "optimizer": "AdamW", "plans": list(plans)}
+                "eval_batch_size": ebs, "optimizer": "AdamW", "plans": [h.label for h in histories]}
     return DemoResult(workload=workload.name, histories=histories, settings=settings,
                       environment=environment(), chance=task.chance, wall_s=time.perf_counter() - start)
