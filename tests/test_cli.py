@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -130,7 +131,7 @@ def test_demo_with_a_plain_module_factory(tmp_path: Path, capsys: pytest.Capture
 
 def _changes(scales: list[float]) -> tuple[int, int]:
     """(growths, backoffs) in a scale history."""
-    pairs = list(zip(scales, scales[1:]))
+    pairs = list(itertools.pairwise(scales))
     return sum(b > a for a, b in pairs), sum(b < a for a, b in pairs)
 
 
