@@ -498,7 +498,7 @@ def _bench_group(
         for i in _interleaved(range(len(runners)), step):
             runner = runners[i]
             if bar is not None:
-                bar.set_postfix_str(f"{workload.name} {plan_label(runner.plan)}")
+                bar.set_postfix_str(f"{workload.name} {plan_label(rows[i].plan)}")
             outcome = runner.step(inputs, targets)
             last[i] = outcome
             skipped[i] += outcome.skipped
