@@ -18,9 +18,11 @@ Tensor classes (:data:`MEMORY_CLASSES`):
 copied with *fake* tensors (shapes and dtypes only, no storage), prepared by the
 plan through :class:`~mixprec.MixedPrecision` (so the dtypes are the plan's own),
 the optimizer is wrapped the same way, and one forward is traced to collect the
-tensors autograd saves. The peak of a step is then modelled as the persistent state
-plus the larger of (activations + the first gradients of backward) and (gradients +
-the optimizer step's temporaries).
+tensors autograd saves, then a fake backward is traced too. The peak of a step is
+then modelled as the persistent state plus the largest of (activations + the first
+gradients of backward), the traced backward's own peak, and (gradients + the
+optimizer step's temporaries: the low-precision optimizers' bounded fp32 scratch and
+fp16 snapshot, the master plans' fp32 gradients).
 
 :func:`measure_memory` runs real training steps through
 :class:`~mixprec.MixedPrecision` and accounts every live tensor storage: the
@@ -386,6 +388,23 @@ def _traced_activations(
     return sum(saved.values()), max(saved.values(), default=0)
 
 
+def _traced_backward_peak(model: nn.Module, run: Callable[[], torch.Tensor], persistent: Iterable[torch.Tensor]) -> int:
+    """The largest sum of bytes alive during one (fake) forward and backward, besides ``persistent``:
+    activations, gradients as backward makes them, and every temporary of both passes."""
+    live = _LiveStorages()
+    for t in persistent:
+        live.add(t, dynamic=False)
+    base = live.live
+    live.peak = base
+    with live.tracking():
+        loss = run()
+        loss.backward()
+        del loss
+    for p in model.parameters():
+        p.grad = None
+    return live.peak - base
+
+
 def _persistent_tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
     tensors: list[torch.Tensor] = [*model.parameters(), *model.buffers()]
     if optimizer is not None:
@@ -528,7 +547,7 @@ def estimate_memory(
     notes: list[str] = []
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake = _fake_copy(model, mode)
-    activations = largest = 0
+    activations = largest = backward_peak = 0
     mp = MixedPrecision(plan)  # outside the fake mode: the loss scaler reads its real scale
     if plan.family == "fp8":
         _warm_fp8_tables(model)
@@ -557,6 +576,7 @@ def estimate_memory(
             activations, largest = _traced_activations(
                 prepared, run, [*_persistent_tensors(prepared, opt), *inputs]
             )
+            backward_peak = _traced_backward_peak(prepared, run, [*_persistent_tensors(prepared, opt), *inputs])
         else:
             notes.append("no batch given: activations not estimated")
         transient = _step_transient(prepared, opt)
@@ -566,7 +586,9 @@ def estimate_memory(
     # Backward starts with every activation alive and makes gradients as large as the
     # activations (the largest one bounds what coexists); the step holds every gradient
     # and its temporaries once the activations are gone.
-    peak = persistent + max(activations + largest, grads + transient)
+    # The traced (fake) backward covers what the rule misses: temporaries of custom
+    # backward passes, such as fp8 layers widening their operands for an emulated GEMM.
+    peak = persistent + max(activations + largest, backward_peak, grads + transient)
     n = sum(p.numel() for p in _unique(model.parameters()))
     return MemoryEstimate(plan.name, "estimated", by_class, int(peak), n, tuple(notes))
 
