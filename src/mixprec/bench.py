@@ -29,6 +29,7 @@ import math
 import platform
 import re
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -337,8 +338,20 @@ class Runner:
             self.model.train()
 
 
+def progress_bars_wanted(enabled: bool, stream: Any = None) -> bool:
+    """Progress bars only on a terminal: piped to a file, a bar's redraws are a wall of
+    carriage returns, so callers print one line per finished plan instead."""
+    stream = sys.stderr if stream is None else stream
+    isatty = getattr(stream, "isatty", None)
+    return enabled and callable(isatty) and bool(isatty())
+
+
+def _progress_line(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
 def _progress(total: int, desc: str, enabled: bool, position: int = 0) -> Any:
-    if not enabled:
+    if not progress_bars_wanted(enabled):
         return None
     try:
         from tqdm.auto import tqdm
@@ -447,6 +460,7 @@ def run_bench(
     seed: int = 0,
     memory_budget: int | None = None,
     progress: bool = False,
+    device: str = "cpu",
 ) -> BenchResult:
     """Run ``rows``: for each (model, batch), every plan side by side with interleaved timed steps.
 
@@ -454,7 +468,8 @@ def run_bench(
     first step also records training-state bytes); all rows of a model see the same
     batches. With ``memory_budget`` (bytes), the saved-activation bytes are measured at
     two batch sizes and the largest batch whose training state plus activations fits
-    the budget is estimated from that linear model.
+    the budget is estimated from that linear model. ``device`` is recorded in the settings
+    (the workloads put their models there).
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
@@ -471,12 +486,17 @@ def run_bench(
     results: list[RowResult] = []
     try:
         for (model_name, batch), group in groups.items():
-            results.extend(_bench_group(workloads[model_name], group, batch, repeats, warmup, seed, memory_budget, bar))
+            done = _bench_group(workloads[model_name], group, batch, repeats, warmup, seed, memory_budget, bar)
+            results.extend(done)
+            if progress and bar is None:
+                for r in done:
+                    _progress_line(f"bench: {r.model} {r.label} batch {r.batch}: median step "
+                                   f"{r.step_time_s * 1e3:.1f} ms, {r.skipped} skipped")
     finally:
         if bar is not None:
             bar.close()
     settings = {"repeats": repeats, "warmup": warmup, "seed": seed, "memory_budget_bytes": memory_budget,
-                "optimizer": "AdamW", "device": "cpu"}
+                "optimizer": "AdamW", "device": device}
     return BenchResult(rows=results, settings=settings, environment=environment())
 
 
@@ -710,6 +730,12 @@ def train_side_by_side(
         for bar in bars:
             if bar is not None:
                 bar.close()
+    if progress and all(bar is None for bar in bars):
+        for h in histories:
+            acc = h.eval_accuracies[-1] if h.eval_accuracies else None
+            _progress_line(f"{h.label.ljust(width)}: {steps} steps, median step {h.median_step_s * 1e3:.1f} ms, "
+                           f"held-out loss {h.eval_losses[-1]:.4f}, accuracy {'n/a' if acc is None else f'{acc:.3f}'}, "
+                           f"{h.skipped_steps} skipped")
     for runner, h in zip(runners, histories, strict=True):
         h.state_bytes_per_param = runner.state_bytes_per_param()
     runners.clear()  # free the models before measuring memory

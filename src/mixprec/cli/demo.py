@@ -34,6 +34,7 @@ from mixprec.cli._common import (
     parse_plans,
     positive_float,
     positive_int,
+    resolve_device,
     resolve_workload,
 )
 from mixprec.report import demo_table, write_demo_report
@@ -158,7 +159,7 @@ def _run(args: argparse.Namespace) -> int:
     out = check_writable_dir(args.out, "report folder")
     runs: list[str | DemoRun] = list(plans)
     if not args.no_fp16:
-        runs += [run for run in fp16_scaling_runs() if run[0] not in plans]
+        runs += [run for run in fp16_scaling_runs(resolve_device(args.device).type) if run[0] not in plans]
     apply_globals(args, default_threads=DEFAULT_THREADS)
     if not args.quiet:
         names = [run if isinstance(run, str) else run[0] for run in runs]
