@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -64,7 +66,7 @@ def test_registry_and_version(capsys: pytest.CaptureFixture[str]) -> None:
 def test_explain_plan(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["explain", "O2"]) == 0
     out = capsys.readouterr().out
-    assert out == get_plan("fp16-master").explain() + "\n"
+    assert out == "O2 is an alias of fp16-master\n" + get_plan("fp16-master").explain() + "\n"
     assert main(["explain"]) == 0
     listing = capsys.readouterr().out
     assert all(f"| {name} " in listing for name in PLANS)
@@ -87,7 +89,9 @@ def test_demo_writes_table_report_and_plots(tmp_path: Path, capsys: pytest.Captu
         assert f"]({png})" in report
         assert (out / png).read_bytes()[:8] == PNG_MAGIC
     data = json.loads((out / "results.json").read_text())
-    assert [p["plan"] for p in data["plans"]] == ["fp32", "bf16-mixed", "bf16-master", "bf16-kahan"]
+    assert [p["plan"] for p in data["plans"]] == ["fp32", "bf16-mixed", "bf16-master", "bf16-kahan", "fp16-mixed",
+                                                  "fp16-mixed"]
+    assert [p["label"] for p in data["plans"]][-2:] == ["fp16-mixed", "fp16-mixed hysteresis=2"]
     for p in data["plans"]:
         assert len(p["losses"]) == len(p["scales"]) == len(p["times_s"]) == 4
         assert p["eval_steps"] == [0, 1, 2, 3, 4]  # every steps//15 steps, at least every step
@@ -98,7 +102,7 @@ def test_demo_writes_table_report_and_plots(tmp_path: Path, capsys: pytest.Captu
 
 def test_demo_is_deterministic_and_adds_fp32(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     args = ["--quiet", "--seed", "3", "demo", "--model", "mlp", "--plans", "bf16-mixed,fp16-mixed", "--steps", "3",
-            "--no-plots"]
+            "--no-plots", "--no-fp16"]
     runs = []
     for name in ("a", "b"):
         assert main([*args, "--out", str(tmp_path / name)]) == 0
@@ -116,13 +120,41 @@ def test_demo_is_deterministic_and_adds_fp32(tmp_path: Path, capsys: pytest.Capt
 
 def test_demo_with_a_plain_module_factory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["demo", "--quiet", "--model", "tests.test_cli:tiny_classifier", "--input-shape", "8",
-                 "--num-classes", "3", "--plans", "bf16-mixed", "--steps", "3", "--out", str(tmp_path), "--no-plots"])
+                 "--num-classes", "3", "--plans", "bf16-mixed", "--steps", "3", "--out", str(tmp_path), "--no-plots",
+                 "--no-fp16"])
     assert code == 0
     data = json.loads((tmp_path / "results.json").read_text())
     assert data["workload"] == "tiny_classifier"
     assert data["chance"] == pytest.approx(1 / 3)
     assert all(p["eval_accuracies"][-1] is not None for p in data["plans"])
     capsys.readouterr()
+
+
+def _changes(scales: list[float]) -> tuple[int, int]:
+    """(growths, backoffs) in a scale history."""
+    pairs = list(itertools.pairwise(scales))
+    return sum(b > a for a, b in pairs), sum(b < a for a, b in pairs)
+
+
+def test_demo_fp16_runs_show_growth_backoff_and_skips(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The default demo trains two fp16-mixed runs whose scale visibly grows, backs off and skips steps."""
+    code = main(["demo", "--quiet", "--plans", "fp32", "--steps", "30", "--batch-size", "16",
+                 "--eval-batch-size", "16", "--out", str(tmp_path), "--no-plots"])
+    assert code == 0
+    capsys.readouterr()
+    data = json.loads((tmp_path / "results.json").read_text())
+    runs = {p["label"]: p for p in data["plans"]}
+    assert list(runs) == ["fp32", "fp16-mixed", "fp16-mixed hysteresis=2"]
+    for label in ("fp16-mixed", "fp16-mixed hysteresis=2"):
+        scales, skipped = runs[label]["scales"], runs[label]["skipped"]
+        growths, backoffs = _changes([2.0**24, *scales])
+        assert growths >= 1 and backoffs >= 1, (label, scales)
+        assert any(skipped), label
+    # hysteresis 2: the first overflow is skipped without a backoff.
+    first = runs["fp16-mixed hysteresis=2"]
+    assert first["skipped"][0] and first["scales"][0] == 2.0**24
+    assert runs["fp16-mixed"]["scales"][0] == 2.0**23
+    assert "fp16-mixed hysteresis=2:" in (tmp_path / "report.md").read_text()
 
 
 # ------------------------------------------------------------------- bench
@@ -293,3 +325,90 @@ def test_an_interrupted_run_leaves_the_previous_report_whole(tmp_path: Path, cap
     assert main(["--seed", "2", *base, "--no-plots"]) == 0
     assert sorted(p.name for p in out.iterdir()) == ["report.md", "results.json"]  # old plots gone
     assert "--seed 2" in (out / "report.md").read_text()
+
+
+# ------------------------------------------------------------- CLI polish
+@pytest.mark.parametrize("command", [None, *COMMAND_MODULES])
+def test_help_is_plain_text(command: str | None, capsys: pytest.CaptureFixture[str]) -> None:
+    """No reStructuredText markup (double back-quotes, :func: roles) in any --help."""
+    with pytest.raises(SystemExit):
+        main(["--help"] if command is None else [command, "--help"])
+    text = capsys.readouterr().out
+    assert "usage: mixprec" in text
+    assert "``" not in text
+    assert not re.search(r":[a-z]+:`", text), text
+
+
+def test_explain_says_when_it_resolved_an_alias(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["explain", "O2"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == "O2 is an alias of fp16-master"
+    assert main(["explain", "bf16-true"]) == 0  # Lightning: bf16 model, no autocast, no loss scaling
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == "bf16-true is an alias of bf16-pure"
+    plan = get_plan("bf16-true")
+    assert (plan.name, plan.uses_autocast, plan.scaling.kind) == ("bf16-pure", False, "none")
+    assert main(["explain", "bf16-master"]) == 0
+    assert capsys.readouterr().out.startswith("plan bf16-master")
+
+
+def test_lightning_16_true_is_refused_naming_the_closest_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    """Lightning's '16-true' has no loss scaling; fp16-pure has: not an alias, a clear error."""
+    assert main(["explain", "16-true"]) == 2
+    line = _error_line(capsys)
+    assert line.startswith("mixprec explain: error: plan '16-true': Lightning's '16-true' (the model in fp16, no autocast, "
+                           "no loss scaling) has no mixprec plan")
+    assert "The closest plan is 'fp16-pure'" in line and "loss_scale=None" in line
+    with pytest.raises(ValueError, match="closest plan is 'fp16-pure'"):
+        get_plan("16-true")
+
+
+@pytest.mark.parametrize(
+    ("device", "expected"),
+    [
+        ("nope", "mixprec demo: error: --device 'nope': not a device name torch knows; use cpu, cuda or cuda:N"),
+        ("meta", "mixprec demo: error: --device 'meta': mixprec's commands run on cpu or cuda"),
+        pytest.param("cuda", "mixprec demo: error: --device 'cuda': CUDA is not available here",
+                     marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")),
+        pytest.param("cuda:99", "mixprec demo: error: --device 'cuda:99': this machine has",
+                     marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),
+    ],
+)
+def test_device_errors_name_the_value(device: str, expected: str, tmp_path: Path,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--device", device, "demo", "--steps", "1", "--out", str(tmp_path)]) == 2
+    assert _error_line(capsys).startswith(expected)
+    assert not list(tmp_path.iterdir())  # nothing written
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_device_option_trains_there(device: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["demo", "--quiet", "--device", device, "--model", "mlp", "--plans", "bf16-mixed", "--steps", "3",
+            "--no-plots", "--out", str(tmp_path)]
+    assert main(args) == 0
+    capsys.readouterr()
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert all(len(p["losses"]) == 3 for p in data["plans"])
+    cpu = tmp_path / "cpu"
+    assert main([*args[:3], "cpu", *args[4:-1], str(cpu)]) == 0
+    capsys.readouterr()
+    ref = json.loads((cpu / "results.json").read_text())
+    for a, b in zip(data["plans"], ref["plans"], strict=True):  # same weights, same batches
+        assert a["losses"][0] == pytest.approx(b["losses"][0], rel=1e-2)
+
+
+def test_progress_is_one_line_per_plan_when_not_a_terminal(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Piped (pytest captures stderr: not a TTY), no bar redraws, one line per plan."""
+    assert main(["demo", "--model", "mlp", "--plans", "bf16-mixed", "--steps", "3", "--no-plots",
+                 "--out", str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    assert "\r" not in err and "\x1b[" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 4, err  # fp32, bf16-mixed and the two fp16 runs
+    assert lines[0].startswith("fp32") and ": 3 steps, median step" in lines[0]
+    assert lines[-1].startswith("fp16-mixed hysteresis=2: 3 steps")
+    assert main(["bench", "--model", "mlp", "--plans", "bf16-mixed", "--repeats", "1", "--warmup", "1",
+                 "--memory-budget", "none"]) == 0
+    err = capsys.readouterr().err
+    assert "\r" not in err
+    assert [line.split(":")[0] for line in err.strip().splitlines()] == ["bench"] * 3  # fp32, torch.autocast, plan

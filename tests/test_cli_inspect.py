@@ -90,3 +90,32 @@ def test_unwritable_out_fails_before_any_work(tmp_path: Path, capsys: pytest.Cap
     blocker.write_text("", encoding="utf-8")
     assert main(["inspect", "--model", "mlp", "--out", str(blocker / "report")]) == 2
     assert capsys.readouterr().err.startswith("mixprec inspect: error: cannot write the report folder ")
+
+
+@pytest.mark.parametrize(
+    ("plan", "islands"),
+    [("bf16-mixed", ["cancel.proj"]), ("fp16-mixed", ["overflow.proj", "cancel.proj"])],
+)
+def test_advise_on_the_builtin_fragile_model(
+    plan: str, islands: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The built-in ``fragile`` model: the advisor finds its real problems (bf16 cancellation,
+    fp16 overflow) and the islands it proposes bring the plan within tolerance."""
+    from mixprec.diagnostics import compare
+    from mixprec.models import build_task
+    from mixprec.plans import get_plan
+
+    assert main(["inspect", "--model", "fragile", "--plan", plan, "--advise", "--no-plots",
+                 "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    advice = out.split("Advice: fp32 islands", 1)[1]
+    assert "within tolerance;" in advice and "NOT within" not in advice
+    assert f"use: get_plan({plan!r}, fp32_modules={islands!r})" in advice
+    assert f"use: get_plan({plan!r}, fp32_modules={islands!r})" in (tmp_path / "report.md").read_text()
+    # Independently: the plan as given is far from fp32, the plan with the islands is close.
+    task = build_task("fragile", size="tiny", seed=0)
+    batch = task.batch(16, torch.Generator().manual_seed(0))
+    before = compare(task.model, batch, plan, criterion=task.criterion)
+    after = compare(task.model, batch, get_plan(plan, fp32_modules=islands), criterion=task.criterion)
+    assert not before.grad_rel_err < 0.1
+    assert after.loss_rel_err < 0.1 and after.grad_rel_err < 0.1

@@ -27,6 +27,7 @@ TRAINING = {
     "cnn": (60, 3e-3, 0.6),
     "vit": (90, 2e-3, 0.6),
     "mlp": (120, 3e-3, 0.7),
+    "fragile": (120, 3e-3, 0.7),
 }
 
 
@@ -46,7 +47,7 @@ def _gen(seed: int = 0) -> torch.Generator:
 
 
 def test_task_names_and_sizes() -> None:
-    assert TASKS == ("gpt", "cnn", "vit", "mlp")
+    assert TASKS == ("gpt", "cnn", "vit", "mlp", "fragile")
     assert SIZES == ("tiny", "small")
     assert set(TRAINING) == set(TASKS)
 
@@ -252,3 +253,27 @@ def test_bad_batch_size(bad: object) -> None:
 def test_bad_seed() -> None:
     with pytest.raises(ValueError, match=re.escape("seed must be a non-negative int, got -1")):
         build_task("mlp", seed=-1)
+
+
+def test_fragile_model_breaks_fp16_and_bf16_where_documented() -> None:
+    """fp32 is finite and well scaled; fp16 overflows in ``overflow.proj``; bf16 rounds away
+    ``cancel.proj``'s signal; each fragile projection computed in fp32 is fine."""
+    from mixprec.models import FRAGILE_GAIN, FragileMLP, ScaledNormProjection
+
+    task = build_task("fragile", size="tiny", seed=0)
+    assert isinstance(task.model, FragileMLP)
+    x, _ = task.batch(16, _gen())
+    h = task.model.blocks(task.model.embed(x))
+    proj = task.model.overflow.proj
+    assert isinstance(proj, ScaledNormProjection) and proj.gain == FRAGILE_GAIN
+    pre_norm = torch.nn.functional.linear(task.model.overflow.ln(h), proj.weight, proj.bias) * proj.gain
+    assert pre_norm.abs().max() > torch.finfo(torch.float16).max  # exceeds fp16's range
+    out32 = task.model(x)
+    assert torch.isfinite(out32).all()
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert not torch.isfinite(task.model.overflow.proj(task.model.overflow.ln(h))).all()
+    cancel_in = task.model.cancel.ln(task.model.overflow(h))
+    exact = task.model.cancel.proj(cancel_in)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        rounded = task.model.cancel.proj(cancel_in).float()
+    assert (rounded - exact).norm() / exact.norm() > 0.3  # the signal is lost under the offset

@@ -29,6 +29,7 @@ import math
 import platform
 import re
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -37,7 +38,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from mixprec.plans import PLANS, get_plan, resolve_plan_name
+from mixprec.plans import PLANS, Plan, get_plan, resolve_plan_name
 from mixprec.session import MixedPrecision
 
 __all__ = [
@@ -208,7 +209,7 @@ def format_bytes(n: float | None) -> str:
 
 
 # ------------------------------------------------------------------ memory
-def measure_peak(workload: Workload, plan: str, batch: int, seed: int) -> int | None:
+def measure_peak(workload: Workload, plan: str | Plan, batch: int, seed: int) -> int | None:
     """Peak bytes of one training step of ``workload`` under ``plan``, measured by
     :func:`mixprec.diagnostics.memory.measure_memory` (every live storage accounted, so it
     works on CPUs too). None for the plain torch.autocast loop, which it does not run."""
@@ -268,8 +269,8 @@ class StepOutcome:
 class Runner:
     """A fresh model and AdamW optimizer trained under one plan, or under the plain torch.autocast loop."""
 
-    def __init__(self, plan: str, task: TaskLike, *, lr: float) -> None:
-        """Prepare ``task.model`` for ``plan`` (a plan name or :data:`TORCH_AUTOCAST`)."""
+    def __init__(self, plan: str | Plan, task: TaskLike, *, lr: float) -> None:
+        """Prepare ``task.model`` for ``plan`` (a plan name, a :class:`Plan`, or :data:`TORCH_AUTOCAST`)."""
         self.plan = plan
         self.task = task
         first = next(iter(task.model.parameters()), None)
@@ -337,8 +338,20 @@ class Runner:
             self.model.train()
 
 
+def progress_bars_wanted(enabled: bool, stream: Any = None) -> bool:
+    """Progress bars only on a terminal: piped to a file, a bar's redraws are a wall of
+    carriage returns, so callers print one line per finished plan instead."""
+    stream = sys.stderr if stream is None else stream
+    isatty = getattr(stream, "isatty", None)
+    return enabled and callable(isatty) and bool(isatty())
+
+
+def _progress_line(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
 def _progress(total: int, desc: str, enabled: bool, position: int = 0) -> Any:
-    if not enabled:
+    if not progress_bars_wanted(enabled):
         return None
     try:
         from tqdm.auto import tqdm
@@ -447,6 +460,7 @@ def run_bench(
     seed: int = 0,
     memory_budget: int | None = None,
     progress: bool = False,
+    device: str = "cpu",
 ) -> BenchResult:
     """Run ``rows``: for each (model, batch), every plan side by side with interleaved timed steps.
 
@@ -454,7 +468,8 @@ def run_bench(
     first step also records training-state bytes); all rows of a model see the same
     batches. With ``memory_budget`` (bytes), the saved-activation bytes are measured at
     two batch sizes and the largest batch whose training state plus activations fits
-    the budget is estimated from that linear model.
+    the budget is estimated from that linear model. ``device`` is recorded in the settings
+    (the workloads put their models there).
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
@@ -471,12 +486,17 @@ def run_bench(
     results: list[RowResult] = []
     try:
         for (model_name, batch), group in groups.items():
-            results.extend(_bench_group(workloads[model_name], group, batch, repeats, warmup, seed, memory_budget, bar))
+            done = _bench_group(workloads[model_name], group, batch, repeats, warmup, seed, memory_budget, bar)
+            results.extend(done)
+            if progress and bar is None:
+                for r in done:
+                    _progress_line(f"bench: {r.model} {r.label} batch {r.batch}: median step "
+                                   f"{r.step_time_s * 1e3:.1f} ms, {r.skipped} skipped")
     finally:
         if bar is not None:
             bar.close()
     settings = {"repeats": repeats, "warmup": warmup, "seed": seed, "memory_budget_bytes": memory_budget,
-                "optimizer": "AdamW", "device": "cpu"}
+                "optimizer": "AdamW", "device": device}
     return BenchResult(rows=results, settings=settings, environment=environment())
 
 
@@ -498,7 +518,7 @@ def _bench_group(
         for i in _interleaved(range(len(runners)), step):
             runner = runners[i]
             if bar is not None:
-                bar.set_postfix_str(f"{workload.name} {plan_label(runner.plan)}")
+                bar.set_postfix_str(f"{workload.name} {plan_label(rows[i].plan)}")
             outcome = runner.step(inputs, targets)
             last[i] = outcome
             skipped[i] += outcome.skipped
@@ -562,10 +582,14 @@ class PlanHistory:
     state_bytes_per_param: dict[str, float] = field(default_factory=dict)
     peak_memory_bytes: int | None = None
     warmup_steps: int = 0
+    run_label: str | None = None
+    """How the run is named where it is not the plain named plan (e.g. fp16-mixed with other scaler settings)."""
+    explain: str = ""
+    """The plan's dtype table (:meth:`Plan.explain`), as trained."""
 
     @property
     def label(self) -> str:
-        return plan_label(self.plan)
+        return self.run_label or plan_label(self.plan)
 
     @property
     def median_step_s(self) -> float:
@@ -620,9 +644,13 @@ class DemoResult:
         }
 
 
+DemoRun = tuple[str, Plan]
+"""A run of the demo under a plan with its own settings: ``(label, plan)``."""
+
+
 def train_side_by_side(
     workload: Workload,
-    plans: Sequence[str],
+    plans: Sequence[str | DemoRun],
     *,
     steps: int,
     batch_size: int | None = None,
@@ -636,7 +664,8 @@ def train_side_by_side(
 
     Every plan starts from the same weights (``workload.make(seed)``); step ``i`` of
     every plan sees the same batch. The held-out loss and accuracy are evaluated every
-    ``eval_every`` steps, before the first and after the last one.
+    ``eval_every`` steps, before the first and after the last one. A plan is a name (or
+    :data:`TORCH_AUTOCAST`), or ``(label, Plan)`` for a plan with its own settings.
     """
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
@@ -645,15 +674,27 @@ def train_side_by_side(
     start = time.perf_counter()
     lr = workload.lr if lr is None else lr
     runners = []
-    for plan in plans:
+    histories = []
+    for entry in plans:
         torch.manual_seed(seed)
-        runners.append(Runner(plan, workload.make(seed), lr=lr))
+        if isinstance(entry, tuple):
+            label, plan_obj = entry
+            if not isinstance(plan_obj, Plan):
+                raise TypeError(f"a demo run is (label, Plan), got ({label!r}, {type(plan_obj).__name__})")
+            runner = Runner(plan_obj, workload.make(seed), lr=lr)
+            histories.append(PlanHistory(plan=plan_obj.name, run_label=label, explain=plan_obj.explain()))
+        else:
+            runner = Runner(entry, workload.make(seed), lr=lr)
+            explain = "" if entry == TORCH_AUTOCAST else get_plan(entry).explain()
+            histories.append(PlanHistory(plan=entry, explain=explain))
+        runners.append(runner)
     task = runners[0].task
     bs = batch_size or task.default_batch_size
     ebs = eval_batch_size or task.eval_batch_size
     eval_inputs, eval_targets = task.eval_batch(ebs)
     every = eval_every or max(steps // 15, 1)
-    histories = [PlanHistory(plan=p, warmup_steps=min(5, steps // 10)) for p in plans]
+    for h in histories:
+        h.warmup_steps = min(5, steps // 10)
     width = max(len(h.label) for h in histories)
     bars = [_progress(steps, h.label.ljust(width), progress, position=i) for i, h in enumerate(histories)]
     generator = torch.Generator().manual_seed(seed)
@@ -689,12 +730,18 @@ def train_side_by_side(
         for bar in bars:
             if bar is not None:
                 bar.close()
+    if progress and all(bar is None for bar in bars):
+        for h in histories:
+            acc = h.eval_accuracies[-1] if h.eval_accuracies else None
+            _progress_line(f"{h.label.ljust(width)}: {steps} steps, median step {h.median_step_s * 1e3:.1f} ms, "
+                           f"held-out loss {h.eval_losses[-1]:.4f}, accuracy {'n/a' if acc is None else f'{acc:.3f}'}, "
+                           f"{h.skipped_steps} skipped")
     for runner, h in zip(runners, histories, strict=True):
         h.state_bytes_per_param = runner.state_bytes_per_param()
     runners.clear()  # free the models before measuring memory
-    for h in histories:
-        h.peak_memory_bytes = measure_peak(workload, h.plan, bs, seed)
+    for entry, h in zip(plans, histories, strict=True):
+        h.peak_memory_bytes = measure_peak(workload, entry[1] if isinstance(entry, tuple) else entry, bs, seed)
     settings = {"steps": steps, "batch_size": bs, "lr": lr, "seed": seed, "eval_every": every,
-                "eval_batch_size": ebs, "optimizer": "AdamW", "plans": list(plans)}
+                "eval_batch_size": ebs, "optimizer": "AdamW", "plans": [h.label for h in histories]}
     return DemoResult(workload=workload.name, histories=histories, settings=settings,
                       environment=environment(), chance=task.chance, wall_s=time.perf_counter() - start)

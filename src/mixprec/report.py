@@ -119,7 +119,8 @@ def demo_markdown(result: DemoResult, command: str, plots: Sequence[str] = ()) -
 
     for h in result.histories:
         if h.plan != TORCH_AUTOCAST:
-            lines += ["```", get_plan(h.plan).explain(), "```", ""]
+            title = [] if h.label == h.plan else [f"{h.label}:", ""]
+            lines += [*title, "```", h.explain or get_plan(h.plan).explain(), "```", ""]
     return "\n".join(lines)
 
 

@@ -23,7 +23,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from mixprec.cli._common import Command, OneLineErrorParser, global_options
+from mixprec.cli._common import Command, OneLineErrorParser, global_options, plain_text
 
 __all__ = ["COMMAND_MODULES", "build_parser", "commands", "main"]
 
@@ -54,9 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"mixprec {mixprec.__version__} (torch {torch.__version__})")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineErrorParser)
     for command in commands():
-        p = sub.add_parser(command.name, help=command.help, description=command.description or command.help,
+        p = sub.add_parser(command.name, help=plain_text(command.help),
+                           description=plain_text(command.description or command.help),
                            parents=[global_options(suppress=True)])
         command.add_arguments(p)
+        for action in p._actions:  # option help written with docstring markup
+            if action.help:
+                action.help = plain_text(action.help)
         p.set_defaults(run=command.run)
     return parser
 

@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
+import re
 import shlex
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 
-from mixprec.bench import TORCH_AUTOCAST, Workload, builtin_workload
+from mixprec.bench import TORCH_AUTOCAST, TaskLike, Workload, builtin_workload
 from mixprec.plans import resolve_plan_name
 
 __all__ = [
@@ -26,9 +28,12 @@ __all__ = [
     "command_line",
     "global_options",
     "non_negative_int",
+    "on_device",
     "parse_plans",
+    "plain_text",
     "positive_float",
     "positive_int",
+    "resolve_device",
     "resolve_workload",
     "seed_int",
 ]
@@ -75,8 +80,99 @@ def global_options(*, suppress: bool) -> OneLineErrorParser:
     group.add_argument("--seed", type=seed_int, default=default(0), metavar="N",
                        help=f"seed of model weights, data and everything random, 0 to {MAX_SEED} (default: 0)")
     group.add_argument("--quiet", "-q", action="store_true", default=default(False),
-                       help="no progress bars")
+                       help="no progress output (bars on a terminal, one line per plan otherwise)")
+    group.add_argument("--device", default=default("cpu"), metavar="DEVICE",
+                       help="where models train: cpu, cuda or cuda:N where available (default: cpu)")
     return parser
+
+
+def resolve_device(text: str) -> torch.device:
+    """The device ``--device`` names; ValueError naming the value when torch does not know it
+    or this machine does not have it."""
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"--device {text!r}: not a device name torch knows; use cpu, cuda or cuda:N") from None
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise ValueError(f"--device {text!r}: mixprec's commands run on cpu or cuda; use --device cpu or --device cuda")
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"--device {text!r}: CUDA is not available here (torch {torch.__version__}, "
+            "torch.cuda.is_available() is False); use --device cpu"
+        )
+    count = torch.cuda.device_count()
+    if device.index is not None and device.index >= count:
+        raise ValueError(
+            f"--device {text!r}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}"
+        )
+    return device
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, list | tuple):
+        return type(value)(_to_device(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _to_device(v, device) for k, v in value.items()}
+    return value
+
+
+class _OnDevice:
+    """A task whose model lives on ``device`` and whose batches are moved there."""
+
+    def __init__(self, task: TaskLike, device: torch.device) -> None:
+        self._task = task
+        self._device = device
+        self.model = task.model.to(device)
+        criterion = task.criterion
+        self.criterion = criterion.to(device) if isinstance(criterion, torch.nn.Module) else criterion
+
+    def __getattr__(self, name: str) -> Any:  # chance, default_batch_size, ... of the task
+        return getattr(self._task, name)
+
+    def batch(self, batch_size: int, generator: torch.Generator) -> tuple[Any, Any]:
+        return _to_device(self._task.batch(batch_size, generator), self._device)
+
+    def eval_batch(self, batch_size: int = 256) -> tuple[Any, Any]:
+        return _to_device(self._task.eval_batch(batch_size), self._device)
+
+    def accuracy(self, outputs: Any, targets: Any) -> float | None:
+        return self._task.accuracy(outputs, targets)
+
+
+def on_device(workload: Workload, device: torch.device) -> Workload:
+    """``workload`` with its models on ``device`` and its batches moved there (data is drawn on
+    the CPU, so every device sees the same numbers)."""
+    if device.type == "cpu":
+        return workload
+    make = workload.make
+    return dataclasses.replace(workload, make=lambda seed: _OnDevice(make(seed), device),  # type: ignore[arg-type,return-value]
+                               description=f"{workload.description} on {device}")
+
+
+_ROLE = re.compile(r":[a-z]+(?::[a-z]+)?:`(~?)([^`<]*?)(?:\s*<([^>]+)>)?`")
+
+
+def plain_text(text: str) -> str:
+    """reStructuredText markup of a docstring made plain for ``--help``: roles such as
+    ``:func:`~mixprec.diagnostics.advise``` become their target's name (the last part
+    with ``~``), double back-quotes are dropped.
+
+    >>> plain_text("writes ``report.md``; see :func:`~mixprec.diagnostics.advise` and :class:`mixprec.Plan`")
+    'writes report.md; see advise and mixprec.Plan'
+    """
+
+    def role(match: re.Match[str]) -> str:
+        tilde, title, target = match.groups()
+        name = (target or title).strip()
+        if target:
+            return title.strip()
+        return name.rsplit(".", 1)[-1] if tilde else name
+
+    return _ROLE.sub(role, text).replace("``", "")
 
 
 def positive_int(text: str) -> int:
@@ -154,12 +250,15 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, default: str | Seque
 
 
 def resolve_workload(spec: str, args: argparse.Namespace) -> Workload:
-    """The workload a ``--model`` value names: a built-in task, or a user factory."""
+    """The workload a ``--model`` value names (a built-in task, or a user factory), on ``--device``."""
+    device = resolve_device(getattr(args, "device", "cpu"))
     if ":" in spec:
         from mixprec.cli.workloads import load_workload
 
-        return load_workload(spec, input_shape=args.input_shape, num_classes=args.num_classes, seed=args.seed)
-    return builtin_workload(spec, args.size)
+        workload = load_workload(spec, input_shape=args.input_shape, num_classes=args.num_classes, seed=args.seed)
+    else:
+        workload = builtin_workload(spec, args.size)
+    return on_device(workload, device)
 
 
 def parse_plans(values: Sequence[str]) -> list[str]:

@@ -22,6 +22,7 @@ from mixprec.cli._common import (
     command_line,
     parse_plans,
     positive_int,
+    resolve_device,
     resolve_workload,
 )
 from mixprec.report import bench_markdown
@@ -49,7 +50,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    plans = parse_plans(args.plans) if args.plans else default_plans(include_fp16=args.include_fp16)
+    device = resolve_device(args.device)
+    plans = parse_plans(args.plans) if args.plans else default_plans(device.type, include_fp16=args.include_fp16)
     budget = None if str(args.memory_budget).lower() == "none" else parse_bytes(args.memory_budget)
     workloads = {}
     for spec in args.model:
@@ -61,7 +63,7 @@ def _run(args: argparse.Namespace) -> int:
     apply_globals(args)
     rows = plan_rows(list(workloads), plans, batch=args.batch_size)
     result = run_bench(rows, workloads, repeats=args.repeats, warmup=args.warmup, seed=args.seed,
-                       memory_budget=budget, progress=not args.quiet)
+                       memory_budget=budget, progress=not args.quiet, device=str(device))
     command = command_line(args.argv)
     text = bench_markdown(result, command)
     print(text, end="")

@@ -1,7 +1,10 @@
 """``mixprec demo``: train a model under fp32 and several plans side by side, then report.
 
 Every plan trains its own copy of the model from the same initial weights on the same
-batches, steps interleaved. The command prints a table (step time, speedup vs fp32,
+batches, steps interleaved. Two fp16-mixed runs train beside them to show dynamic loss
+scaling at work (growth, backoff and skipped steps): one with the default hysteresis and
+one with hysteresis 2, both starting from a high scale (2^24) that overflows and growing
+every 10 clean steps, so the scale climbs back into overflow several times in a short run. The command prints a table (step time, speedup vs fp32,
 peak memory, training-state bytes per parameter, final held-out loss and accuracy,
 skipped steps, final loss scale) and writes a report folder: ``report.md``,
 ``results.json`` and PNG plots (loss, accuracy, loss scale, step time).
@@ -21,7 +24,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from mixprec.bench import FP32, train_side_by_side
+from mixprec.bench import FP32, DemoRun, train_side_by_side
 from mixprec.cli._common import (
     Command,
     add_model_arguments,
@@ -31,11 +34,12 @@ from mixprec.cli._common import (
     parse_plans,
     positive_float,
     positive_int,
+    resolve_device,
     resolve_workload,
 )
 from mixprec.report import demo_table, write_demo_report
 
-__all__ = ["COMMAND", "DEFAULT_PLANS", "DEFAULT_STEPS", "REPORT_FILES", "publish_report"]
+__all__ = ["COMMAND", "DEFAULT_PLANS", "DEFAULT_STEPS", "REPORT_FILES", "fp16_scaling_runs", "publish_report"]
 
 DEFAULT_MODEL = "cnn"
 DEFAULT_SIZE = "tiny"
@@ -45,6 +49,33 @@ DEFAULT_BATCH_SIZE = 64
 DEFAULT_OUT = "mixprec-report"
 DEFAULT_THREADS = 1
 """The defaults: a tiny ResNet on synthetic Gabor images, on one thread (fastest for a model this small)."""
+
+
+FP16_INIT_SCALE = 2.0**24
+"""Where the demo's fp16 scalers start: high enough that the first steps overflow and back off."""
+FP16_GROWTH_INTERVAL = 10
+"""The demo's fp16 scalers grow after 10 clean steps (torch's default, 2000, would never grow in a
+demo), so the scale climbs back into overflow and backs off again several times per run."""
+_CONV_OPS = ("conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d")
+
+
+def fp16_scaling_runs(device_type: str = "cpu") -> list[DemoRun]:
+    """The demo's two fp16-mixed runs: default hysteresis, and hysteresis 2 (a backoff after two overflows).
+
+    Both start at :data:`FP16_INIT_SCALE` and grow every :data:`FP16_GROWTH_INTERVAL` clean
+    steps. On CPU, convolutions stay in fp32 (fp16 convolutions have no fast path there
+    and take ~100x longer); everything else computes in fp16, so the gradients still pass
+    through fp16 tensors and overflow as they would on a GPU.
+    """
+    from mixprec.plans import get_plan
+
+    settings: dict[str, object] = {"init_scale": FP16_INIT_SCALE, "growth_interval": FP16_GROWTH_INTERVAL}
+    if device_type == "cpu":
+        settings["fp32_ops"] = list(_CONV_OPS)
+    return [
+        ("fp16-mixed", get_plan("fp16-mixed", **settings)),  # type: ignore[arg-type]
+        ("fp16-mixed hysteresis=2", get_plan("fp16-mixed", hysteresis=2, **settings)),  # type: ignore[arg-type]
+    ]
 
 
 REPORT_FILES: tuple[str, ...] = (
@@ -109,6 +140,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-every", type=positive_int, default=None, metavar="N",
                    help="evaluate the held-out batch every N steps (default: steps/15)")
     g.add_argument("--eval-batch-size", type=positive_int, default=None, metavar="N", help="default: the model's own")
+    g.add_argument("--no-fp16", action="store_true",
+                   help="leave out the two fp16-mixed runs that show dynamic loss scaling (growth, backoff, "
+                        "skipped steps)")
     o = p.add_argument_group("output")
     o.add_argument("--out", type=Path, default=Path(DEFAULT_OUT), metavar="DIR",
                    help="report folder (default: ./%(default)s)")
@@ -123,12 +157,16 @@ def _run(args: argparse.Namespace) -> int:
         raise ValueError(f"--lr must be a finite positive number, got {args.lr}")
     workload = resolve_workload(args.model, args)
     out = check_writable_dir(args.out, "report folder")
+    runs: list[str | DemoRun] = list(plans)
+    if not args.no_fp16:
+        runs += [run for run in fp16_scaling_runs(resolve_device(args.device).type) if run[0] not in plans]
     apply_globals(args, default_threads=DEFAULT_THREADS)
     if not args.quiet:
-        print(f"mixprec demo: {workload.name}, {args.steps} steps under {', '.join(plans)}", flush=True)
+        names = [run if isinstance(run, str) else run[0] for run in runs]
+        print(f"mixprec demo: {workload.name}, {args.steps} steps under {', '.join(names)}", flush=True)
     start = time.perf_counter()
     result = train_side_by_side(
-        workload, plans, steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
+        workload, runs, steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
         eval_every=args.eval_every, eval_batch_size=args.eval_batch_size, progress=not args.quiet,
     )
     paths = publish_report(result, out, command_line(args.argv), plots=not args.no_plots)

@@ -30,7 +30,13 @@ def _run(args: argparse.Namespace) -> int:
         print("\nmixprec explain PLAN shows every tensor class of one plan.")
         print("\naliases: " + ", ".join(f"{alias}={name}" for alias, name in ALIASES.items()))
         return 0
-    print(get_plan(args.plan).explain())
+    plan = get_plan(args.plan)
+    given = args.plan.strip()
+    if given != plan.name:
+        alias = next((a for a in ALIASES if a.lower() == given.lower()), None)
+        kind = f"an alias of {plan.name}" if alias is not None else f"read as {plan.name}"
+        print(f"{given} is {kind}")
+    print(plan.explain())
     return 0
 
 

@@ -18,9 +18,11 @@ Tensor classes (:data:`MEMORY_CLASSES`):
 copied with *fake* tensors (shapes and dtypes only, no storage), prepared by the
 plan through :class:`~mixprec.MixedPrecision` (so the dtypes are the plan's own),
 the optimizer is wrapped the same way, and one forward is traced to collect the
-tensors autograd saves. The peak of a step is then modelled as the persistent state
-plus the larger of (activations + the first gradients of backward) and (gradients +
-the optimizer step's temporaries).
+tensors autograd saves, then a fake backward is traced too. The peak of a step is
+then modelled as the persistent state plus the largest of (activations + the first
+gradients of backward), the traced backward's own peak, and (gradients + the
+optimizer step's temporaries: the low-precision optimizers' bounded fp32 scratch and
+fp16 snapshot, the master plans' fp32 gradients).
 
 :func:`measure_memory` runs real training steps through
 :class:`~mixprec.MixedPrecision` and accounts every live tensor storage: the
@@ -386,6 +388,23 @@ def _traced_activations(
     return sum(saved.values()), max(saved.values(), default=0)
 
 
+def _traced_backward_peak(model: nn.Module, run: Callable[[], torch.Tensor], persistent: Iterable[torch.Tensor]) -> int:
+    """The largest sum of bytes alive during one (fake) forward and backward, besides ``persistent``:
+    activations, gradients as backward makes them, and every temporary of both passes."""
+    live = _LiveStorages()
+    for t in persistent:
+        live.add(t, dynamic=False)
+    base = live.live
+    live.peak = base
+    with live.tracking():
+        loss = run()
+        loss.backward()
+        del loss
+    for p in model.parameters():
+        p.grad = None
+    return live.peak - base
+
+
 def _persistent_tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
     tensors: list[torch.Tensor] = [*model.parameters(), *model.buffers()]
     if optimizer is not None:
@@ -408,27 +427,24 @@ def _update_temporaries(inner: torch.optim.Optimizer, group: dict[str, Any]) -> 
 
 
 def _step_transient(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
-    """Temporaries of one optimizer step: the update's own (see :func:`_update_temporaries`),
-    plus, in the low-precision wrappers, the fp32 expansions of every parameter, gradient
-    and state tensor at once (the low-precision state is released while its fp32 copy exists)."""
+    """Temporaries of one optimizer step: the update's own (see :func:`_update_temporaries`);
+    in the low-precision wrappers, their bounded fp32 scratch and fp16 snapshot (see
+    :func:`_low_precision_transient`); in the master-weight wrappers, the fp32 gradients
+    gathered at step time and, for fp16, the snapshot of a guarded step."""
     from mixprec.optim import LowPrecisionOptimizer, MasterWeightOptimizer, WrappedOptimizer
 
     if optimizer is None:
         return 0
     inner = optimizer.optimizer if isinstance(optimizer, WrappedOptimizer) else optimizer
-    state_size = 4
-    if isinstance(optimizer, LowPrecisionOptimizer) and optimizer.state_dtype is not None:
-        state_size = torch.empty((), dtype=optimizer.state_dtype).element_size()
+    if isinstance(optimizer, LowPrecisionOptimizer):
+        return _low_precision_transient(optimizer, inner)
     largest = 0
     transient = 0
     for group in inner.param_groups:
-        n_state, _ = _state_tensors_per_param(inner, group)
         of_largest, per_param = _update_temporaries(inner, group)
         for q in group["params"]:
             largest = max(largest, of_largest * q.numel() * 4)
             transient += per_param * q.numel() * 4
-            if isinstance(optimizer, LowPrecisionOptimizer) and q.dtype in LOW_PRECISION_DTYPES:
-                transient += q.numel() * (4 + 4 + n_state * (4 - state_size))
     if isinstance(optimizer, MasterWeightOptimizer):
         # The fp32 gradients gathered at step time; a guarded (fp16) step also copies every
         # parameter and state tensor of the optimizer so it can undo the update.
@@ -438,6 +454,66 @@ def _step_transient(model: nn.Module, optimizer: torch.optim.Optimizer | None) -
                 n_state, _ = _state_tensors_per_param(inner, group)
                 transient += sum(q.numel() * 4 * (1 + n_state) for q in group["params"])
     return largest + transient
+
+
+def _low_precision_transient(optimizer: Any, inner: torch.optim.Optimizer) -> int:
+    """Peak temporaries of a :class:`~mixprec.optim.LowPrecisionOptimizer` step, as its step runs them.
+
+    - fp32 parameters (norm layers) are stepped by the inner optimizer as usual;
+    - low-precision ones on the fast path (:func:`mixprec.optim.fast.fast_step`) are
+      expanded chunk by chunk (at most ``chunk_numel`` elements, or one larger
+      parameter): fp32 values and gradients, fp32 copies of low-precision state, the
+      foreach path's denominator, stochastic rounding's noise. Round-to-nearest stores
+      with everything in the parameters' dtype run torch's fused kernel in place (no
+      scratch); the compiled route materialises nothing in fp32;
+    - on the generic path, one parameter at a time on reused fp32 scratch;
+    - with fp16 parameters, the step first snapshots every parameter and state tensor
+      (kept for the whole step, so a non-finite update can be undone).
+    """
+    from mixprec.optim import StochasticRoundingOptimizer
+    from mixprec.optim.fast import _chunks, fast_kind, fused_available
+
+    low_dtypes = LOW_PRECISION_DTYPES
+    state_dtype = optimizer.state_dtype or torch.float32
+    state_low = state_dtype != torch.float32
+    guarded = False
+    snapshot = 0
+    fp32_largest = fp32_all = 0
+    scratch = 0
+    for group in inner.param_groups:
+        n_state, step_bytes = _state_tensors_per_param(inner, group)
+        of_largest, per_param = _update_temporaries(inner, group)
+        params = group["params"]
+        for q in params:
+            size = state_dtype.itemsize if q.dtype in low_dtypes else q.dtype.itemsize
+            snapshot += _nbytes(q) + n_state * q.numel() * size + (step_bytes if n_state else 0)
+            guarded = guarded or q.dtype == torch.float16
+            if q.dtype not in low_dtypes:
+                fp32_largest = max(fp32_largest, of_largest * q.numel() * 4)
+                fp32_all += per_param * q.numel() * 4
+        low = [q for q in params if q.dtype in low_dtypes and q.requires_grad]
+        if not low:
+            continue
+        kind = fast_kind(inner, group) if optimizer.fast else None
+        n_low_state = n_state if state_low else 0
+        if kind == "adam" and optimizer.compile:
+            continue
+        if kind is not None:
+            fused = kind == "adam" and optimizer.fused and fused_available(low[0].device)
+            for chunk in _chunks(low, lambda q: (q.device, q.dtype), optimizer.chunk_numel):
+                n = sum(q.numel() for q in chunk)
+                if fused and optimizer._PLAIN_STORE and state_dtype == chunk[0].dtype:
+                    continue  # torch's fused kernel on the low-precision tensors, in place
+                per_element = 8 + 4 * n_low_state  # values, gradients, low-precision state
+                if kind == "adam" and not fused:
+                    per_element += 4  # the denominator
+                if isinstance(optimizer, StochasticRoundingOptimizer):
+                    per_element += 4  # int32 noise
+                scratch = max(scratch, n * per_element)
+        else:
+            largest = max(q.numel() for q in low)
+            scratch = max(scratch, largest * 4 * (2 + n_low_state + of_largest) + per_param * largest * 4)
+    return (snapshot if guarded else 0) + max(scratch, fp32_largest + fp32_all)
 
 
 def estimate_memory(
@@ -464,14 +540,18 @@ def estimate_memory(
 
     from mixprec.session import MixedPrecision
 
-    plan = get_plan(plan)
+    # A private copy: the fake model must leave nothing in the caller's plan (an fp8
+    # recipe keeps scaling state that would then hold fake tensors).
+    plan = copy.deepcopy(get_plan(plan))
     make_opt = _optimizer_factory(optimizer)
     notes: list[str] = []
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake = _fake_copy(model, mode)
-    activations = largest = 0
+    activations = largest = backward_peak = 0
+    mp = MixedPrecision(plan)  # outside the fake mode: the loss scaler reads its real scale
+    if plan.family == "fp8":
+        _warm_fp8_tables(model)
     with mode:
-        mp = MixedPrecision(plan)
         opt = make_opt(fake.parameters())
         if criterion is not None:
             prepared, opt, crit = mp.prepare(fake, opt, criterion=criterion)
@@ -496,6 +576,7 @@ def estimate_memory(
             activations, largest = _traced_activations(
                 prepared, run, [*_persistent_tensors(prepared, opt), *inputs]
             )
+            backward_peak = _traced_backward_peak(prepared, run, [*_persistent_tensors(prepared, opt), *inputs])
         else:
             notes.append("no batch given: activations not estimated")
         transient = _step_transient(prepared, opt)
@@ -505,9 +586,21 @@ def estimate_memory(
     # Backward starts with every activation alive and makes gradients as large as the
     # activations (the largest one bounds what coexists); the step holds every gradient
     # and its temporaries once the activations are gone.
-    peak = persistent + max(activations + largest, grads + transient)
+    # The traced (fake) backward covers what the rule misses: temporaries of custom
+    # backward passes, such as fp8 layers widening their operands for an emulated GEMM.
+    peak = persistent + max(activations + largest, backward_peak, grads + transient)
     n = sum(p.numel() for p in _unique(model.parameters()))
     return MemoryEstimate(plan.name, "estimated", by_class, int(peak), n, tuple(notes))
+
+
+def _warm_fp8_tables(model: nn.Module) -> None:
+    """Fill the fp8 value tables (cached per dtype and device by :mod:`mixprec.fp8.gemm`) with real
+    tensors before the fake forward, which would otherwise cache fake ones for later real runs."""
+    from mixprec.fp8.gemm import _table
+
+    for device in {t.device for t in [*model.parameters(), *model.buffers()]}:
+        for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            _table(dtype, device)
 
 
 def _islands_to_fp32(model: nn.Module) -> None:

@@ -10,7 +10,7 @@ from torch import nn
 from mixprec.models.cnn import ResNet, ResNetConfig
 from mixprec.models.data import GaborImages, MarkovLanguage, Spirals
 from mixprec.models.gpt import GPT, GPTConfig, TokenCrossEntropy
-from mixprec.models.mlp import MLP, MLPConfig
+from mixprec.models.mlp import MLP, FragileMLP, MLPConfig
 from mixprec.models.task import Task
 from mixprec.models.vit import ViT, ViTConfig
 
@@ -84,7 +84,7 @@ def _vit(size: str, seed: int) -> Task:
     )
 
 
-def _mlp(size: str, seed: int) -> Task:
+def _mlp(size: str, seed: int, *, fragile: bool = False) -> Task:
     num_classes, dim = 5, 32
     config, batch = {
         "tiny": (MLPConfig(in_features=dim, width=64, num_blocks=2, num_classes=num_classes), 128),
@@ -94,10 +94,10 @@ def _mlp(size: str, seed: int) -> Task:
         ),
     }[size]
     return Task(
-        name="mlp",
+        name="fragile" if fragile else "mlp",
         size=size,
         seed=seed,
-        model=MLP(config),
+        model=FragileMLP(config) if fragile else MLP(config),
         criterion=nn.CrossEntropyLoss(),
         chance=1.0 / num_classes,
         default_batch_size=batch,
@@ -112,6 +112,7 @@ _BUILDERS: dict[str, Callable[[str, int], Task]] = {
     "cnn": _cnn,
     "vit": _vit,
     "mlp": _mlp,
+    "fragile": lambda size, seed: _mlp(size, seed, fragile=True),
 }
 
 TASKS: tuple[str, ...] = tuple(_BUILDERS)

@@ -29,7 +29,7 @@ from mixprec.plans.master import MasterPlan
 from mixprec.plans.mixed import MixedPlan
 from mixprec.plans.pure import PurePlan
 
-__all__ = ["ALIASES", "PLANS", "get_plan", "resolve_plan_name"]
+__all__ = ["ALIASES", "NOT_ALIASES", "PLANS", "get_plan", "resolve_plan_name"]
 
 _BF16, _FP16 = torch.bfloat16, torch.float16
 _DYNAMIC = ScalingConfig(kind="dynamic")
@@ -65,9 +65,19 @@ ALIASES: dict[str, str] = {
     "32": "fp32",
     "32-true": "fp32",
     "16-mixed": "fp16-mixed",
-    "16-true": "fp16-pure",
+    # Lightning's "bf16-true": the model in bf16, no autocast, no loss scaling (the optimizer
+    # steps the bf16 parameters); bf16-pure is that, with fp32 arithmetic inside the step.
     "bf16-true": "bf16-pure",
 }
+
+NOT_ALIASES: dict[str, str] = {
+    "16-true": (
+        "Lightning's '16-true' (the model in fp16, no autocast, no loss scaling) has no mixprec plan: fp16 "
+        "gradients underflow without loss scaling. The closest plan is 'fp16-pure' (fp16 model, no autocast, "
+        "dynamic loss scaling); get_plan('fp16-pure', loss_scale=None) turns the scaling off, as '16-true' does"
+    ),
+}
+"""Names other libraries use that no mixprec plan means: the error for each names the closest plan."""
 
 _SCALING_KEYS = {f.name for f in dataclasses.fields(ScalingConfig)} - {"kind"}
 _POLICY_KEYS = {"lower_ops", "fp32_ops", "fp32_modules"}
@@ -82,6 +92,8 @@ def resolve_plan_name(name: str) -> str:
         return key
     if key in ALIASES:
         return ALIASES[key]
+    if key.lower() in NOT_ALIASES:
+        raise ValueError(f"plan {name!r}: {NOT_ALIASES[key.lower()]}")
     lowered = {k.lower(): v for k, v in ALIASES.items()} | {k: k for k in _FACTORIES}
     if key.lower() in lowered:
         return lowered[key.lower()]
