@@ -471,7 +471,7 @@ def _low_precision_transient(optimizer: Any, inner: torch.optim.Optimizer) -> in
       (kept for the whole step, so a non-finite update can be undone).
     """
     from mixprec.optim import StochasticRoundingOptimizer
-    from mixprec.optim.fast import _chunks, fast_kind, fused_available
+    from mixprec.optim.fast import chunks, fast_kind, fused_available
 
     low_dtypes = LOW_PRECISION_DTYPES
     state_dtype = optimizer.state_dtype or torch.float32
@@ -500,7 +500,7 @@ def _low_precision_transient(optimizer: Any, inner: torch.optim.Optimizer) -> in
             continue
         if kind is not None:
             fused = kind == "adam" and optimizer.fused and fused_available(low[0].device)
-            for chunk in _chunks(low, lambda q: (q.device, q.dtype), optimizer.chunk_numel):
+            for chunk in chunks(low, lambda q: (q.device, q.dtype), optimizer.chunk_numel):
                 n = sum(q.numel() for q in chunk)
                 if fused and optimizer._PLAIN_STORE and state_dtype == chunk[0].dtype:
                     continue  # torch's fused kernel on the low-precision tensors, in place
@@ -549,8 +549,6 @@ def estimate_memory(
     fake = _fake_copy(model, mode)
     activations = largest = backward_peak = 0
     mp = MixedPrecision(plan)  # outside the fake mode: the loss scaler reads its real scale
-    if plan.family == "fp8":
-        _warm_fp8_tables(model)
     with mode:
         opt = make_opt(fake.parameters())
         if criterion is not None:
@@ -591,16 +589,6 @@ def estimate_memory(
     peak = persistent + max(activations + largest, backward_peak, grads + transient)
     n = sum(p.numel() for p in _unique(model.parameters()))
     return MemoryEstimate(plan.name, "estimated", by_class, int(peak), n, tuple(notes))
-
-
-def _warm_fp8_tables(model: nn.Module) -> None:
-    """Fill the fp8 value tables (cached per dtype and device by :mod:`mixprec.fp8.gemm`) with real
-    tensors before the fake forward, which would otherwise cache fake ones for later real runs."""
-    from mixprec.fp8.gemm import _table
-
-    for device in {t.device for t in [*model.parameters(), *model.buffers()]}:
-        for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            _table(dtype, device)
 
 
 def _islands_to_fp32(model: nn.Module) -> None:

@@ -28,6 +28,7 @@ import functools
 from collections.abc import Iterator
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 __all__ = ["cpu_bf16_gemm_available", "emulated_mm", "native_fp8_available", "scaled_mm", "widen"]
 
@@ -104,7 +105,8 @@ def _table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     table = _TABLES.get(key)
     if table is None:
         table = torch.arange(256, dtype=torch.uint8, device=device).view(dtype).float()
-        _TABLES[key] = table
+        if not isinstance(table, FakeTensor):  # a memory estimate traces with fake tensors: never cache those
+            _TABLES[key] = table
     return table
 
 

@@ -70,7 +70,7 @@ def fast_kind(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> str | 
     return "sgd" if kind is torch.optim.SGD else "adam"
 
 
-def _chunks(params: list[torch.Tensor], key: Callable[[torch.Tensor], Any], chunk_numel: int) -> list[list[torch.Tensor]]:
+def chunks(params: list[torch.Tensor], key: Callable[[torch.Tensor], Any], chunk_numel: int) -> list[list[torch.Tensor]]:
     """Consecutive runs of parameters with the same ``key`` (device, dtype, step), each up to ``chunk_numel`` elements."""
     out: list[list[torch.Tensor]] = []
     current: list[torch.Tensor] = []
@@ -143,14 +143,14 @@ def fast_step(
         def key(p: torch.Tensor) -> Any:
             return (p.device, p.dtype, p.grad.dtype if p.grad is not None else None,
                     float(optimizer.state[p]["step"]))
-        for chunk in _chunks(active, key, chunk_numel):
+        for chunk in chunks(active, key, chunk_numel):
             _adam_chunk(optimizer, group, chunk, expand, store, fused=fused, plain_store=plain_store)
     else:
         momentum = _scalar(group["momentum"])
         def sgd_key(p: torch.Tensor) -> Any:
             has_buf = momentum != 0 and optimizer.state.get(p, {}).get("momentum_buffer") is not None
             return (p.device, p.dtype, p.grad.dtype if p.grad is not None else None, has_buf)
-        for chunk in _chunks(active, sgd_key, chunk_numel):
+        for chunk in chunks(active, sgd_key, chunk_numel):
             _sgd_chunk(optimizer, group, chunk, dtype, expand, store)
 
 
