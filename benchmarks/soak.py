@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import pathlib
+import sys
 import time
 
 _TEST = pathlib.Path(__file__).resolve().parent.parent / "tests" / "robustness" / "test_soak.py"
@@ -24,6 +25,7 @@ def main() -> None:
     spec = importlib.util.spec_from_file_location("mixprec_soak", _TEST)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
     start = time.perf_counter()
     report = module.soak(args.steps, plan=args.plan)
