@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import os
 import statistics
 import sys
@@ -182,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         for round_ in range(args.rounds):  # ABBA order: a side that runs first gains or loses nothing
             for side in ((True, False) if round_ % 2 == 0 else (False, True)):
                 (ours if side else theirs).extend(runner(side, args.steps)[args.warmup:])
+                gc.collect()  # the previous run's trainer, model and graphs must not slow the next one
         a, b = statistics.median(ours) * 1e3, statistics.median(theirs) * 1e3
         print(f"| {name} | `{native}` | {b:.1f} | {a:.1f} | {a / b:.3f} |", flush=True)
     return 0
