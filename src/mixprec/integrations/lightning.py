@@ -147,7 +147,8 @@ class MixprecPrecision(Precision):
     # ---------------------------------------------------------- forward
     @contextlib.contextmanager
     def forward_context(self) -> Generator[None, None, None]:
-        with self.mp.autocast():
+        # Lightning runs DDP's no_sync itself: the plan's autocast is all the forward needs.
+        with self.mp.plan.autocast(self.mp.device_type):
             yield
 
     # --------------------------------------------------------- backward
