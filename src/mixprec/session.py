@@ -762,6 +762,8 @@ class MixedPrecision:
         self._micro = 0
         self._loss_nonfinite = None
         self._unscaled = False
+        self._published = False
+        self._in_backward_ok = True
         if self.scheduler is not None:
             self.scheduler.load_state_dict(state_dict["scheduler"])
 
