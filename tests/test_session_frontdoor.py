@@ -334,3 +334,14 @@ def test_skip_restores_batchnorm_when_the_loop_calls_a_submodule_not_the_root():
     mp.backward(loss)
     assert mp.step().skipped
     assert torch.equal(root.net.bn.running_mean, before)
+
+
+def test_step_can_leave_gradients_for_the_framework_to_clear():
+    model = torch.nn.Linear(4, 2)
+    mp = MixedPrecision("bf16-mixed")
+    model, opt = mp.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    mp.backward(model(torch.randn(3, 4)).sum())
+    assert mp.step(zero_grad=False).stepped
+    assert model.weight.grad is not None  # the framework's own zero_grad() clears it
+    with pytest.raises(TypeError, match=re.escape("zero_grad= must be True or False, got 'no'")):
+        mp.step(zero_grad="no")  # type: ignore[arg-type]

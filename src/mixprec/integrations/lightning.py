@@ -204,9 +204,9 @@ class MixprecPrecision(Precision):
         finally:
             self.mp.optimizers = everything
 
-    def _step(self, optimizer: Any) -> StepResult:
+    def _step(self, optimizer: Any, zero_grad: bool = True) -> StepResult:
         with self._only(optimizer) as opt:
-            result = self.mp.step()
+            result = self.mp.step(zero_grad=zero_grad)
             self._skipped[id(opt)] = bool(result.skipped)
         self._pending = False
         self.last_result = result
@@ -225,7 +225,8 @@ class MixprecPrecision(Precision):
             self.mp.unscale_()  # true gradients before the hooks and clipping
         if lightning:
             self._after_closure(model, optimizer)  # on_before_optimizer_step, then configure_gradient_clipping
-        self._step(optimizer)
+        # Lightning's automatic optimisation clears the gradients itself before the next backward.
+        self._step(optimizer, zero_grad=not (lightning and model.automatic_optimization))
         return closure_result
 
     # -------------------------------------------------------- clipping
