@@ -31,7 +31,7 @@ from mixprec.buffers import BufferGuard
 from mixprec.dtypes import cast_floating
 from mixprec.plans import Plan, get_plan
 from mixprec.scaling import LossScaler
-from mixprec.scaling.base import _grad_tensors
+from mixprec.scaling.base import grad_tensors
 
 __all__ = ["MixedPrecision", "StepResult"]
 
@@ -459,7 +459,7 @@ class MixedPrecision:
 
     # ------------------------------------------------------------------ step
     def _grads(self) -> list[torch.Tensor]:
-        return [g for opt in self.optimizers for g in _grad_tensors(opt)]
+        return [g for opt in self.optimizers for g in grad_tensors(opt)]
 
     def _total_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         if not grads:

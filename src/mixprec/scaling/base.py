@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from mixprec.scaling._checks import SCALE_CEILING, SCALE_FLOOR, boolean, scale_value, show
 
-__all__ = ["SCALE_CEILING", "SCALE_FLOOR", "LossScaler", "OptState"]
+__all__ = ["SCALE_CEILING", "SCALE_FLOOR", "LossScaler", "OptState", "grad_tensors"]
 
 T = TypeVar("T")
 
@@ -70,7 +70,7 @@ def _resolve_group(process_group: Any) -> Any:
     return None
 
 
-def _grad_tensors(optimizer: torch.optim.Optimizer) -> Iterable[torch.Tensor]:
+def grad_tensors(optimizer: torch.optim.Optimizer) -> Iterable[torch.Tensor]:
     """The gradient values of every parameter of ``optimizer`` (sparse ones coalesced if low precision)."""
     for group in optimizer.param_groups:
         for param in group["params"]:
@@ -241,7 +241,7 @@ class LossScaler:
         """Multiply every gradient by ``inv_scale`` in place; return a 0/1 found-inf flag (all ranks agree)."""
         groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
         with torch.no_grad():
-            for grad in _grad_tensors(optimizer):
+            for grad in grad_tensors(optimizer):
                 groups[(grad.device, grad.dtype)].append(grad)
             per_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
             for (device, _dtype), grads in groups.items():
@@ -309,7 +309,7 @@ class LossScaler:
         """
         _check_optimizer(optimizer, "_unscale_grads_")
         if not allow_fp16:
-            for grad in _grad_tensors(optimizer):
+            for grad in grad_tensors(optimizer):
                 if grad.dtype == torch.float16:
                     raise ValueError("Attempting to unscale FP16 gradients.")
         flag = self._check_grads(optimizer, inv_scale.reshape(()).float())
