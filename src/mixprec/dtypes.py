@@ -14,11 +14,12 @@ torch.bfloat16
 
 from __future__ import annotations
 
-import copy
 import enum
 from typing import Any
 
 import torch
+
+from mixprec.nested import map_tensors
 
 __all__ = ["LOW_PRECISION_DTYPES", "Format", "cast_floating", "dtype_name", "parse_dtype"]
 
@@ -62,7 +63,7 @@ def parse_dtype(value: str | torch.dtype) -> torch.dtype:
 
 
 def cast_floating(value: Any, dtype: torch.dtype, *, include_float64: bool = False) -> Any:
-    """Cast every floating tensor in ``value`` (nested lists, tuples, namedtuples, dicts) to ``dtype``.
+    """Cast every floating tensor in ``value`` (nested containers, see :mod:`mixprec.nested`) to ``dtype``.
 
     Other leaves are returned as they are; float64 tensors too, unless ``include_float64``.
 
@@ -71,25 +72,12 @@ def cast_floating(value: Any, dtype: torch.dtype, *, include_float64: bool = Fal
     >>> out["x"].dtype, out["i"].dtype
     (torch.bfloat16, torch.int64)
     """
-    if isinstance(value, torch.Tensor):
-        if value.is_floating_point() and value.dtype != dtype and (include_float64 or value.dtype != torch.float64):
-            return value.to(dtype)
-        return value
-    if isinstance(value, list | tuple):
-        items = [cast_floating(v, dtype, include_float64=include_float64) for v in value]
-        if type(value) in (list, tuple):
-            return type(value)(items)
-        if hasattr(value, "_fields"):  # namedtuple
-            return type(value)(*items)
-        return type(value)(items)
-    if type(value) is dict:
-        return {k: cast_floating(v, dtype, include_float64=include_float64) for k, v in value.items()}
-    if isinstance(value, dict):
-        out = copy.copy(value)  # keeps dict subclasses (model output records) intact
-        for k, v in value.items():
-            out[k] = cast_floating(v, dtype, include_float64=include_float64)
-        return out
-    return value
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        if t.is_floating_point() and t.dtype != dtype and (include_float64 or t.dtype != torch.float64):
+            return t.to(dtype)
+        return t
+
+    return map_tensors(cast, value)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
