@@ -222,7 +222,7 @@ def test_checkpoint_scheduler_state_is_never_dropped_silently():
 
 def test_scaler_settings_must_match_to_resume_and_a_refusal_changes_nothing():
     saved_mp = _session(init_scale=2.0**10, hysteresis=1)
-    saved_mp._optimizer_steps = 7
+    saved_mp._ledger.optimizer_steps = 7
     saved = saved_mp.state_dict()
     mp = _session(init_scale=2.0**4, hysteresis=2)
     before_scaler, before_steps = mp.scaler.state_dict(), mp.optimizer_steps

@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["first_tensor", "map_tensors", "tensors"]
+__all__ = ["by_device_dtype", "first_tensor", "map_tensors", "tensors"]
 
 # Leaves that are common in op arguments: checked first so walking them costs one lookup.
 _ATOMS = frozenset({int, float, bool, str, bytes, type(None), torch.dtype, torch.device, slice, complex})
@@ -103,3 +103,17 @@ def first_tensor(value: Any, predicate: Callable[[torch.Tensor], bool] | None = 
         if predicate is None or predicate(t):
             return t
     return None
+
+
+def by_device_dtype(items: Iterable[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
+    """``items`` grouped by (device, dtype), in first-seen order: the unit of a foreach kernel.
+
+    >>> import torch
+    >>> groups = by_device_dtype([torch.ones(1), torch.ones(1, dtype=torch.bfloat16), torch.ones(2)])
+    >>> [(str(k[1]), len(v)) for k, v in groups.items()]
+    [('torch.float32', 2), ('torch.bfloat16', 1)]
+    """
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in items:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    return groups

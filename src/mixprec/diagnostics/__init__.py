@@ -19,7 +19,7 @@ from mixprec.diagnostics.memory import (
     memory_report,
     training_state_bytes_per_param,
 )
-from mixprec.diagnostics.overflow import OverflowFinding, OverflowTracer, trace_overflow
+from mixprec.tracing import OverflowFinding, OverflowTracer, trace_overflow
 
 __all__ = [
     "MEMORY_CLASSES",

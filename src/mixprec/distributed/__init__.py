@@ -38,7 +38,7 @@ from mixprec.distributed.fsdp import (
     sharded_plan,
     total_grad_norm,
 )
-from mixprec.distributed.groups import (
+from mixprec.process_groups import (
     all_reduce_max,
     is_distributed,
     rank,

@@ -33,8 +33,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mixprec.distributed.groups import resolve_group, world_size
 from mixprec.dtypes import dtype_name
+from mixprec.process_groups import resolve_group, world_size
 
 __all__ = ["GradReduceHook", "ReduceStats", "run_hook"]
 

@@ -50,10 +50,7 @@ def plan_for_ddp(plan: str | Plan) -> Plan:
     model's ``.grad`` (where DDP reduces them) and gather them into the fp32 masters at
     step time. Kept so code that prepares a plan for DDP explicitly keeps working.
     """
-    plan = get_plan(plan)
-    if getattr(plan, "accumulate_grads_in_fp32_hooks", False):
-        return plan.replace(accumulate_grads_in_fp32_hooks=False)
-    return plan
+    return get_plan(plan)
 
 
 def check_prewrapped(model: torch.nn.Module, plan: Plan) -> None:

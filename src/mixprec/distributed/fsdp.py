@@ -60,8 +60,6 @@ __all__ = [
     "total_grad_norm",
 ]
 
-_FSDP_FAMILIES = ("fp32", "mixed", "master")
-
 
 def _fsdp_api() -> Any:
     """The module holding ``fully_shard``, ``MixedPrecisionPolicy`` and ``FSDPModule``."""
@@ -88,10 +86,10 @@ def fsdp_policy(plan: str | Plan) -> Any:
     (master plans) and None otherwise; ``reduce_dtype`` is ``plan.reduce_dtype``.
     """
     plan = get_plan(plan)
-    family = _base_family(plan)
-    if family not in _FSDP_FAMILIES:
+    base = plan.base if isinstance(plan, ShardedPlan) and plan.base is not None else plan
+    if not base.supports_fsdp:
         raise ValueError(
-            f"plan {plan.name!r} ({family}) is not supported under FSDP2: its optimizer or layers are not "
+            f"plan {plan.name!r} ({base.family}) is not supported under FSDP2: its optimizer or layers are not "
             "written for sharded parameters. Use a '*-mixed' or '*-master' plan ('bf16-master' under FSDP2 "
             "keeps fp32 shards as the master weights and all-gathers bf16)."
         )
@@ -165,10 +163,6 @@ def _by_class(classes: tuple[type[torch.nn.Module], ...]) -> Callable[[str, torc
     return match
 
 
-def _base_family(plan: Plan) -> str:
-    return plan.base_family if isinstance(plan, ShardedPlan) else plan.family
-
-
 @dataclass(frozen=True)
 class ShardedPlan(Plan):
     """A plan as it runs on an FSDP2 model: FSDP casts, the fp32 shards are the masters.
@@ -182,6 +176,7 @@ class ShardedPlan(Plan):
     param_dtype: torch.dtype | None = None
 
     family: ClassVar[str] = "fsdp2"
+    supports_fsdp: ClassVar[bool] = True
     summary: ClassVar[str] = "FSDP2: fp32 parameter shards (the masters); all-gather and compute per the policy"
 
     @property

@@ -21,10 +21,10 @@ import importlib
 from types import ModuleType
 from typing import Any
 
-__all__ = ["as_mixed_precision"]
+__all__ = ["as_mixed_precision", "check_framework_session", "require_framework"]
 
 
-def _require(module: str, extra: str, what: str) -> ModuleType:
+def require_framework(module: str, extra: str, what: str) -> ModuleType:
     """Import ``module`` or raise an ImportError that names the extra to install."""
     try:
         return importlib.import_module(module)
@@ -62,7 +62,8 @@ def as_mixed_precision(precision: Any, **kwargs: Any) -> Any:
     )
 
 
-def _check_mp(mp: Any) -> None:
+def check_framework_session(mp: Any) -> None:
+    """Refuse session options a framework loop cannot honour (its own backward and accumulation)."""
     if mp.optimizer_in_backward:
         raise ValueError(
             "MixedPrecision(optimizer_in_backward=True) needs mixprec's own backward(); a framework runs its "

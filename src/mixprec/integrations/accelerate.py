@@ -49,9 +49,9 @@ from typing import Any
 
 import torch
 
-from mixprec.integrations import _check_mp, _require, as_mixed_precision
+from mixprec.integrations import check_framework_session, require_framework, as_mixed_precision
 
-_require("accelerate", "accelerate", "mixprec.integrations.accelerate")
+require_framework("accelerate", "accelerate", "mixprec.integrations.accelerate")
 
 from accelerate import Accelerator  # noqa: E402
 from accelerate.optimizer import AcceleratedOptimizer  # noqa: E402
@@ -221,7 +221,7 @@ def attach(accelerator: Any, mp: MixedPrecision | str | Any) -> MixedPrecision:
             return existing.mp
         raise ValueError("this Accelerator already runs under another MixedPrecision; use one per accelerator")
     session = as_mixed_precision(mp) if not isinstance(mp, MixedPrecision) else mp
-    _check_mp(session)
+    check_framework_session(session)
     cls = type(accelerator)
     sub = _ATTACHED.get(cls)
     if sub is None:

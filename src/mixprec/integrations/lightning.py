@@ -40,9 +40,9 @@ from typing import Any
 
 import torch
 
-from mixprec.integrations import _check_mp, _require, as_mixed_precision
+from mixprec.integrations import check_framework_session, require_framework, as_mixed_precision
 
-_require("lightning", "lightning", "mixprec.integrations.lightning")
+require_framework("lightning", "lightning", "mixprec.integrations.lightning")
 
 import lightning.pytorch as pl  # noqa: E402
 from lightning.pytorch.plugins.precision import Precision  # noqa: E402
@@ -77,7 +77,7 @@ class MixprecPrecision(Precision):
 
     def __init__(self, precision: str | Any = "bf16-mixed") -> None:
         self.mp: MixedPrecision = as_mixed_precision(precision)
-        _check_mp(self.mp)
+        check_framework_session(self.mp)
         # Lightning reads this string for its model summary; it also changes how its loop runs
         # (a "32-true" plugin around a bf16 forward measured ~10% slower), so name the compute dtype.
         compute = self.mp.plan.compute_dtype

@@ -34,10 +34,10 @@ from typing import Any
 
 import torch
 
-from mixprec.integrations import _require, as_mixed_precision
+from mixprec.integrations import require_framework, as_mixed_precision
 
-_require("transformers", "transformers", "mixprec.integrations.transformers")
-_require("accelerate", "transformers", "mixprec.integrations.transformers")
+require_framework("transformers", "transformers", "mixprec.integrations.transformers")
+require_framework("accelerate", "transformers", "mixprec.integrations.transformers")
 
 from transformers import Trainer  # noqa: E402
 

@@ -147,6 +147,11 @@ class Plan:
 
     family: ClassVar[str] = "base"
     summary: ClassVar[str] = ""
+    #: FSDP2 can shard a model under this plan (its layers and optimizer work on DTensor shards).
+    supports_fsdp: ClassVar[bool] = False
+    #: ``MixedPrecision(optimizer_in_backward=True)`` works: the plan's optimizer wrapper can
+    #: update one parameter at a time inside backward.
+    supports_optimizer_in_backward: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         if self.policy is not None and self.policy.dtype != self.compute_dtype and self.uses_autocast:
@@ -168,6 +173,17 @@ class Plan:
     @property
     def master_dtype(self) -> torch.dtype | None:
         return None
+
+    @property
+    def input_dtype(self) -> torch.dtype | None:
+        """dtype the model's floating inputs are cast to before its forward (None: left as they are).
+
+        Plans without autocast whose weights are low precision need their inputs in that
+        dtype; autocast plans leave inputs to autocast.
+        """
+        if self.uses_autocast or self.weight_dtype == torch.float32:
+            return None
+        return self.weight_dtype
 
     @property
     def optimizer_state_dtype(self) -> torch.dtype:

@@ -63,6 +63,7 @@ class FullPrecisionPlan(Plan):
     tf32: bool = False
 
     family: ClassVar[str] = "fp32"
+    supports_fsdp: ClassVar[bool] = True
     summary: ClassVar[str] = "fp32 everywhere"
 
     def tensor_dtypes(self) -> dict[str, str]:

@@ -34,6 +34,7 @@ class LowBitPlan(Plan):
     optimizer_compile: bool = False
 
     family: ClassVar[str] = "lowbit"
+    supports_optimizer_in_backward: ClassVar[bool] = True
     summary: ClassVar[str] = "bf16 weights and compute, compensated updates, no fp32 master"
 
     def __post_init__(self) -> None:

@@ -32,6 +32,7 @@ class MasterPlan(Plan):
     accumulate_grads_in_fp32_hooks: bool = False
 
     family: ClassVar[str] = "master"
+    supports_fsdp: ClassVar[bool] = True
     summary: ClassVar[str] = "low-precision weights and compute, fp32 master weights, norm layers and gradient accumulation"
 
     def __post_init__(self) -> None:

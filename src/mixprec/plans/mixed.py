@@ -15,4 +15,5 @@ class MixedPlan(Plan):
     """fp32 weights, grads and optimizer state; matmuls and convolutions in bf16/fp16 under autocast."""
 
     family: ClassVar[str] = "mixed"
+    supports_fsdp: ClassVar[bool] = True
     summary: ClassVar[str] = "fp32 weights, low-precision compute through autocast"

@@ -34,6 +34,7 @@ class PurePlan(Plan):
     optimizer_compile: bool = False
 
     family: ClassVar[str] = "pure"
+    supports_optimizer_in_backward: ClassVar[bool] = True
     summary: ClassVar[str] = "low precision everything, no master weights"
 
     @property

@@ -34,8 +34,9 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
-import torch.distributed as dist
 
+from mixprec.nested import by_device_dtype
+from mixprec.process_groups import all_reduce_max
 from mixprec.scaling._checks import SCALE_CEILING, SCALE_FLOOR, boolean, scale_value, show
 
 __all__ = ["SCALE_CEILING", "SCALE_FLOOR", "LossScaler", "OptState", "grad_tensors"]
@@ -59,15 +60,6 @@ class _OptimizerRecord:
     found_inf: torch.Tensor | None = None
     # The found-inf flag as the host read it in step() (None: not read, e.g. fused optimizers).
     host_found: bool | None = None
-
-
-def _resolve_group(process_group: Any) -> Any:
-    """``None`` -> the default group when more than one rank is initialised, else no sync."""
-    if process_group is not None:
-        return process_group
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return dist.group.WORLD
-    return None
 
 
 def grad_tensors(optimizer: torch.optim.Optimizer) -> Iterable[torch.Tensor]:
@@ -237,12 +229,15 @@ class LossScaler:
     def _record(self, optimizer: torch.optim.Optimizer) -> _OptimizerRecord:
         return self._records[id(optimizer)]
 
-    def _check_grads(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor) -> torch.Tensor:
-        """Multiply every gradient by ``inv_scale`` in place; return a 0/1 found-inf flag (all ranks agree)."""
-        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+    def _check_grads(
+        self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, sync: bool = True
+    ) -> torch.Tensor:
+        """Multiply every gradient by ``inv_scale`` in place; return a 0/1 found-inf flag.
+
+        With ``sync`` the flag is all-reduced, so all ranks agree; without, the caller does.
+        """
         with torch.no_grad():
-            for grad in grad_tensors(optimizer):
-                groups[(grad.device, grad.dtype)].append(grad)
+            groups = by_device_dtype(grad_tensors(optimizer))
             per_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
             for (device, _dtype), grads in groups.items():
                 if device not in per_device:
@@ -258,9 +253,8 @@ class LossScaler:
                 found_inf = torch.zeros((), dtype=torch.float32, device=self._scale.device)
                 for dev_found, _ in per_device.values():
                     found_inf = torch.maximum(found_inf, dev_found.to(found_inf.device))
-        group = _resolve_group(self._process_group)
-        if group is not None:
-            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)
+        if sync:
+            all_reduce_max(found_inf, self._process_group)
         return found_inf
 
     def _inv_scale(self) -> torch.Tensor:
@@ -269,11 +263,13 @@ class LossScaler:
         # fp32 division can be imprecise under some compile options: take the reciprocal in fp64.
         return self._scale.double().reciprocal().float()
 
-    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+    def unscale_(self, optimizer: torch.optim.Optimizer, *, sync: bool = True) -> None:
         """Divide ``optimizer``'s gradients by the scale, in place, and record whether any is inf/NaN.
 
         fp16 and bf16 gradients are accepted (computed in fp32). Call it at most once per
-        optimizer per iteration, after all gradients are accumulated.
+        optimizer per iteration, after all gradients are accumulated. ``sync=False`` skips
+        the cross-rank all-reduce of the flag: for a caller that makes one decision for
+        several optimizers and ranks and then calls :meth:`decided`.
         """
         _check_optimizer(optimizer, "unscale_")
         if not self._enabled:
@@ -291,7 +287,7 @@ class LossScaler:
         prepare_grads = getattr(optimizer, "prepare_grads", None)
         if prepare_grads is not None:  # a mixprec wrapper: e.g. the model's grads into the fp32 masters
             prepare_grads()
-        record.found_inf = self._check_grads(optimizer, self._inv_scale())
+        record.found_inf = self._check_grads(optimizer, self._inv_scale(), sync)
         record.stage = OptState.UNSCALED
 
     # torch.amp.GradScaler's helpers, for optimizers and tools that call them.
@@ -354,6 +350,19 @@ class LossScaler:
             self._records[id(opt)].found_inf = combined
             self._records[id(opt)].host_found = None
         return combined
+
+    def decided(self, optimizers: Iterable[torch.optim.Optimizer], found_inf: torch.Tensor, skipped: bool) -> None:
+        """Record a skip decision made elsewhere for ``optimizers`` (already unscaled).
+
+        ``found_inf`` is the 0/1 flag every rank agreed on and ``skipped`` its value as the
+        host read it, so :meth:`update` needs no further synchronisation.
+        """
+        for opt in optimizers:
+            rec = self._records.get(id(opt))
+            if rec is None or rec.found_inf is None:
+                raise RuntimeError("decided() needs unscale_() to have been called on every optimizer first.")
+            rec.found_inf = found_inf
+            rec.host_found = skipped
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale (unless already done) and call ``optimizer.step(*args, **kwargs)`` unless gradients are inf/NaN.

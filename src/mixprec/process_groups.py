@@ -1,10 +1,10 @@
-"""Which process group a collective runs over, and the facts about it.
+"""Which process group a collective runs over, and the facts about it (also :mod:`mixprec.distributed`).
 
 ``process_group=None`` means the default group when torch.distributed is initialised
 with more than one rank, and no communication otherwise (the rule the loss scalers
 and :class:`mixprec.MixedPrecision` follow too).
 
->>> from mixprec.distributed import is_distributed, resolve_group
+>>> from mixprec.process_groups import is_distributed, resolve_group
 >>> is_distributed(), resolve_group(None)
 (False, None)
 """

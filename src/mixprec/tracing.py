@@ -1,4 +1,4 @@
-"""Overflow tracing: name the first module whose activations or gradients become inf/NaN.
+"""Overflow tracing (also :mod:`mixprec.diagnostics`): name the first module whose activations or gradients become inf/NaN.
 
 A skipped step says *that* something overflowed; :class:`OverflowTracer` says
 *where*. It hooks every module of a model and, for each call, records the largest
@@ -47,8 +47,9 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from mixprec.diagnostics._tensors import display_name, floating_tensors, format_number
 from mixprec.dtypes import dtype_name
+from mixprec.formatting import display_name, format_number
+from mixprec.nested import tensors
 
 __all__ = ["OverflowFinding", "OverflowTracer", "trace_overflow"]
 
@@ -234,7 +235,7 @@ class OverflowTracer:
             if self._idle or not self.backward or not torch.is_grad_enabled():
                 return
             call = self._calls[index]
-            for t in floating_tensors(args):
+            for t in _floating(args):
                 if t.requires_grad:
                     t.register_hook(self._grad_hook(index, _BWD_IN, call))
 
@@ -246,7 +247,7 @@ class OverflowTracer:
                 return
             call = self._calls[index]
             self._calls[index] = call + 1
-            for t in floating_tensors(output):
+            for t in _floating(output):
                 self._record(index, _FWD_OUT, call, t)
                 if self.backward and t.requires_grad:
                     t.register_hook(self._grad_hook(index, _BWD_OUT, call))
@@ -399,3 +400,7 @@ def trace_overflow(model: nn.Module, *, backward: bool = True) -> _TraceContext:
     keeps working on what was recorded.
     """
     return _TraceContext(OverflowTracer(model, backward=backward))
+
+
+def _floating(value: Any) -> list[torch.Tensor]:
+    return [t for t in tensors(value) if t.is_floating_point()]

@@ -1,0 +1,62 @@
+"""Checks of :class:`mixprec.MixedPrecision`'s arguments: each refusal names the value and the fix.
+
+>>> from mixprec.options import check_session_options
+>>> check_session_options(0, None, 50, None, {})
+Traceback (most recent call last):
+...
+ValueError: grad_accum_steps must be an integer >= 1, got 0
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from mixprec.plans import Plan
+from mixprec.process_groups import is_distributed
+from mixprec.scaling import LossScaler
+
+__all__ = ["check_in_backward", "check_session_options"]
+
+
+def check_session_options(
+    grad_accum_steps: Any, clip_grad_norm: Any, max_consecutive_skips: Any, scaler: Any, flags: Mapping[str, Any]
+) -> None:
+    """Refuse bad :class:`~mixprec.MixedPrecision` arguments, naming the value and the fix."""
+    if not isinstance(grad_accum_steps, int) or isinstance(grad_accum_steps, bool) or grad_accum_steps < 1:
+        raise ValueError(f"grad_accum_steps must be an integer >= 1, got {grad_accum_steps!r}")
+    if clip_grad_norm is not None and (
+        not isinstance(clip_grad_norm, int | float)
+        or isinstance(clip_grad_norm, bool)
+        or not clip_grad_norm > 0
+        or not math.isfinite(clip_grad_norm)
+    ):
+        raise ValueError(f"clip_grad_norm must be a positive finite number or None, got {clip_grad_norm!r}")
+    if not isinstance(max_consecutive_skips, int) or isinstance(max_consecutive_skips, bool) or max_consecutive_skips < 1:
+        raise ValueError(f"max_consecutive_skips must be an integer >= 1, got {max_consecutive_skips!r}")
+    if scaler is not None and not isinstance(scaler, LossScaler):
+        raise TypeError(
+            f"scaler must be a mixprec LossScaler (DynamicLossScaler, ConstantLossScaler, NoOpScaler), "
+            f"got {type(scaler).__name__}"
+        )
+    for name, flag in flags.items():
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name}= must be True or False, got {flag!r}")
+
+
+def check_in_backward(plan: Plan, scaler: LossScaler, grad_accum_steps: int, clip_grad_norm: float | None) -> None:
+    """Refuse ``optimizer_in_backward=True`` where it cannot be exact, naming each reason."""
+    problems = []
+    if grad_accum_steps != 1:
+        problems.append(f"grad_accum_steps={grad_accum_steps} (each micro-batch would update the weights)")
+    if clip_grad_norm is not None:
+        problems.append(f"clip_grad_norm={clip_grad_norm} (the global norm needs every gradient first)")
+    if scaler.is_enabled():
+        problems.append(f"a loss scaler ({type(scaler).__name__}; use a bf16 plan)")
+    if not plan.supports_optimizer_in_backward:
+        problems.append(f"plan {plan.name!r} (use bf16-pure, bf16-kahan or bf16-sr)")
+    if is_distributed():
+        problems.append("several ranks (each rank would update before the others' gradients arrive)")
+    if problems:
+        raise ValueError("optimizer_in_backward=True does not work with " + "; ".join(problems))

@@ -1,0 +1,181 @@
+"""Preparing a model and its optimizers for a plan: what :meth:`mixprec.MixedPrecision.prepare` does.
+
+The steps, in order: choose the plan as it runs on this model (FSDP2, DDP), convert
+the model (:meth:`Plan.convert_model`), turn fp32 islands back to fp32, cast inputs for
+plans without autocast (:attr:`Plan.input_dtype`), wrap in DDP after the conversion, and
+compile. Optimizers are checked against the prepared model and wrapped by the plan.
+The diagnostics use the same functions to prepare shadow copies.
+
+>>> import torch
+>>> from mixprec.plans import get_plan
+>>> from mixprec.prepare import prepare_model, wrap_optimizers
+>>> model = torch.nn.Linear(4, 2)
+>>> prepared = prepare_model(model, get_plan("bf16-pure"))
+>>> model.weight.dtype, prepared.plan.input_dtype
+(torch.bfloat16, torch.bfloat16)
+>>> opt, = wrap_optimizers(prepared, [torch.optim.SGD(model.parameters(), lr=0.1)])
+>>> type(opt).__name__
+'PureLowPrecisionOptimizer'
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from mixprec.distributed.ddp import is_ddp, wrap_ddp
+from mixprec.distributed.frontdoor import ddp_arguments, plan_for_model
+from mixprec.dtypes import cast_floating
+from mixprec.islands import apply_fp32_islands, install_input_cast
+from mixprec.nested import first_tensor
+from mixprec.plans import Plan
+from mixprec.tracing import OverflowTracer
+
+__all__ = ["Fp32Criterion", "PreparedModel", "check_optimizers", "prepare_model", "wrap_optimizers"]
+
+
+@dataclass
+class PreparedModel:
+    """What :func:`prepare_model` made of a model.
+
+    Attributes:
+        model: the converted model (wrapped in DDP when asked); its parameters are the
+            ones optimizers must hold.
+        module: what the training loop calls (``model``, or ``torch.compile(model)``).
+        plan: the plan as it runs on this model (FSDP2 and DDP adjust it).
+        device: the device the model lives on.
+        ddp: gradients are reduced by DDP (asked for, or the model arrived wrapped).
+        fp32_values: fp32 values of what the conversion cast down (seeds for master
+            weights); emptied once optimizers are wrapped.
+        uncovered: trainable parameters no optimizer holds yet (their gradients are
+            cleared with the optimizers').
+        hooks: hook handles installed on the model (input casting).
+        tracer: the overflow tracer, when asked for.
+    """
+
+    model: torch.nn.Module
+    module: Any
+    plan: Plan
+    device: torch.device
+    ddp: bool = False
+    fp32_values: dict[torch.Tensor, torch.Tensor] = field(default_factory=dict)
+    uncovered: list[torch.Tensor] = field(default_factory=list)
+    hooks: list[Any] = field(default_factory=list)
+    tracer: OverflowTracer | None = None
+    parameters: set[torch.Tensor] = field(default_factory=set)
+
+
+def _model_device(model: torch.nn.Module, device: torch.device | None) -> torch.device:
+    first = next(iter(model.parameters()), None)
+    if device is None:
+        return first.device if first is not None else torch.device("cpu")
+    if first is not None and first.device.type != device.type:
+        raise ValueError(
+            f"MixedPrecision(device={str(device)!r}) but the model's parameters are on "
+            f"{str(first.device)!r}: autocast would not apply to them. Move the model first "
+            f"(model.to({str(device)!r})) or drop device="
+        )
+    return device
+
+
+def prepare_model(
+    model: torch.nn.Module,
+    plan: Plan,
+    *,
+    device: torch.device | None = None,
+    ddp: bool | Mapping[str, Any] = False,
+    process_group: Any = None,
+    compile: bool = False,
+    trace_overflow: bool = False,
+) -> PreparedModel:
+    """Convert ``model`` in place for ``plan`` (see the module docs for the steps)."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"prepare() expects an nn.Module first, got {type(model).__name__}")
+    device = _model_device(model, device)
+    ddp_kwargs = ddp_arguments(ddp, process_group) if ddp is not False else None
+    plan = plan_for_model(plan, model, ddp=ddp_kwargs is not None)
+    fp32_values = plan.convert_model(model)
+    if plan.policy is not None and plan.policy.fp32_modules:
+        # After the conversion: islands turn their own parameters back to fp32.
+        apply_fp32_islands(model, plan.policy)
+        fp32_values = {p: v for p, v in fp32_values.items() if p.dtype != torch.float32}
+    prepared = PreparedModel(
+        model=model,
+        module=model,
+        plan=plan,
+        device=device,
+        fp32_values=fp32_values,
+        parameters=set(model.parameters()),
+        # Parameters no optimizer holds (frozen ones, say): their gradients are cleared too.
+        uncovered=[p for p in model.parameters() if p.requires_grad],
+    )
+    if trace_overflow:  # on the inner model, before DDP/compile wrap it
+        prepared.tracer = OverflowTracer(model)
+    if plan.input_dtype is not None:
+        prepared.hooks.extend(install_input_cast(model, plan.input_dtype))
+    prepared.ddp = ddp_kwargs is not None or is_ddp(model)
+    if ddp_kwargs is not None:  # after the conversion: DDP must see the final dtypes
+        model = prepared.model = wrap_ddp(model, plan, **ddp_kwargs)
+    prepared.module = torch.compile(model) if compile else model
+    return prepared
+
+
+def check_optimizers(
+    prepared: PreparedModel, optimizers: Sequence[Any], existing: Sequence[torch.optim.Optimizer], caller: str
+) -> None:
+    """Refuse what is not a torch optimizer over ``prepared``'s parameters, or is given twice."""
+    seen = {id(o) for o in existing} | {id(getattr(o, "optimizer", o)) for o in existing}
+    for opt in optimizers:
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise TypeError(
+                f"{caller} expects torch optimizers after the model, got {type(opt).__name__}; "
+                "pass scheduler= and criterion= by keyword"
+            )
+        if id(opt) in seen:
+            raise ValueError(
+                f"the same {type(opt).__name__} was passed twice to prepare(); it would step twice per "
+                "iteration. Pass each optimizer once"
+            )
+        seen.add(id(opt))
+        foreign = [p for g in opt.param_groups for p in g["params"] if p not in prepared.parameters]
+        if foreign:
+            raise ValueError(
+                f"{len(foreign)} parameter(s) of the {type(opt).__name__} passed to prepare() are not "
+                "parameters of the prepared model (was the optimizer built over another model or a copy?). "
+                "Build the optimizer over model.parameters() of the model you pass to prepare()"
+            )
+
+
+def wrap_optimizers(
+    prepared: PreparedModel,
+    optimizers: Sequence[torch.optim.Optimizer],
+    existing: Sequence[torch.optim.Optimizer] = (),
+    caller: str = "prepare()",
+) -> list[Any]:
+    """The plan's wrappers around ``optimizers`` (checked first against ``existing``: :func:`check_optimizers`)."""
+    check_optimizers(prepared, optimizers, existing, caller)
+    covered = {id(p) for opt in optimizers for g in opt.param_groups for p in g["params"]}
+    prepared.uncovered = [p for p in prepared.uncovered if id(p) not in covered]
+    wrapped = [prepared.plan.wrap_optimizer(opt, prepared.fp32_values) for opt in optimizers]
+    if wrapped:  # the fp32 seeds are used; do not keep a second copy of the model alive
+        prepared.fp32_values = {}
+    return wrapped
+
+
+class Fp32Criterion(torch.nn.Module):
+    """Computes a loss in fp32 from low-precision outputs (autocast off, floating inputs upcast)."""
+
+    def __init__(self, criterion: Any) -> None:
+        super().__init__()
+        self.criterion = criterion
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        args = cast_floating(args, torch.float32)
+        kwargs = cast_floating(kwargs, torch.float32)
+        first = first_tensor(args)
+        device_type = first.device.type if first is not None else "cpu"
+        with torch.autocast(device_type, enabled=False):
+            return self.criterion(*args, **kwargs)

@@ -1,0 +1,306 @@
+"""The phases of one optimizer step: gradient norm and clipping, the skip decision, the update.
+
+:class:`mixprec.MixedPrecision.step` runs them in order. :class:`SkipDecision` is the one
+owner of the decision to skip: whatever the number of optimizers, a step makes one
+cross-rank collective and one host read to decide (a plan whose update can refuse a
+non-finite low-precision weight adds one more, after the update).
+
+>>> import torch
+>>> from mixprec.step import SkipDecision, total_norm
+>>> decision = SkipDecision()
+>>> decision.record_loss(torch.tensor(float("inf")))
+>>> decision.decide(total_norm([torch.ones(3)], torch.device("cpu")))
+'nonfinite_loss'
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mixprec.distributed.fsdp import has_dtensor, total_grad_norm
+from mixprec.nested import by_device_dtype
+from mixprec.plans import Plan
+from mixprec.process_groups import all_reduce_max
+from mixprec.scaling import LossScaler
+
+__all__ = [
+    "SkipDecision", "StepLedger", "StepResult", "apply_update", "call_hook", "check_loss", "clip_", "skip_error", "total_norm", "unscale_all", "warn_zero_grads",
+]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What :meth:`MixedPrecision.step` did.
+
+    Attributes:
+        stepped: the optimizers updated the parameters.
+        skipped: an accumulation boundary was reached but the update was skipped
+            (``skip_reason`` says why: ``"overflow"`` for inf/NaN gradients,
+            ``"nonfinite_loss"`` for an inf/NaN loss, ``"nonfinite_plan"`` for an inf/NaN
+            value only the plan saw (an fp8 layer's input or output gradient),
+            ``"nonfinite_weights"`` for an update that would have written inf/NaN into
+            low-precision weights; a skipped step changes nothing).
+        scale: the loss scale after this step (what ``get_scale()`` returns next).
+        grad_norm: the true (unscaled) gradient norm before clipping; None while
+            accumulating.
+        accumulating: not an accumulation boundary; nothing was done.
+        optimizer_steps: real optimizer steps taken so far.
+        overflow: diagnostics of the first non-finite module when overflow tracing is on.
+    """
+
+    stepped: bool
+    skipped: bool
+    scale: float
+    grad_norm: float | None
+    skip_reason: str | None = None
+    accumulating: bool = False
+    optimizer_steps: int = 0
+    overflow: Any = None
+
+
+# ------------------------------------------------------------------ gradients
+def call_hook(optimizers: Sequence[torch.optim.Optimizer], name: str) -> None:
+    """Call the optional wrapper hook ``name`` on each optimizer that has it.
+
+    The hooks of :class:`mixprec.optim.WrappedOptimizer` (``prepare_grads``,
+    ``publish_grads``, ``accumulate_grads``) move gradients between the model and a
+    wrapper's own storage; a plain torch optimizer has none of them.
+    """
+    for opt in optimizers:
+        hook = getattr(opt, name, None)
+        if hook is not None:
+            hook()
+
+
+def check_loss(loss: Any, caller: str) -> None:
+    """Refuse what cannot be backpropagated as one micro-batch's loss."""
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(f"{caller} expects the loss tensor, got {type(loss).__name__}")
+    if loss.numel() != 1:
+        raise ValueError(
+            f"{caller} expects a scalar loss, got shape {tuple(loss.shape)}; reduce it (e.g. loss.mean()) first"
+        )
+
+
+def unscale_all(
+    plan: Plan,
+    model: torch.nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer],
+    scaler: LossScaler,
+    process_group: Any = None,
+) -> None:
+    """Bring every optimizer's gradients to their true values, once per step.
+
+    The plan acts first (fp8: every rank computes the next scales from the same amaxes),
+    then each wrapper gathers its gradients (masters: the model's gradients into the fp32
+    masters), then the scaler unscales them without a collective: :class:`SkipDecision`
+    makes the only one.
+    """
+    plan.before_unscale(model, process_group)
+    call_hook(optimizers, "prepare_grads")
+    for opt in optimizers:
+        scaler.unscale_(opt, sync=False)
+
+
+def total_norm(grads: Sequence[torch.Tensor], device: torch.device | None) -> torch.Tensor:
+    """The total 2-norm of ``grads`` in fp32: one foreach norm per (device, dtype) group.
+
+    FSDP2 shards (DTensors) sum their squared norms across the shard group.
+    """
+    if not grads:
+        return torch.zeros((), device=device)
+    if has_dtensor(grads):
+        return total_grad_norm(list(grads))
+    target = grads[0].device
+    group_norms = [
+        torch.linalg.vector_norm(torch.stack(torch._foreach_norm(gs, 2.0, dtype=torch.float32)), 2.0).to(target)
+        for gs in by_device_dtype(grads).values()
+    ]
+    return group_norms[0] if len(group_norms) == 1 else torch.linalg.vector_norm(torch.stack(group_norms), 2.0)
+
+
+def clip_(grads: Sequence[torch.Tensor], norm: torch.Tensor, max_norm: float) -> None:
+    """Scale ``grads`` in place so their total norm ``norm`` becomes at most ``max_norm``.
+
+    A non-finite norm clips nothing (the step will be skipped).
+    """
+    if not grads:
+        return
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    coef = torch.where(torch.isfinite(coef), coef, torch.ones_like(coef))
+    for (device, _), gs in by_device_dtype(grads).items():
+        torch._foreach_mul_(gs, coef.to(device))
+
+
+# ------------------------------------------------------------------ decision
+class SkipDecision:
+    """Decides, once per step and for every optimizer and rank, whether the update happens.
+
+    Reasons, first match wins: ``"nonfinite_loss"`` (the forward overflowed; the scale is
+    kept), ``"overflow"`` (inf/NaN gradients; a dynamic scale backs off),
+    ``"nonfinite_plan"`` (the plan saw a non-finite value the gradients do not show, e.g.
+    an inf input or output gradient of an fp8 layer; the scale is kept).
+    """
+
+    def __init__(self, process_group: Any = None) -> None:
+        self.process_group = process_group
+        self._loss_bad: torch.Tensor | None = None
+
+    def record_loss(self, loss: torch.Tensor) -> None:
+        """Remember whether a micro-batch's loss is inf/NaN (no host read)."""
+        with torch.no_grad():
+            bad = ~torch.isfinite(loss.detach().float())
+        self._loss_bad = bad if self._loss_bad is None else self._loss_bad | bad
+
+    def loss_was_nonfinite(self) -> bool:
+        """Whether a loss of this step was inf/NaN (a host read)."""
+        return self._loss_bad is not None and bool(self._loss_bad)
+
+    def decide(
+        self,
+        norm: torch.Tensor,
+        plan_flag: torch.Tensor | None = None,
+        scaler: LossScaler | None = None,
+        optimizers: Sequence[torch.optim.Optimizer] = (),
+    ) -> str | None:
+        """The skip reason (None: step). ``scaler`` has unscaled ``optimizers`` without syncing;
+        it learns the decision, so its ``update()`` needs no further synchronisation."""
+        device = norm.device
+        loss_bad = self._loss_bad if self._loss_bad is not None else torch.zeros((), dtype=torch.bool)
+        flags = torch.stack([
+            loss_bad.to(device).float(),
+            (~torch.isfinite(norm)).float(),
+            torch.zeros((), device=device) if plan_flag is None else plan_flag.to(device).float(),
+        ])
+        scaling = scaler is not None and scaler.is_enabled()
+        if scaling:
+            flags[1] = torch.maximum(flags[1], scaler.sync_found_inf(optimizers).to(device))  # type: ignore[union-attr]
+        nonfinite_loss, overflow, plan_bad = (bool(v) for v in all_reduce_max(flags, self.process_group).tolist())
+        if scaling:
+            scaler.decided(optimizers, flags[1], overflow)  # type: ignore[union-attr]
+        if nonfinite_loss:
+            return "nonfinite_loss"
+        if overflow:
+            return "overflow"
+        return "nonfinite_plan" if plan_bad else None
+
+    def reset(self) -> None:
+        self._loss_bad = None
+
+
+def _step_nonfinite(opt: torch.optim.Optimizer) -> torch.Tensor | None:
+    check = getattr(opt, "step_nonfinite", None)  # wrappers whose update can refuse inf weights
+    return check() if check is not None else None
+
+
+def apply_update(optimizers: Sequence[torch.optim.Optimizer], process_group: Any = None) -> str | None:
+    """Step every optimizer; undo them all if one refused a non-finite low-precision weight.
+
+    The decision is made and gradients are unscaled, so each optimizer steps directly.
+    Returns ``"nonfinite_weights"`` when the update was undone, else None.
+    """
+    for opt in optimizers:
+        opt.step()
+    refusals = [f for opt in optimizers if (f := _step_nonfinite(opt)) is not None]
+    if not refusals:
+        return None
+    refused = torch.stack([f.reshape(()).float().to(refusals[0].device) for f in refusals]).amax()
+    if not bool(all_reduce_max(refused, process_group)):
+        return None
+    for opt in optimizers:
+        flag = _step_nonfinite(opt)
+        if flag is None or not bool(flag):
+            opt.undo_step()  # type: ignore[attr-defined]
+    return "nonfinite_weights"
+
+
+# ------------------------------------------------------------------ accounting
+class StepLedger:
+    """The counters steps leave behind and what they imply: the scaler's update, the
+    consecutive-skip limit, the zero-gradient warning, the :class:`StepResult`."""
+
+    def __init__(self) -> None:
+        self.optimizer_steps = 0
+        self.consecutive_skips = 0
+        self._warned_zero_grads = False
+
+    def record(
+        self,
+        reason: str | None,
+        norm: torch.Tensor | None,
+        scaler: LossScaler,
+        max_consecutive_skips: int,
+        overflow: Any = None,
+    ) -> StepResult:
+        """Count a decided step; raise after ``max_consecutive_skips`` skips in a row."""
+        if reason is None or (reason == "overflow" and scaler.is_enabled()):
+            if scaler.is_enabled():
+                scaler.update()  # an overflow backs the scale off
+        else:
+            scaler.skip()  # scaling cannot fix a forward overflow: keep the scale
+        if reason is None:
+            self.optimizer_steps += 1
+            self.consecutive_skips = 0
+        else:
+            self.consecutive_skips += 1
+        grad_norm = None if norm is None else float(norm)  # no norm when the update ran in backward
+        if reason is not None and self.consecutive_skips >= max_consecutive_skips:
+            raise skip_error(reason, self.consecutive_skips, grad_norm, scaler.get_scale())
+        if reason is None and grad_norm == 0.0 and scaler.is_enabled() and not self._warned_zero_grads:
+            self._warned_zero_grads = True
+            warn_zero_grads(scaler.get_scale())
+        return StepResult(
+            stepped=reason is None, skipped=reason is not None, scale=scaler.get_scale(), grad_norm=grad_norm,
+            skip_reason=reason, optimizer_steps=self.optimizer_steps, overflow=overflow,
+        )
+
+    def load(self, state: Any) -> None:
+        """Take the counters from a (validated) session state dict."""
+        self.optimizer_steps = int(state.get("optimizer_steps", 0))
+        self.consecutive_skips = int(state.get("consecutive_skips", 0))
+
+
+# ------------------------------------------------------------------ messages
+def skip_error(reason: str, n: int, norm: float | None, scale: float) -> RuntimeError:
+    """The error raised after ``n`` consecutive skipped steps, naming the cause and the fix."""
+    if reason == "nonfinite_loss":
+        return RuntimeError(
+            f"{n} consecutive steps were skipped because the loss itself was inf/NaN: the forward pass "
+            "overflows, which loss scaling cannot fix. Look for activations beyond the dtype's range "
+            "(mixprec.trace_overflow names the first module), keep that part in fp32 with "
+            "OpPolicy(fp32_modules=...), or lower the learning rate."
+        )
+    if reason == "nonfinite_plan":
+        return RuntimeError(
+            f"{n} consecutive steps were skipped because the plan's layers saw inf/NaN values (for "
+            "fp8-mixed: an input, weight or output gradient of an fp8 linear layer). Look for the first "
+            "non-finite activation (MixedPrecision(trace_overflow=True)), check the data, or keep that "
+            "layer out of fp8 (convert_to_fp8(module_filter=...))."
+        )
+    if reason == "nonfinite_weights":
+        return RuntimeError(
+            f"{n} consecutive steps were skipped because the update would have written inf/NaN into "
+            "the low-precision weights: they outgrow the dtype's range. Lower the learning rate, add "
+            "weight decay, or use a bf16 or master-weight plan."
+        )
+    return RuntimeError(
+        f"{n} consecutive steps were skipped because the gradients were inf/NaN (last norm {norm}); "
+        f"the loss scale is now {scale:g}. The gradients overflow whatever the scale: "
+        "check the learning rate and the data, or use a bf16 plan."
+    )
+
+
+def warn_zero_grads(scale: float) -> None:
+    """Warn (once per session, the caller decides) that a scaled step ran on all-zero gradients."""
+    warnings.warn(
+        f"an optimizer step ran on all-zero gradients with loss scale {scale:g}: "
+        "with fp16 the gradients may have underflowed (the scale is too small or the loss is zero). "
+        "Check the loss, raise min_scale= of the DynamicLossScaler, or use a bf16 plan.",
+        RuntimeWarning,
+        stacklevel=5,
+    )

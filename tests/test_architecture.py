@@ -1,0 +1,159 @@
+"""The layering of docs/architecture.md, checked on the source: imports only point down.
+
+Every module of ``src/mixprec`` belongs to one level of ``LEVELS`` (longest prefix wins).
+A module may import its own component (the same package or module) and any component of
+a lower level; never a higher level, never another component of its own level, and never
+another module's underscore names. Function-level imports count too. The module graph
+has no cycles.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+from collections.abc import Iterator
+
+import pytest
+
+SRC = pathlib.Path(__file__).resolve().parents[1] / "src"
+
+# Bottom to top. Components on one level are peers: they must not import each other.
+LEVELS: list[tuple[str, tuple[str, ...]]] = [
+    ("foundation", ("mixprec.nested", "mixprec.formatting", "mixprec.process_groups")),
+    ("dtypes", ("mixprec.dtypes",)),
+    ("formats", ("mixprec.fp8.formats",)),
+    ("policy", ("mixprec.policy",)),
+    ("autocast engine", ("mixprec.amp",)),
+    ("autocast tools", ("mixprec.islands", "mixprec.stats")),
+    ("numerics", ("mixprec.scaling", "mixprec.optim", "mixprec.fp8", "mixprec.buffers", "mixprec.tracing")),
+    ("plans", ("mixprec.plans",)),
+    ("distributed", ("mixprec.distributed",)),
+    ("prepare", ("mixprec.prepare",)),
+    ("step", ("mixprec.step", "mixprec.options")),
+    ("resume", ("mixprec.resume",)),
+    ("session", ("mixprec.session",)),
+    ("diagnostics", ("mixprec.diagnostics",)),
+    ("checkpoint", ("mixprec.checkpoint",)),
+    ("package", ("mixprec",)),
+    ("applications", ("mixprec.integrations", "mixprec.cli")),
+]
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    out = {}
+    for path in sorted((SRC / "mixprec").rglob("*.py")):
+        parts = list(path.relative_to(SRC).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _component(module: str) -> tuple[int, str]:
+    """(level index, component prefix) of ``module``: the longest matching prefix."""
+    best: tuple[int, str] | None = None
+    for index, (_, prefixes) in enumerate(LEVELS):
+        for prefix in prefixes:
+            nested = module.startswith(prefix + ".") and prefix != "mixprec"  # the root package is only itself
+            if (module == prefix or nested) and (best is None or len(prefix) > len(best[1])):
+                best = (index, prefix)
+    if best is None:
+        raise AssertionError(f"module {module} is in no level of LEVELS; add it to tests/test_architecture.py")
+    return best
+
+
+def _imports(module: str, path: pathlib.Path) -> Iterator[tuple[str, list[str], int]]:
+    """(imported module, imported names, line) for every mixprec import in ``path``."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "mixprec":
+                    yield alias.name, [], node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.split(".")[0] != "mixprec":
+                continue
+            names = [a.name for a in node.names]
+            submodules = [f"{target}.{n}" for n in names if f"{target}.{n}" in MODULES]
+            if submodules:  # `from mixprec import distributed` imports the module mixprec.distributed
+                yield from ((sub, [], node.lineno) for sub in submodules)
+                names = [n for n in names if f"{target}.{n}" not in MODULES]
+                if not names:
+                    continue
+            yield target, names, node.lineno
+
+
+EDGES = [(m, target, names, line) for m, path in MODULES.items() for target, names, line in _imports(m, path)]
+
+
+def test_every_module_has_a_level() -> None:
+    for module in MODULES:
+        _component(module)
+
+
+def test_imports_point_down_the_layers() -> None:
+    problems = []
+    for module, target, _, line in EDGES:
+        (src_level, src_comp), (dst_level, dst_comp) = _component(module), _component(target)
+        if src_comp == dst_comp:
+            continue
+        if dst_level > src_level:
+            problems.append(
+                f"{module}:{line} imports {target}: {LEVELS[src_level][0]} -> {LEVELS[dst_level][0]} points up"
+            )
+        elif dst_level == src_level:
+            problems.append(f"{module}:{line} imports {target}: peers on level {LEVELS[src_level][0]!r}")
+    assert not problems, "\n".join(problems)
+
+
+def test_no_module_imports_another_modules_private_names() -> None:
+    problems = []
+    for module, target, names, line in EDGES:
+        private = [n for n in names if n.startswith("_") and not n.startswith("__")]
+        if private and target != module:
+            problems.append(f"{module}:{line} imports {', '.join(private)} from {target}")
+        hidden = [p for p in target.split(".")[1:] if p.startswith("_") and not p.startswith("__")]
+        if hidden and _component(module)[1] != _component(target)[1]:
+            problems.append(f"{module}:{line} imports the private module {target} of another component")
+    assert not problems, "\n".join(problems)
+
+
+def test_the_module_graph_has_no_cycle() -> None:
+    graph: dict[str, set[str]] = {m: set() for m in MODULES}
+    for module, target, _, _ in EDGES:
+        if target in MODULES and target != module and not module.startswith(target + "."):
+            graph[module].add(target)
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycle = stack[stack.index(nxt):] + [nxt]
+                pytest.fail("import cycle: " + " -> ".join(cycle))
+            if nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module)
+
+
+def test_the_checker_catches_an_upward_import() -> None:
+    """The rules are not vacuous: a session import inside the scaling layer is named."""
+    (scaling, _), (session, _) = _component("mixprec.scaling.base"), _component("mixprec.session")
+    assert scaling < session
+    assert _component("mixprec.fp8.formats")[0] < _component("mixprec.fp8.linear")[0]
+    assert any(target == "mixprec.session" for _, target, _, _ in EDGES), "the edges were not collected"
