@@ -1,7 +1,7 @@
 """Every precision plan vs fp32 and vs the plain ``torch.autocast`` loop, side by side.
 
 The benchmark of issue 4: the small GPT (6 layers, 512 wide, sequence 256, batch 8)
-and the small CNN of :mod:`mixprec.models`, each trained under every plan next to
+and the small CNN of :mod:`mixprec.cli.models`, each trained under every plan next to
 fp32 and next to the plain loop (fp32 model, ``torch.autocast("cpu", dtype=torch.bfloat16)``,
 ``loss.backward()``, ``opt.step()``, ``opt.zero_grad()``), in one process with
 interleaved steps (:func:`mixprec.bench.run_bench`, the harness ``mixprec bench`` uses).

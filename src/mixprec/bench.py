@@ -75,7 +75,7 @@ _BF16_AUTOCAST_LABEL = "torch.autocast (bf16)"
 
 # ---------------------------------------------------------------- workloads
 class TaskLike(Protocol):
-    """What the harness trains: :class:`mixprec.models.Task` is one; so are adapted user models."""
+    """What the harness trains: :class:`mixprec.cli.models.Task` is one; so are adapted user models."""
 
     @property
     def model(self) -> nn.Module: ...
@@ -119,8 +119,8 @@ class Workload:
 
 
 def builtin_workload(name: str, size: str = "tiny") -> Workload:
-    """A built-in task of :mod:`mixprec.models` (``"gpt"``, ``"cnn"``, ``"vit"``, ``"mlp"``) at ``size``."""
-    from mixprec.models import SIZES, TASKS, build_task
+    """A built-in task of :mod:`mixprec.cli.models` (``"gpt"``, ``"cnn"``, ``"vit"``, ``"mlp"``) at ``size``."""
+    from mixprec.cli.models import SIZES, TASKS, build_task
 
     if name not in TASKS:
         raise ValueError(f"unknown model {name!r}; built-in models are {', '.join(TASKS)}, or pass module:factory")

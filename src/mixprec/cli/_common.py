@@ -231,7 +231,7 @@ def apply_globals(args: argparse.Namespace, default_threads: int | None = None) 
 def add_model_arguments(parser: argparse.ArgumentParser, *, default: str | Sequence[str], many: bool = False,
                         default_size: str = "tiny") -> None:
     """``--model`` (a built-in name or module:factory), ``--size``, ``--input-shape``, ``--num-classes``."""
-    from mixprec.models import SIZES, TASKS
+    from mixprec.cli.models import SIZES, TASKS
 
     group = parser.add_argument_group("model")
     shown = " ".join(default) if isinstance(default, list | tuple) else default

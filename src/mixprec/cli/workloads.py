@@ -8,7 +8,7 @@ returns one of:
 
 1. a task-like object with ``model``, ``criterion`` and ``batch(batch_size, generator)``
    (optionally ``eval_batch(batch_size)``, ``accuracy(outputs, targets)``, ``chance``,
-   ``default_batch_size``, ``eval_batch_size``), as :class:`mixprec.models.Task` has;
+   ``default_batch_size``, ``eval_batch_size``), as :class:`mixprec.cli.models.Task` has;
 2. a tuple ``(model, batch_fn, criterion)`` with
    ``batch_fn(batch_size: int, generator: torch.Generator) -> (inputs, targets)`` and
    ``criterion(model(inputs), targets) -> scalar loss``;
