@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from mixprec.bench import max_batch_for
 from mixprec.cli import COMMAND_MODULES, commands, main
+from mixprec.cli.harness import max_batch_for
 from mixprec.plans import PLANS, get_plan
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -303,7 +303,7 @@ def test_a_diverging_run_fails_with_one_line_and_status_1(tmp_path: Path, capsys
 
 def test_an_interrupted_run_leaves_the_previous_report_whole(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    import mixprec.report
+    import mixprec.cli.report
 
     out = tmp_path / "report"
     base = ["demo", "--quiet", "--model", "mlp", "--size", "tiny", "--plans", "bf16-mixed", "--steps", "2",
@@ -316,7 +316,7 @@ def test_an_interrupted_run_leaves_the_previous_report_whole(tmp_path: Path, cap
     def interrupted(*args: object, **kwargs: object) -> str:  # Ctrl-C after the plots were drawn
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(mixprec.report, "demo_markdown", interrupted)
+    monkeypatch.setattr(mixprec.cli.report, "demo_markdown", interrupted)
     assert main(["--seed", "2", *base]) == 130
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # no new plot beside the old report
     monkeypatch.undo()

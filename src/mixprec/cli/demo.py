@@ -24,8 +24,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from mixprec.bench import FP32, DemoRun, train_side_by_side
-from mixprec.cli._common import (
+from mixprec.cli.common import (
     Command,
     add_model_arguments,
     apply_globals,
@@ -37,7 +36,8 @@ from mixprec.cli._common import (
     resolve_device,
     resolve_workload,
 )
-from mixprec.report import demo_table, write_demo_report
+from mixprec.cli.harness import FP32, DemoRun, train_side_by_side
+from mixprec.cli.report import demo_table, write_demo_report
 
 __all__ = ["COMMAND", "DEFAULT_PLANS", "DEFAULT_STEPS", "REPORT_FILES", "fp16_scaling_runs", "publish_report"]
 

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from mixprec.bench import TaskLike, Workload
+from mixprec.cli.harness import TaskLike, Workload
 
 __all__ = ["load_workload", "parse_shape"]
 
@@ -94,7 +94,7 @@ def _default_accuracy(outputs: Any, targets: Any) -> float | None:
 
 @dataclass(eq=False)
 class CustomTask:
-    """A user model adapted to what the harness trains (see :class:`mixprec.bench.TaskLike`)."""
+    """A user model adapted to what the harness trains (see :class:`mixprec.cli.harness.TaskLike`)."""
 
     model: nn.Module
     criterion: Callable[..., Tensor]
