@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import os
@@ -412,3 +413,37 @@ def test_progress_is_one_line_per_plan_when_not_a_terminal(tmp_path: Path, capsy
     err = capsys.readouterr().err
     assert "\r" not in err
     assert [line.split(":")[0] for line in err.strip().splitlines()] == ["bench"] * 3  # fp32, torch.autocast, plan
+
+
+class _Features(dict):  # a model-output-like dict subclass with an attribute of its own
+    pass
+
+
+def test_on_device_moves_nested_batches_keeping_their_types() -> None:
+    """Batches of any nesting (namedtuples, dict subclasses) reach the device with their structure."""
+    from mixprec.cli.common import on_device
+    from mixprec.cli.harness import Workload
+
+    pair = collections.namedtuple("pair", "x mask")
+
+    class NestedTask:
+        model = nn.Linear(2, 2)
+        criterion = nn.MSELoss()
+        chance = None
+
+        def batch(self, batch_size: int, generator: torch.Generator) -> tuple[object, object]:
+            features = _Features(tokens=torch.randn(batch_size, 2, generator=generator), lengths=[batch_size])
+            features.source = "synthetic"
+            return pair(features, torch.ones(batch_size, dtype=torch.bool)), torch.zeros(batch_size, 2)
+
+        def eval_batch(self, batch_size: int = 256) -> tuple[object, object]:
+            return self.batch(batch_size, torch.Generator().manual_seed(0))
+
+    workload = Workload(name="nested", make=lambda seed: NestedTask())  # type: ignore[arg-type,return-value]
+    task = on_device(workload, torch.device("meta")).make(0)  # any non-CPU device takes the moving path
+    assert task.model.weight.device.type == "meta"
+    for inputs, targets in (task.batch(3, torch.Generator().manual_seed(1)), task.eval_batch(4)):
+        assert type(inputs) is pair and type(inputs.x) is _Features and inputs.x.source == "synthetic"
+        assert inputs.x["tokens"].device.type == "meta" and inputs.mask.device.type == "meta"
+        assert inputs.mask.dtype == torch.bool and inputs.x["lengths"] == [inputs.mask.shape[0]]
+        assert targets.device.type == "meta"
