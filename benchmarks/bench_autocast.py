@@ -1,6 +1,6 @@
 """Autocast overhead: mixprec.autocast vs torch.autocast in the same training step.
 
-For each model (a small GPT and a small CNN from ``mixprec.models``) one training
+For each model (a small GPT and a small CNN from ``mixprec.cli.models``) one training
 step (forward, loss, backward, SGD step) runs under three contexts, CPU bf16:
 
 - ``torch.autocast`` (the baseline);
@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from mixprec.autocast import autocast
-from mixprec.models import build_task
+from mixprec.cli.models import build_task
 from mixprec.policy import OpPolicy
 
 DTYPE = torch.bfloat16
@@ -91,7 +91,7 @@ def _spread(samples: list[float], base: float) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tasks", default="gpt,cnn", help="comma-separated mixprec.models tasks")
+    parser.add_argument("--tasks", default="gpt,cnn", help="comma-separated mixprec.cli.models tasks")
     parser.add_argument("--size", default="small", choices=("tiny", "small"))
     parser.add_argument("--batch-size", type=int, default=None, help="default: per task (gpt 4)")
     parser.add_argument("--repeats", type=int, default=15)

@@ -44,7 +44,7 @@ def _make_row(task_name: str, size: str, plan_name: str, reduce: str) -> tuple[A
     from torch.nn.parallel import DistributedDataParallel
 
     from mixprec import MixedPrecision, get_plan, parse_dtype
-    from mixprec.models import build_task
+    from mixprec.cli.models import build_task
 
     task = build_task(task_name, size=size, seed=0)
     opt = torch.optim.AdamW(task.model.parameters(), lr=1e-3)

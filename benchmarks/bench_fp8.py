@@ -31,7 +31,7 @@ from torch import nn
 
 import mixprec.fp8.gemm as fp8_gemm
 from mixprec import fp8
-from mixprec.models import build_task
+from mixprec.cli.models import build_task
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,7 @@ class Runner:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--task", default="gpt", help="mixprec.models task (default: gpt)")
+    parser.add_argument("--task", default="gpt", help="mixprec.cli.models task (default: gpt)")
     parser.add_argument("--size", default="small", choices=["tiny", "small"])
     parser.add_argument("--batch-size", type=int, default=None, help="default: the task's own")
     parser.add_argument("--repeats", type=int, default=5, help="timed steps per variant (median)")

@@ -1,7 +1,7 @@
 """GPU training-step benchmark: fp32 and plain ``torch.autocast`` next to every mixprec plan.
 
 A GPT-2-small-sized model (12 layers, 768 wide, vocabulary 50,304, sequence 1,024: about
-124M parameters, :class:`mixprec.models.GPT`) is trained, from the same initial weights on
+124M parameters, :class:`mixprec.cli.models.GPT`) is trained, from the same initial weights on
 the same batch, by each variant in one process:
 
 - ``torch-fp32``: the plain fp32 loop (``loss.backward()``, ``opt.step()``);
@@ -50,8 +50,8 @@ import torch
 from torch import nn
 
 from mixprec import MixedPrecision, get_plan
+from mixprec.cli.models import GPT, GPTConfig, TokenCrossEntropy
 from mixprec.fp8 import native_fp8_available
-from mixprec.models import GPT, GPTConfig, TokenCrossEntropy
 from mixprec.plans import PLANS
 
 NO_CUDA_MESSAGE = "no CUDA device: nothing to benchmark"

@@ -1,6 +1,6 @@
 """Optimizer step of the low-precision plans vs torch's fp32 AdamW and optimi's Kahan AdamW.
 
-Side by side in one process, interleaved, on a model of :mod:`mixprec.models` (the small
+Side by side in one process, interleaved, on a model of :mod:`mixprec.cli.models` (the small
 GPT by default: 6 layers, 512 wide): the optimizer step alone (gradients from one
 backward, then ``opt.step()`` timed) and the whole training step (forward, backward,
 step). Rows:
@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from mixprec import MixedPrecision
-from mixprec.models import build_task
+from mixprec.cli.models import build_task
 from mixprec.optim import LowPrecisionOptimizer
 
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01

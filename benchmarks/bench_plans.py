@@ -1,10 +1,10 @@
 """Every precision plan vs fp32 and vs the plain ``torch.autocast`` loop, side by side.
 
 The benchmark of issue 4: the small GPT (6 layers, 512 wide, sequence 256, batch 8)
-and the small CNN of :mod:`mixprec.models`, each trained under every plan next to
+and the small CNN of :mod:`mixprec.cli.models`, each trained under every plan next to
 fp32 and next to the plain loop (fp32 model, ``torch.autocast("cpu", dtype=torch.bfloat16)``,
 ``loss.backward()``, ``opt.step()``, ``opt.zero_grad()``), in one process with
-interleaved steps (:func:`mixprec.bench.run_bench`, the harness ``mixprec bench`` uses).
+interleaved steps (:func:`mixprec.cli.harness.run_bench`, the harness ``mixprec bench`` uses).
 Reported per row: median step time and its ratios to both baselines, measured peak
 memory of a step, training-state bytes per parameter, and the largest batch whose
 estimated peak fits a memory budget (see docs/cli.md for how each is obtained). On CPU the fp16 plans are left out unless ``--include-fp16``
@@ -29,15 +29,15 @@ from pathlib import Path
 
 import torch
 
-from mixprec.bench import (
+from mixprec.cli.format import parse_bytes
+from mixprec.cli.harness import (
     builtin_workload,
     default_plans,
     is_fp16_plan,
-    parse_bytes,
     plan_rows,
     run_bench,
 )
-from mixprec.report import bench_markdown
+from mixprec.cli.report import bench_markdown
 
 
 def main(argv: list[str] | None = None) -> int:

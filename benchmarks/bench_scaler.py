@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 
 from mixprec import DynamicLossScaler
-from mixprec.models import build_task
+from mixprec.cli.models import build_task
 
 
 def _training_step(task, model, opt, scaler, dtype, gen) -> Callable[[], None]:

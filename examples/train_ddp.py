@@ -16,7 +16,7 @@ Multi-node (run on every node, node_rank 0..nnodes-1, the endpoint on node 0)::
         examples/train_ddp.py --ckpt-dir /shared/ckpt
 
 Every optimizer step consumes ``--grad-accum`` micro-batches of ``--batch-size`` examples
-per rank from a fixed synthetic dataset (``mixprec.models``, nothing downloaded), sharded
+per rank from a fixed synthetic dataset (``mixprec.cli.models``, nothing downloaded), sharded
 by ``mixprec.distributed.distributed_loader``. Rank 0 writes a checkpoint every
 ``--ckpt-every`` steps (atomic: temp file, fsync, rename) and keeps the last ``--keep``.
 A (re)started run loads the latest one, continues from the step after it, and, because
@@ -42,15 +42,15 @@ import torch.distributed as dist
 from torch.utils.data import TensorDataset
 
 from mixprec import MixedPrecision, get_plan, load_checkpoint, parse_dtype, save_checkpoint
+from mixprec.cli.models import build_task
 from mixprec.distributed import distributed_loader, epoch_batches, reduce_stats
-from mixprec.models import build_task
 
 _CKPT = re.compile(r"ckpt-(\d+)\.pt$")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--task", default="mlp", help="built-in task (mixprec.models.TASKS)")
+    p.add_argument("--task", default="mlp", help="built-in task (mixprec.cli.models.TASKS)")
     p.add_argument("--size", default="tiny", choices=("tiny", "small"))
     p.add_argument("--plan", default="bf16-mixed", help="precision plan name")
     p.add_argument("--reduce-dtype", default="fp32", help="gradient all-reduce dtype: fp32, bf16 or fp16")

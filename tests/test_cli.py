@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import os
@@ -14,8 +15,8 @@ import pytest
 import torch
 from torch import nn
 
-from mixprec.bench import max_batch_for
 from mixprec.cli import COMMAND_MODULES, commands, main
+from mixprec.cli.harness import max_batch_for
 from mixprec.plans import PLANS, get_plan
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -303,7 +304,7 @@ def test_a_diverging_run_fails_with_one_line_and_status_1(tmp_path: Path, capsys
 
 def test_an_interrupted_run_leaves_the_previous_report_whole(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    import mixprec.report
+    import mixprec.cli.report
 
     out = tmp_path / "report"
     base = ["demo", "--quiet", "--model", "mlp", "--size", "tiny", "--plans", "bf16-mixed", "--steps", "2",
@@ -316,7 +317,7 @@ def test_an_interrupted_run_leaves_the_previous_report_whole(tmp_path: Path, cap
     def interrupted(*args: object, **kwargs: object) -> str:  # Ctrl-C after the plots were drawn
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(mixprec.report, "demo_markdown", interrupted)
+    monkeypatch.setattr(mixprec.cli.report, "demo_markdown", interrupted)
     assert main(["--seed", "2", *base]) == 130
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # no new plot beside the old report
     monkeypatch.undo()
@@ -412,3 +413,37 @@ def test_progress_is_one_line_per_plan_when_not_a_terminal(tmp_path: Path, capsy
     err = capsys.readouterr().err
     assert "\r" not in err
     assert [line.split(":")[0] for line in err.strip().splitlines()] == ["bench"] * 3  # fp32, torch.autocast, plan
+
+
+class _Features(dict):  # a model-output-like dict subclass with an attribute of its own
+    pass
+
+
+def test_on_device_moves_nested_batches_keeping_their_types() -> None:
+    """Batches of any nesting (namedtuples, dict subclasses) reach the device with their structure."""
+    from mixprec.cli.common import on_device
+    from mixprec.cli.harness import Workload
+
+    pair = collections.namedtuple("pair", "x mask")
+
+    class NestedTask:
+        model = nn.Linear(2, 2)
+        criterion = nn.MSELoss()
+        chance = None
+
+        def batch(self, batch_size: int, generator: torch.Generator) -> tuple[object, object]:
+            features = _Features(tokens=torch.randn(batch_size, 2, generator=generator), lengths=[batch_size])
+            features.source = "synthetic"
+            return pair(features, torch.ones(batch_size, dtype=torch.bool)), torch.zeros(batch_size, 2)
+
+        def eval_batch(self, batch_size: int = 256) -> tuple[object, object]:
+            return self.batch(batch_size, torch.Generator().manual_seed(0))
+
+    workload = Workload(name="nested", make=lambda seed: NestedTask())  # type: ignore[arg-type,return-value]
+    task = on_device(workload, torch.device("meta")).make(0)  # any non-CPU device takes the moving path
+    assert task.model.weight.device.type == "meta"
+    for inputs, targets in (task.batch(3, torch.Generator().manual_seed(1)), task.eval_batch(4)):
+        assert type(inputs) is pair and type(inputs.x) is _Features and inputs.x.source == "synthetic"
+        assert inputs.x["tokens"].device.type == "meta" and inputs.mask.device.type == "meta"
+        assert inputs.mask.dtype == torch.bool and inputs.x["lengths"] == [inputs.mask.shape[0]]
+        assert targets.device.type == "meta"

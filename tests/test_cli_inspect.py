@@ -101,8 +101,8 @@ def test_advise_on_the_builtin_fragile_model(
 ) -> None:
     """The built-in ``fragile`` model: the advisor finds its real problems (bf16 cancellation,
     fp16 overflow) and the islands it proposes bring the plan within tolerance."""
+    from mixprec.cli.models import build_task
     from mixprec.diagnostics import compare
-    from mixprec.models import build_task
     from mixprec.plans import get_plan
 
     assert main(["inspect", "--model", "fragile", "--plan", plan, "--advise", "--no-plots",

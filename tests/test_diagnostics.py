@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from mixprec import MixedPrecision, StepResult
+from mixprec.cli.models import build_task
 from mixprec.diagnostics import (
     HeadroomMonitor,
     OverflowFinding,
@@ -28,7 +29,6 @@ from mixprec.diagnostics.memory import (
     memory_report,
     training_state_bytes_per_param,
 )
-from mixprec.models import build_task
 from mixprec.plans import PLANS
 
 

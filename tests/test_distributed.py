@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from mixprec import MixedPrecision, get_plan
-from mixprec.models import build_task
+from mixprec.cli.models import build_task
 from tests._dist import run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from mixprec.models import (
+from mixprec.cli.models import (
     GPT,
     SIZES,
     TASKS,
@@ -258,7 +258,7 @@ def test_bad_seed() -> None:
 def test_fragile_model_breaks_fp16_and_bf16_where_documented() -> None:
     """fp32 is finite and well scaled; fp16 overflows in ``overflow.proj``; bf16 rounds away
     ``cancel.proj``'s signal; each fragile projection computed in fp32 is fine."""
-    from mixprec.models import FRAGILE_GAIN, FragileMLP, ScaledNormProjection
+    from mixprec.cli.models import FRAGILE_GAIN, FragileMLP, ScaledNormProjection
 
     task = build_task("fragile", size="tiny", seed=0)
     assert isinstance(task.model, FragileMLP)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mixprec import MixedPrecision, StepResult, get_plan, load_checkpoint, save_checkpoint
-from mixprec.models import build_task
+from mixprec.cli.models import build_task
 from mixprec.optim import MasterWeightOptimizer
 
 ALL_PLANS = ("fp32", "tf32", "bf16-mixed", "fp16-mixed", "bf16-master", "fp16-master",

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from mixprec import MixedPrecision, StepResult
+from mixprec.cli.models import build_task
 from mixprec.diagnostics import OverflowFinding, OverflowTracer, trace_overflow
 from mixprec.diagnostics.memory import estimate_memory
-from mixprec.models import build_task
 from tests.test_diagnostics import _planted_backward, _planted_forward
 
 pytestmark = [

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from mixprec import MixedPrecision
+from mixprec.cli.models import build_task
 from mixprec.fp8 import native_fp8_available
-from mixprec.models import build_task
 from tests.test_session import _STEPS, _TOL, ALL_PLANS
 
 pytestmark = [

@@ -1,7 +1,7 @@
 """The ``mixprec`` command: ``demo``, ``bench``, ``explain``, ``memory``, ``inspect``.
 
 Each subcommand lives in a module of this package that defines ``COMMAND``
-(a :class:`~mixprec.cli._common.Command`); adding one means adding a module and its
+(a :class:`~mixprec.cli.common.Command`); adding one means adding a module and its
 name to :data:`COMMAND_MODULES`. Bad input (an unknown plan or model, an unwritable
 output path, a bad ``--model`` spec, an option out of range) ends with a one-line error
 on stderr and exit status 2, without a traceback; a run that fails (a diverging model)
@@ -23,7 +23,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from mixprec.cli._common import Command, OneLineErrorParser, global_options, plain_text
+from mixprec.cli.common import Command, OneLineErrorParser, global_options, plain_text
 
 __all__ = ["COMMAND_MODULES", "build_parser", "commands", "main"]
 

@@ -13,8 +13,7 @@ import argparse
 import json
 from pathlib import Path
 
-from mixprec.bench import default_plans, parse_bytes, plan_rows, run_bench
-from mixprec.cli._common import (
+from mixprec.cli.common import (
     Command,
     add_model_arguments,
     apply_globals,
@@ -25,7 +24,9 @@ from mixprec.cli._common import (
     resolve_device,
     resolve_workload,
 )
-from mixprec.report import bench_markdown
+from mixprec.cli.format import parse_bytes
+from mixprec.cli.harness import default_plans, plan_rows, run_bench
+from mixprec.cli.report import bench_markdown
 
 __all__ = ["COMMAND"]
 

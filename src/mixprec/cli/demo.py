@@ -24,8 +24,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from mixprec.bench import FP32, DemoRun, train_side_by_side
-from mixprec.cli._common import (
+from mixprec.cli.common import (
     Command,
     add_model_arguments,
     apply_globals,
@@ -37,7 +36,9 @@ from mixprec.cli._common import (
     resolve_device,
     resolve_workload,
 )
-from mixprec.report import demo_table, write_demo_report
+from mixprec.cli.harness import FP32, DemoRun, train_side_by_side
+from mixprec.cli.plots import PLOTS
+from mixprec.cli.report import demo_table, write_demo_report
 
 __all__ = ["COMMAND", "DEFAULT_PLANS", "DEFAULT_STEPS", "REPORT_FILES", "fp16_scaling_runs", "publish_report"]
 
@@ -78,9 +79,7 @@ def fp16_scaling_runs(device_type: str = "cpu") -> list[DemoRun]:
     ]
 
 
-REPORT_FILES: tuple[str, ...] = (
-    "report.md", "results.json", "loss.png", "accuracy.png", "loss_scale.png", "step_time.png",
-)
+REPORT_FILES: tuple[str, ...] = ("report.md", "results.json", *PLOTS)
 """The files a demo report consists of (a new report replaces all of them)."""
 
 _STAGING_PREFIX = ".mixprec-partial-"

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import argparse
 
-from mixprec.cli._common import Command
+from mixprec.cli.common import Command
+from mixprec.cli.format import markdown_table
 from mixprec.plans import ALIASES, PLANS, get_plan
-from mixprec.report import markdown_table
 
 __all__ = ["COMMAND"]
 

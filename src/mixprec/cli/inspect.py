@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from mixprec.cli._common import (
+from mixprec.cli.common import (
     Command,
     add_model_arguments,
     apply_globals,
@@ -28,7 +28,8 @@ from mixprec.cli._common import (
     positive_int,
     resolve_workload,
 )
-from mixprec.report import markdown_table
+from mixprec.cli.format import format_number, markdown_table
+from mixprec.cli.plots import pyplot
 
 __all__ = ["COMMAND"]
 
@@ -71,9 +72,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
 
 # ------------------------------------------------------------------ formatting
 def _num(x: float | None, spec: str = ".3g") -> str:
-    from mixprec.diagnostics._tensors import format_number
-
-    return format_number(x, spec)
+    return format_number(x, spec, missing="-", keep_nonfinite=True)  # inf dB: an exact result
 
 
 def _name(module: str) -> str:
@@ -139,9 +138,7 @@ def _headroom_summary(hr: Any) -> str:
 
 # ------------------------------------------------------------------ plot
 def _plot(report: Any, top: int, title: str, path: Path) -> None:
-    from mixprec.report import _pyplot
-
-    plt = _pyplot()
+    plt = pyplot()
     modules = report.ranked()[:top][::-1]  # worst at the top of the chart
     labels = [f"{_name(m.module)} ({m.module_type})" for m in modules]
     fwd = [_own_db(m.own_fwd_err if m.own_fwd_err is not None else m.fwd_rel_err) for m in modules]

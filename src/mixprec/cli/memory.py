@@ -18,8 +18,7 @@ from typing import Any
 
 import torch
 
-from mixprec.bench import Workload, default_plans, format_bytes
-from mixprec.cli._common import (
+from mixprec.cli.common import (
     Command,
     add_model_arguments,
     apply_globals,
@@ -29,7 +28,8 @@ from mixprec.cli._common import (
     positive_int,
     resolve_workload,
 )
-from mixprec.report import markdown_table
+from mixprec.cli.format import format_bytes, markdown_table
+from mixprec.cli.harness import Workload, default_plans
 
 __all__ = ["COMMAND"]
 

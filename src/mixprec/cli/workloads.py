@@ -8,7 +8,7 @@ returns one of:
 
 1. a task-like object with ``model``, ``criterion`` and ``batch(batch_size, generator)``
    (optionally ``eval_batch(batch_size)``, ``accuracy(outputs, targets)``, ``chance``,
-   ``default_batch_size``, ``eval_batch_size``), as :class:`mixprec.models.Task` has;
+   ``default_batch_size``, ``eval_batch_size``), as :class:`mixprec.cli.models.Task` has;
 2. a tuple ``(model, batch_fn, criterion)`` with
    ``batch_fn(batch_size: int, generator: torch.Generator) -> (inputs, targets)`` and
    ``criterion(model(inputs), targets) -> scalar loss``;
@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from mixprec.bench import TaskLike, Workload
+from mixprec.cli.harness import TaskLike, Workload
 
 __all__ = ["load_workload", "parse_shape"]
 
@@ -94,7 +94,7 @@ def _default_accuracy(outputs: Any, targets: Any) -> float | None:
 
 @dataclass(eq=False)
 class CustomTask:
-    """A user model adapted to what the harness trains (see :class:`mixprec.bench.TaskLike`)."""
+    """A user model adapted to what the harness trains (see :class:`mixprec.cli.harness.TaskLike`)."""
 
     model: nn.Module
     criterion: Callable[..., Tensor]

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mixprec.models.layers import TransformerBlock
+from mixprec.cli.models.layers import TransformerBlock
 
 __all__ = ["GPT", "GPTConfig", "TokenCrossEntropy"]
 

@@ -51,11 +51,11 @@ def _check_batch_size(batch_size: int, call: str) -> None:
 class Task:
     """A built-in training task: an fp32 CPU model, its criterion and its data.
 
-    Build one with :func:`mixprec.models.build_task`. The model and data are
+    Build one with :func:`mixprec.cli.models.build_task`. The model and data are
     deterministic functions of the seed the task was built with.
 
     Attributes:
-        name: task name, one of :data:`mixprec.models.TASKS`.
+        name: task name, one of :data:`mixprec.cli.models.TASKS`.
         size: ``"tiny"`` or ``"small"``.
         seed: the seed model parameters and the data distribution derive from.
         model: the network, fp32 on CPU.

@@ -3,7 +3,7 @@
 Five tasks, each at two sizes, for benchmarks, the CLI demo and tests of precision
 plans. Data is generated deterministically from a seed; nothing is downloaded.
 
->>> from mixprec.models import TASKS, build_task
+>>> from mixprec.cli.models import TASKS, build_task
 >>> TASKS
 ('gpt', 'cnn', 'vit', 'mlp', 'fragile')
 >>> task = build_task("gpt", size="tiny", seed=0)
@@ -11,10 +11,10 @@ plans. Data is generated deterministically from a seed; nothing is downloaded.
 >>> loss = task.criterion(task.model(inputs), targets)
 """
 
-from mixprec.models.cnn import ResNet, ResNetConfig
-from mixprec.models.data import GaborImages, MarkovLanguage, Spirals
-from mixprec.models.gpt import GPT, GPTConfig, TokenCrossEntropy
-from mixprec.models.mlp import (
+from mixprec.cli.models.cnn import ResNet, ResNetConfig
+from mixprec.cli.models.data import GaborImages, MarkovLanguage, Spirals
+from mixprec.cli.models.gpt import GPT, GPTConfig, TokenCrossEntropy
+from mixprec.cli.models.mlp import (
     FRAGILE_GAIN,
     FRAGILE_OFFSET,
     MLP,
@@ -22,9 +22,9 @@ from mixprec.models.mlp import (
     MLPConfig,
     ScaledNormProjection,
 )
-from mixprec.models.task import DataSource, Task, accuracy
-from mixprec.models.tasks import SIZES, TASKS, build_task
-from mixprec.models.vit import ViT, ViTConfig
+from mixprec.cli.models.task import DataSource, Task, accuracy
+from mixprec.cli.models.tasks import SIZES, TASKS, build_task
+from mixprec.cli.models.vit import ViT, ViTConfig
 
 __all__ = [
     "FRAGILE_GAIN",

@@ -7,12 +7,12 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from mixprec.models.cnn import ResNet, ResNetConfig
-from mixprec.models.data import GaborImages, MarkovLanguage, Spirals
-from mixprec.models.gpt import GPT, GPTConfig, TokenCrossEntropy
-from mixprec.models.mlp import MLP, FragileMLP, MLPConfig
-from mixprec.models.task import Task
-from mixprec.models.vit import ViT, ViTConfig
+from mixprec.cli.models.cnn import ResNet, ResNetConfig
+from mixprec.cli.models.data import GaborImages, MarkovLanguage, Spirals
+from mixprec.cli.models.gpt import GPT, GPTConfig, TokenCrossEntropy
+from mixprec.cli.models.mlp import MLP, FragileMLP, MLPConfig
+from mixprec.cli.models.task import Task
+from mixprec.cli.models.vit import ViT, ViTConfig
 
 __all__ = ["SIZES", "TASKS", "build_task"]
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from mixprec.models.layers import TransformerBlock
+from mixprec.cli.models.layers import TransformerBlock
 
 __all__ = ["ViT", "ViTConfig"]
 

@@ -15,7 +15,8 @@ from typing import Any, NoReturn
 
 import torch
 
-from mixprec.bench import TORCH_AUTOCAST, TaskLike, Workload, builtin_workload
+from mixprec.cli.harness import TORCH_AUTOCAST, TaskLike, Workload, builtin_workload
+from mixprec.nested import map_tensors
 from mixprec.plans import resolve_plan_name
 
 __all__ = [
@@ -110,16 +111,6 @@ def resolve_device(text: str) -> torch.device:
     return device
 
 
-def _to_device(value: Any, device: torch.device) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, list | tuple):
-        return type(value)(_to_device(v, device) for v in value)
-    if isinstance(value, dict):
-        return {k: _to_device(v, device) for k, v in value.items()}
-    return value
-
-
 class _OnDevice:
     """A task whose model lives on ``device`` and whose batches are moved there."""
 
@@ -134,10 +125,10 @@ class _OnDevice:
         return getattr(self._task, name)
 
     def batch(self, batch_size: int, generator: torch.Generator) -> tuple[Any, Any]:
-        return _to_device(self._task.batch(batch_size, generator), self._device)
+        return map_tensors(lambda t: t.to(self._device), self._task.batch(batch_size, generator))
 
     def eval_batch(self, batch_size: int = 256) -> tuple[Any, Any]:
-        return _to_device(self._task.eval_batch(batch_size), self._device)
+        return map_tensors(lambda t: t.to(self._device), self._task.eval_batch(batch_size))
 
     def accuracy(self, outputs: Any, targets: Any) -> float | None:
         return self._task.accuracy(outputs, targets)
@@ -231,7 +222,7 @@ def apply_globals(args: argparse.Namespace, default_threads: int | None = None) 
 def add_model_arguments(parser: argparse.ArgumentParser, *, default: str | Sequence[str], many: bool = False,
                         default_size: str = "tiny") -> None:
     """``--model`` (a built-in name or module:factory), ``--size``, ``--input-shape``, ``--num-classes``."""
-    from mixprec.models import SIZES, TASKS
+    from mixprec.cli.models import SIZES, TASKS
 
     group = parser.add_argument_group("model")
     shown = " ".join(default) if isinstance(default, list | tuple) else default

@@ -1,0 +1,114 @@
+"""How the CLI writes sizes, numbers, ratios and tables: one set of formatters for every
+command, report and benchmark script, and the reader of sizes given on the command line.
+
+>>> format_bytes(3 * 2**20), format_bytes(None)
+('3.00 MiB', 'n/a')
+>>> parse_bytes("2GiB"), parse_bytes("1.5 GB")
+(2147483648, 1500000000)
+>>> format_number(0.12345), format_number(float("nan")), format_number(None, missing="-")
+('0.123', 'n/a', '-')
+>>> format_number(float("inf"), ".1f", keep_nonfinite=True), format_ratio(1.5), plural(2, "step")
+('inf', '1.50x', '2 steps')
+>>> print(markdown_table(["plan", "ms"], [["fp32", "12.0"], ["bf16-mixed", "5.1"]]))
+| plan       | ms   |
+|------------|------|
+| fp32       | 12.0 |
+| bf16-mixed | 5.1  |
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+
+__all__ = ["format_bytes", "format_number", "format_ratio", "markdown_table", "parse_bytes", "plural"]
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """``"2GiB"``, ``"512 MiB"``, ``"1.5GB"``, ``"1000000"`` -> bytes.
+
+    >>> parse_bytes("512 MiB")
+    536870912
+    >>> parse_bytes("2 parsecs")
+    Traceback (most recent call last):
+    ...
+    ValueError: cannot read '2 parsecs' as a memory size; write it like 2GiB, 512MiB or 1.5GB
+    """
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else ""
+    if not match or unit not in _UNITS:
+        raise ValueError(f"cannot read {text!r} as a memory size; write it like 2GiB, 512MiB or 1.5GB")
+    value = float(match.group(1)) * _UNITS[unit]
+    if value <= 0:
+        raise ValueError(f"a memory size must be positive, got {text!r}")
+    return int(value)
+
+
+def format_bytes(n: float | None) -> str:
+    """Bytes in binary units (``"1.50 GiB"``, ``"12 B"``); ``"n/a"`` for None.
+
+    >>> format_bytes(1536), format_bytes(12), format_bytes(5 * 2**30)
+    ('1.50 KiB', '12 B', '5.00 GiB')
+    """
+    if n is None:
+        return "n/a"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def format_number(value: float | None, spec: str = ".3f", *, missing: str = "n/a",
+                  keep_nonfinite: bool = False) -> str:
+    """``value`` formatted with ``spec``; ``missing`` for None.
+
+    Non-finite values are ``missing`` too, unless ``keep_nonfinite`` (then ``"nan"``,
+    ``"inf"``, ``"-inf"``: where an infinity means something, e.g. the SQNR of an exact result).
+
+    >>> format_number(2.0, ".1f"), format_number(float("-inf")), format_number(float("-inf"), keep_nonfinite=True)
+    ('2.0', 'n/a', '-inf')
+    """
+    if value is None or (not keep_nonfinite and not math.isfinite(value)):
+        return missing
+    return format(value, spec)
+
+
+def format_ratio(value: float | None) -> str:
+    """A ratio as ``"1.23x"``; ``"n/a"`` for None or a non-finite value.
+
+    >>> format_ratio(0.5), format_ratio(None)
+    ('0.50x', 'n/a')
+    """
+    return "n/a" if value is None or not math.isfinite(value) else f"{value:.2f}x"
+
+
+def plural(n: int, word: str) -> str:
+    """``n`` and ``word``, with an ``s`` unless ``n`` is 1.
+
+    >>> plural(1, "thread"), plural(4, "thread")
+    ('1 thread', '4 threads')
+    """
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]], align: str = "") -> str:
+    """A padded Markdown table (readable as plain text too). ``align``: one of "l"/"r" per column.
+
+    >>> print(markdown_table(["plan", "ms"], [["fp32", "12.0"]], "lr"))
+    | plan |   ms |
+    |------|-----:|
+    | fp32 | 12.0 |
+    """
+    widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows, strict=True)]
+    align = align or "l" * len(headers)
+
+    def line(cells: Sequence[str]) -> str:
+        padded = [str(c).rjust(w) if a == "r" else str(c).ljust(w) for c, w, a in zip(cells, widths, align, strict=True)]
+        return "| " + " | ".join(padded) + " |"
+
+    rule = "|" + "|".join(("-" * (w + 1) + ":") if a == "r" else "-" * (w + 2) for w, a in zip(widths, align, strict=True)) + "|"
+    return "\n".join([line(headers), rule, *(line(r) for r in rows)])

@@ -1,0 +1,43 @@
+"""The versions and machine facts recorded in every report."""
+
+from __future__ import annotations
+
+import platform
+from typing import Any
+
+import torch
+
+__all__ = ["environment"]
+
+
+def environment() -> dict[str, Any]:
+    """Versions and machine facts that go into every report."""
+    import mixprec
+
+    return {
+        "mixprec": mixprec.__version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "processor": _cpu_name(),
+        "cpu_capability": _cpu_capability(),
+        "threads": torch.get_num_threads(),
+    }
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _cpu_capability() -> str:
+    try:
+        return str(torch.backends.cpu.get_cpu_capability())
+    except (AttributeError, RuntimeError):
+        return "unknown"

@@ -1,0 +1,149 @@
+"""The demo's summary table and report folder, and the benchmark matrix as Markdown.
+
+The plots of the report are drawn by :mod:`mixprec.cli.plots`; every number is written
+by :mod:`mixprec.cli.format`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from mixprec.cli.format import format_bytes, format_number, format_ratio, markdown_table, plural
+from mixprec.cli.harness import TORCH_AUTOCAST, BenchResult, DemoResult
+from mixprec.cli.plots import plot_demo
+
+__all__ = [
+    "bench_markdown",
+    "demo_markdown",
+    "demo_table",
+    "write_demo_report",
+]
+
+# -------------------------------------------------------------------- demo
+_DEMO_HEADERS = ["plan", "step time (ms)", "speedup vs fp32", "peak memory", "state B/param",
+                 "final loss", "accuracy", "skipped steps", "final loss scale"]
+
+
+def demo_table(result: DemoResult) -> str:
+    """The demo's summary table: one row per plan."""
+    rows = []
+    for h in result.histories:
+        acc = h.eval_accuracies[-1] if h.eval_accuracies else None
+        rows.append([
+            h.label,
+            format_number(h.median_step_s * 1e3, ".1f"),
+            format_ratio(result.speedup_vs_fp32(h)),
+            format_bytes(h.peak_memory_bytes),
+            format_number(h.state_bytes_per_param.get("total"), ".1f"),
+            format_number(h.eval_losses[-1] if h.eval_losses else None, ".4f"),
+            format_number(acc, ".3f"),
+            str(h.skipped_steps),
+            f"{h.final_scale:g}",
+        ])
+    return markdown_table(_DEMO_HEADERS, rows, "lrrrrrrrr")
+
+
+def demo_markdown(result: DemoResult, command: str, plots: Sequence[str] = ()) -> str:
+    """The demo's report.md."""
+    s, env = result.settings, result.environment
+    chance = "n/a" if result.chance is None else f"{result.chance:.3f}"
+    lines = [
+        f"# mixprec demo: {result.workload}",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"{s['steps']} AdamW steps (lr {s['lr']:g}, batch {s['batch_size']}, seed {s['seed']}) per plan; every plan "
+        "starts from the same weights and sees the same batches, its steps interleaved with the others'. "
+        f"Loss and accuracy are measured on a fixed held-out batch of {s['eval_batch_size']} every "
+        f"{s['eval_every']} steps (chance accuracy {chance}).",
+        "",
+        demo_table(result),
+        "",
+        "- step time: median over the steps after the first "
+        f"{result.histories[0].warmup_steps} (warm-up), forward + backward + optimizer step;",
+        "- speedup: fp32 step time / the plan's step time (above 1: faster);",
+        "- peak memory: of one training step, measured by `mixprec.diagnostics.memory.measure_memory` "
+        "(every live tensor storage counted);",
+        "- state B/param: training-state bytes per parameter (weights, buffers, gradients, fp32 masters and "
+        "gradient accumulation, optimizer state, Kahan compensation);",
+        "- final loss, accuracy: on the held-out batch after the last step.",
+        "",
+        f"Wall time {result.wall_s:.1f} s on {env['processor']} ({plural(env['threads'], 'thread')}, "
+        f"torch {env['torch']}, mixprec {env['mixprec']}).",
+        "",
+    ]
+    titles = {"loss.png": "Loss", "accuracy.png": "Held-out accuracy", "loss_scale.png": "Loss scale",
+              "step_time.png": "Step time"}
+    for name in plots:
+        lines += [f"## {titles.get(name, name)}", "", f"![{titles.get(name, name)}]({name})", ""]
+    lines += ["## Plans", ""]
+    from mixprec.plans import get_plan
+
+    for h in result.histories:
+        if h.plan != TORCH_AUTOCAST:
+            title = [] if h.label == h.plan else [f"{h.label}:", ""]
+            lines += [*title, "```", h.explain or get_plan(h.plan).explain(), "```", ""]
+    return "\n".join(lines)
+
+
+
+
+def write_demo_report(result: DemoResult, folder: Path, command: str, *, plots: bool = True) -> list[Path]:
+    """Write report.md, results.json and (with ``plots``) the PNGs into ``folder``; returns the paths."""
+    folder.mkdir(parents=True, exist_ok=True)
+    names = plot_demo(result, folder) if plots else []
+    (folder / "report.md").write_text(demo_markdown(result, command, names), encoding="utf-8")
+    (folder / "results.json").write_text(json.dumps(result.to_dict(), indent=2) + "\n", encoding="utf-8")
+    return [folder / "report.md", folder / "results.json", *(folder / n for n in names)]
+
+
+# ------------------------------------------------------------------- bench
+def bench_markdown(result: BenchResult, command: str | None = None) -> str:
+    """The benchmark matrix as Markdown: one table for all rows, then how to read it."""
+    budget = result.settings.get("memory_budget_bytes")
+    headers = ["model", "plan", "batch", "step time (ms)", "best (ms)", "vs fp32", "vs torch.autocast",
+               "peak memory", "peak vs fp32", "state B/param", "state vs fp32"]
+    align = "llrrrrrrrrr"
+    if budget is not None:
+        headers.append(f"max batch @ {format_bytes(budget)}")
+        align += "r"
+    rows = []
+    for r in result.rows:
+        row = [r.model, r.label, str(r.batch), format_number(r.step_time_s * 1e3, ".1f"), format_number(r.min_step_time_s * 1e3, ".1f"),
+               format_ratio(r.speedup_vs_fp32),
+               format_ratio(r.speedup_vs_autocast), format_bytes(r.peak_memory_bytes), format_ratio(r.peak_ratio_vs_fp32),
+               format_number(r.state_bytes_per_param.get("total"), ".1f"), format_ratio(r.state_ratio_vs_fp32)]
+        if budget is not None:
+            row.append("n/a" if r.max_batch is None else str(r.max_batch))
+        rows.append(row)
+    env, s = result.environment, result.settings
+    lines = []
+    if command:
+        lines += [f"Command: `{command}`", ""]
+    lines += [
+        f"{env['processor']}, {plural(env['threads'], 'thread')}, torch {env['torch']}, mixprec {env['mixprec']}; "
+        f"AdamW; median of {plural(s['repeats'], 'interleaved timed step')} after "
+        f"{plural(s['warmup'], 'warm-up step')}.",
+        "",
+        markdown_table(headers, rows, align),
+        "",
+        "- step time: median of the timed steps (forward, backward, optimizer step); best: the fastest of them. "
+        "A best far below the median means the machine was busy during the run.",
+        "- vs fp32 / vs torch.autocast: speedup, the baseline's median step time divided by the row's "
+        "(above 1: faster). torch.autocast is the plain loop: fp32 model, "
+        "`with torch.autocast(\"cpu\", dtype=torch.bfloat16)`, `loss.backward()`, `opt.step()`, `opt.zero_grad()`.",
+        "- peak memory: measured for one training step by `mixprec.diagnostics.memory.measure_memory` (every live "
+        "tensor storage counted, so it works on CPU); n/a for the plain torch.autocast loop, which it does not run "
+        "(its tensors are those of bf16-mixed: fp32 weights, grads and AdamW state, the same autocast forward).",
+        "- state B/param: training-state bytes per parameter (weights, buffers, grads, fp32 masters, fp32 grad "
+        "accumulation, optimizer state, Kahan compensation), counted on the live model and optimizer.",
+    ]
+    if budget is not None:
+        lines.append(
+            "- max batch: the largest batch whose estimated step peak fits the budget, from a line through "
+            "`mixprec.diagnostics.memory.estimate_memory` peaks at the row's batch and twice it (an estimate; "
+            "allocator overhead not included)."
+        )
+    return "\n".join(lines) + "\n"
