@@ -15,7 +15,7 @@ The diagnostics use the same functions to prepare shadow copies.
 (torch.bfloat16, torch.bfloat16)
 >>> opt, = wrap_optimizers(prepared, [torch.optim.SGD(model.parameters(), lr=0.1)])
 >>> type(opt).__name__
-'PureLowPrecisionOptimizer'
+'LowPrecisionOptimizer'
 """
 
 from __future__ import annotations
