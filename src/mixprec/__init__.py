@@ -27,7 +27,7 @@ from mixprec.diagnostics import (
 )
 from mixprec.dtypes import Format, parse_dtype
 from mixprec.islands import apply_fp32_islands, remove_fp32_islands
-from mixprec.plans import PLANS, Plan, get_plan
+from mixprec.plans import PLANS, Plan, get_plan, register_plan
 from mixprec.policy import OpPolicy, Precision, compare_with_torch
 from mixprec.scaling import (
     SCALE_CEILING,
@@ -79,6 +79,7 @@ __all__ = [
     "measure_memory",
     "memory_report",
     "op_stats",
+    "register_plan",
     "parse_dtype",
     "register_op",
     "remove_fp32_islands",

@@ -7,7 +7,15 @@ from mixprec.plans.lowbit import LowBitPlan
 from mixprec.plans.master import MasterPlan
 from mixprec.plans.mixed import MixedPlan
 from mixprec.plans.pure import PurePlan
-from mixprec.plans.registry import ALIASES, PLANS, get_plan, resolve_plan_name
+from mixprec.plans.registry import (
+    ALIASES,
+    PLANS,
+    get_plan,
+    plan_names,
+    register_plan,
+    resolve_plan_name,
+    unregister_plan,
+)
 
 __all__ = [
     "ALIASES",
@@ -23,5 +31,8 @@ __all__ = [
     "ScalingConfig",
     "cast_module_",
     "get_plan",
+    "plan_names",
+    "register_plan",
     "resolve_plan_name",
+    "unregister_plan",
 ]

@@ -29,7 +29,7 @@ from mixprec.plans.master import MasterPlan
 from mixprec.plans.mixed import MixedPlan
 from mixprec.plans.pure import PurePlan
 
-__all__ = ["ALIASES", "NOT_ALIASES", "PLANS", "get_plan", "resolve_plan_name"]
+__all__ = ["ALIASES", "NOT_ALIASES", "PLANS", "get_plan", "plan_names", "register_plan", "resolve_plan_name", "unregister_plan"]
 
 _BF16, _FP16 = torch.bfloat16, torch.float16
 _DYNAMIC = ScalingConfig(kind="dynamic")
@@ -83,6 +83,43 @@ _SCALING_KEYS = {f.name for f in dataclasses.fields(ScalingConfig)} - {"kind"}
 _POLICY_KEYS = {"lower_ops", "fp32_ops", "fp32_modules"}
 
 
+def register_plan(name: str, factory: Callable[[], Plan]) -> None:
+    """Make ``get_plan(name)`` return ``factory()``: how a plan defined outside mixprec joins.
+
+    A plan is a :class:`Plan` subclass (its dtypes and hooks) plus this one line; the
+    session, DDP, FSDP2 and the diagnostics learn everything else from the plan's hooks.
+    :data:`PLANS` lists the built-in plans, :func:`plan_names` every registered one.
+
+    >>> from mixprec.plans import MixedPlan, get_plan, register_plan, unregister_plan
+    >>> import torch
+    >>> register_plan("bf16-mine", lambda: MixedPlan("bf16-mine", compute_dtype=torch.bfloat16))
+    >>> get_plan("bf16-mine").compute_dtype
+    torch.bfloat16
+    >>> unregister_plan("bf16-mine")
+    """
+    if not isinstance(name, str) or not name or name != name.strip():
+        raise ValueError(f"a plan name must be a non-empty string without surrounding spaces, got {name!r}")
+    if name in _FACTORIES or name in ALIASES or name.lower() in NOT_ALIASES:
+        raise ValueError(f"plan name {name!r} is taken; choose another name (registered: {', '.join(plan_names())})")
+    if not callable(factory):
+        raise TypeError(f"register_plan() needs a callable that returns a Plan, got {type(factory).__name__}")
+    _FACTORIES[name] = factory
+
+
+def unregister_plan(name: str) -> None:
+    """Remove a plan added with :func:`register_plan` (built-in plans cannot be removed)."""
+    if name in PLANS:
+        raise ValueError(f"{name!r} is a built-in plan and cannot be unregistered")
+    if name not in _FACTORIES:
+        raise ValueError(f"no registered plan {name!r}; registered: {', '.join(plan_names())}")
+    del _FACTORIES[name]
+
+
+def plan_names() -> tuple[str, ...]:
+    """Every registered plan name: the built-in :data:`PLANS`, then those from :func:`register_plan`."""
+    return tuple(_FACTORIES)
+
+
 def resolve_plan_name(name: str) -> str:
     """Canonical name for ``name`` (an alias or a canonical name); ValueError listing valid names."""
     if not isinstance(name, str):
@@ -97,10 +134,10 @@ def resolve_plan_name(name: str) -> str:
     lowered = {k.lower(): v for k, v in ALIASES.items()} | {k: k for k in _FACTORIES}
     if key.lower() in lowered:
         return lowered[key.lower()]
-    close = difflib.get_close_matches(key, [*PLANS, *ALIASES], n=3)
+    close = difflib.get_close_matches(key, [*_FACTORIES, *ALIASES], n=3)
     hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
     raise ValueError(
-        f"unknown precision plan {name!r}.{hint} Valid plans: {', '.join(PLANS)}; "
+        f"unknown precision plan {name!r}.{hint} Valid plans: {', '.join(_FACTORIES)}; "
         f"aliases: {', '.join(f'{a}={c}' for a, c in ALIASES.items())}"
     )
 
@@ -123,6 +160,8 @@ def get_plan(name: str | Plan, **overrides: Any) -> Plan:
     purpose), since fp16 gradients underflow without one.
     """
     plan = name if isinstance(name, Plan) else _FACTORIES[resolve_plan_name(name)]()
+    if not isinstance(plan, Plan):
+        raise TypeError(f"the factory registered for plan {name!r} returned {type(plan).__name__}, not a Plan")
     if not overrides:
         return plan
     changes: dict[str, Any] = {}
