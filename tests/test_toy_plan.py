@@ -127,7 +127,7 @@ def test_the_toy_plans_own_flag_vetoes_a_step_through_the_session() -> None:
 def test_a_plan_that_does_not_support_fsdp_is_refused_by_name() -> None:
     from mixprec.distributed import fsdp_policy
 
-    with pytest.raises(ValueError, match="toy-bf16-avg.*not supported under FSDP2"):
+    with pytest.raises(ValueError, match=r"toy-bf16-avg.*not supported under FSDP2"):
         fsdp_policy(TOY)
 
 

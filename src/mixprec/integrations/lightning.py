@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from mixprec.integrations import check_framework_session, require_framework, as_mixed_precision
+from mixprec.integrations import as_mixed_precision, check_framework_session, require_framework
 
 require_framework("lightning", "lightning", "mixprec.integrations.lightning")
 

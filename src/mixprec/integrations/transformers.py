@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from mixprec.integrations import require_framework, as_mixed_precision
+from mixprec.integrations import as_mixed_precision, require_framework
 
 require_framework("transformers", "transformers", "mixprec.integrations.transformers")
 require_framework("accelerate", "transformers", "mixprec.integrations.transformers")
