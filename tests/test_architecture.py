@@ -23,7 +23,7 @@ LEVELS: list[tuple[str, tuple[str, ...]]] = [
     ("dtypes", ("mixprec.dtypes",)),
     ("formats", ("mixprec.fp8.formats",)),
     ("policy", ("mixprec.policy",)),
-    ("autocast engine", ("mixprec.amp",)),
+    ("autocast", ("mixprec.amp",)),
     ("autocast tools", ("mixprec.islands", "mixprec.stats")),
     ("numerics", ("mixprec.scaling", "mixprec.optim", "mixprec.fp8", "mixprec.buffers", "mixprec.tracing")),
     ("plans", ("mixprec.plans",)),
@@ -157,3 +157,14 @@ def test_the_checker_catches_an_upward_import() -> None:
     assert scaling < session
     assert _component("mixprec.fp8.formats")[0] < _component("mixprec.fp8.linear")[0]
     assert any(target == "mixprec.session" for _, target, _, _ in EDGES), "the edges were not collected"
+
+
+def test_the_architecture_document_lists_every_level() -> None:
+    """docs/architecture.md and LEVELS are the same list: each level and component is in the table."""
+    doc = (SRC.parent / "docs" / "architecture.md").read_text()
+    rows = {line.split("|")[1].strip(): line for line in doc.splitlines() if line.startswith("| ") and "---" not in line}
+    for name, components in LEVELS:
+        assert name in rows, f"level {name!r} has no row in docs/architecture.md"
+        for component in components:
+            assert f"`{component}`" in rows[name], f"{component} is missing from the {name!r} row of docs/architecture.md"
+    assert len(rows) - 1 == len(LEVELS), "docs/architecture.md has a level that tests/test_architecture.py does not"
