@@ -10,14 +10,14 @@ ValueError: grad_accum_steps must be an integer >= 1, got 0
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from mixprec.plans import Plan
 from mixprec.process_groups import is_distributed
 from mixprec.scaling import LossScaler
 
-__all__ = ["check_in_backward", "check_session_options"]
+__all__ = ["check_in_backward", "check_ready", "check_session_options"]
 
 
 def check_session_options(
@@ -60,3 +60,14 @@ def check_in_backward(plan: Plan, scaler: LossScaler, grad_accum_steps: int, cli
         problems.append("several ranks (each rank would update before the others' gradients arrive)")
     if problems:
         raise ValueError("optimizer_in_backward=True does not work with " + "; ".join(problems))
+
+
+def check_ready(model: Any, optimizers: Sequence[Any], what: str) -> None:
+    """Refuse a step-time call (``what``) before a model and an optimizer were prepared."""
+    if model is None:
+        raise RuntimeError(f"{what} called before prepare(); call mp.prepare(model, optimizer) first")
+    if not optimizers:
+        raise RuntimeError(
+            f"{what} called with no optimizer: nothing would train. Pass the optimizer to "
+            "mp.prepare(model, optimizer) or mp.prepare_optimizers(optimizer)"
+        )

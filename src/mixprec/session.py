@@ -25,7 +25,7 @@ import torch
 
 from mixprec.buffers import BufferGuard
 from mixprec.optim import InBackwardOptimizer
-from mixprec.options import check_in_backward, check_session_options
+from mixprec.options import check_in_backward, check_ready, check_session_options
 from mixprec.plans import Plan, get_plan
 from mixprec.prepare import (
     Fp32Criterion,
@@ -308,15 +308,6 @@ class MixedPrecision:
     def _grads(self) -> list[torch.Tensor]:
         return [g for opt in self.optimizers for g in grad_tensors(opt)]
 
-    def _check_ready(self, what: str) -> None:
-        if self.model is None:
-            raise RuntimeError(f"{what} called before prepare(); call mp.prepare(model, optimizer) first")
-        if not self.optimizers:
-            raise RuntimeError(
-                f"{what} called with no optimizer: nothing would train. Pass the optimizer to "
-                "mp.prepare(model, optimizer) or mp.prepare_optimizers(optimizer)"
-            )
-
     def unscale_(self) -> None:
         """Gather and unscale every optimizer's gradients once for this step (idempotent).
 
@@ -331,7 +322,7 @@ class MixedPrecision:
             self._published = True
 
     def _unscale(self) -> None:
-        self._check_ready("unscale_()")
+        check_ready(self.model, self.optimizers, "unscale_()")
         if self._unscaled:
             return
         if self._micro == 0:
@@ -370,7 +361,7 @@ class MixedPrecision:
         """
         if not isinstance(zero_grad, bool):
             raise TypeError(f"zero_grad= must be True or False, got {zero_grad!r}")
-        self._check_ready("step()")
+        check_ready(self.model, self.optimizers, "step()")
         if self._micro == 0:
             raise RuntimeError("step() called before any backward(); call mp.backward(loss) first")
         if self._micro % self.grad_accum_steps != 0:
@@ -378,22 +369,28 @@ class MixedPrecision:
                 stepped=False, skipped=False, scale=self.scaler.get_scale(), grad_norm=None,
                 accumulating=True, optimizer_steps=self._ledger.optimizer_steps,
             )
-        norm: torch.Tensor | None = None
         if self._in_backward is not None:  # the parameters were updated (or restored) during backward
-            reason = None if self._in_backward_ok else self._in_backward_reason()
+            reason, norm = self._in_backward_outcome(), None
         else:
-            self._unscale()
-            grads = self._grads()
-            norm = total_norm(grads, self.device)
-            reason = self._decision.decide(norm, self.plan.nonfinite_flag(self.model), self.scaler, self.optimizers)  # type: ignore[arg-type]
-            if reason is None and self.clip_grad_norm is not None:
-                clip_(grads, norm, self.clip_grad_norm)
-            if reason is None:
-                reason = apply_update(self.optimizers, self.process_group)
+            reason, norm = self._decide_and_update()
         self.last_result = self._finish(reason, norm, zero_grad)
         return self.last_result
 
-    def _in_backward_reason(self) -> str:
+    def _decide_and_update(self) -> tuple[str | None, torch.Tensor]:
+        """Unscale, measure, decide once for all optimizers and ranks, then clip and update."""
+        self._unscale()
+        grads = self._grads()
+        norm = total_norm(grads, self.device)
+        reason = self._decision.decide(norm, self.plan.nonfinite_flag(self.model), self.scaler, self.optimizers)  # type: ignore[arg-type]
+        if reason is None and self.clip_grad_norm is not None:
+            clip_(grads, norm, self.clip_grad_norm)
+        if reason is None:
+            reason = apply_update(self.optimizers, self.process_group)
+        return reason, norm
+
+    def _in_backward_outcome(self) -> str | None:
+        if self._in_backward_ok:
+            return None
         return "nonfinite_loss" if self._decision.loss_was_nonfinite() else "overflow"
 
     def _finish(self, reason: str | None, norm: torch.Tensor | None, zero_grad: bool) -> StepResult:
