@@ -55,7 +55,11 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
             return kind(*items)
         return kind(items)
     if isinstance(value, dict):
-        changed = {k: m for k, v in value.items() if (m := map_tensors(fn, v)) is not v}
+        changed = {}
+        for k, v in value.items():  # a plain loop: torch.compile traces it without graph breaks
+            m = map_tensors(fn, v)
+            if m is not v:
+                changed[k] = m
         if not changed:
             return value
         if kind is dict:
@@ -65,11 +69,12 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
             out[k] = v
         return out
     if _is_dataclass_instance(value):
-        fields = {
-            f.name: m
-            for f in dataclasses.fields(value)
-            if (m := map_tensors(fn, old := getattr(value, f.name))) is not old
-        }
+        fields = {}
+        for f in dataclasses.fields(value):
+            old = getattr(value, f.name)
+            m = map_tensors(fn, old)
+            if m is not old:
+                fields[f.name] = m
         if not fields:
             return value
         out = copy.copy(value)
