@@ -58,7 +58,7 @@ from mixprec.policy import (
     OP_ALIASES,
     OpPolicy,
     Precision,
-    _record_registered_op,
+    record_registered_op,
     registered_ops,
 )
 
@@ -768,12 +768,12 @@ def register_op(target: Any, precision: Precision | str) -> Any:
     p = Precision.parse(precision)
     if isinstance(target, type) and issubclass(target, torch.autograd.Function):
         _patch_function(target, p)
-        _record_registered_op(f"{target.__module__}.{target.__qualname__}", p)
+        record_registered_op(f"{target.__module__}.{target.__qualname__}", p)
         return target
     qualname = _op_qualname(target)
     if qualname is not None:
         _register_library_op(qualname, p)
-        _record_registered_op(qualname, p)
+        record_registered_op(qualname, p)
         return target
     if not callable(target):
         raise TypeError(
@@ -786,7 +786,7 @@ def register_op(target: Any, precision: Precision | str) -> Any:
         return _run_with_precision(target, p, args, kwargs)
 
     name = getattr(target, "__qualname__", None) or getattr(target, "__name__", repr(target))
-    _record_registered_op(f"{getattr(target, '__module__', '?')}.{name}", p)
+    record_registered_op(f"{getattr(target, '__module__', '?')}.{name}", p)
     return wrapped
 
 
@@ -822,12 +822,12 @@ def unregister_op(target: Any) -> bool:
             target.apply = own  # type: ignore[attr-defined]
         else:
             delattr(target, "apply")
-        _record_registered_op(f"{target.__module__}.{target.__qualname__}", None)
+        record_registered_op(f"{target.__module__}.{target.__qualname__}", None)
         return True
     qualname = _op_qualname(target)
     if qualname is not None and _unregister_library_op(qualname):
         _clear_py_kernels(qualname)
-        _record_registered_op(qualname, None)
+        record_registered_op(qualname, None)
         return True
     return False
 

@@ -53,7 +53,7 @@ from torch import nn
 
 from mixprec.autocast import _device_type_of
 from mixprec.dtypes import cast_floating
-from mixprec.policy import ModuleRule, OpPolicy, _as_module_rules
+from mixprec.policy import ModuleRule, OpPolicy, as_module_rules
 
 __all__ = [
     "FP32Island",
@@ -138,7 +138,7 @@ def _rules_of(
 ) -> tuple[ModuleRule, ...]:
     if isinstance(policy_or_rules, OpPolicy):
         return policy_or_rules.fp32_modules
-    return _as_module_rules(policy_or_rules)
+    return as_module_rules(policy_or_rules)
 
 
 def match_fp32_modules(
