@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from mixprec.autocast import autocast
+from mixprec.amp import autocast
 from mixprec.cli.models import build_task
 from mixprec.policy import OpPolicy
 

@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointError, checkpoint
 
 import mixprec
-from mixprec.autocast import (
+from mixprec.amp import (
     autocast,
     autocast_backward,
     custom_op_precision,

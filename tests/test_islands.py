@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixprec.autocast import autocast
+from mixprec.amp import autocast
 from mixprec.islands import (
     FP32Island,
     apply_fp32_islands,

@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixprec.autocast import _PolicyMode, autocast
+from mixprec.amp import autocast
+from mixprec.amp.mode import PolicyMode
 from mixprec.policy import (
     DEVICE_TYPES,
     TABLES_TORCH_VERSION,
@@ -473,7 +474,7 @@ def test_cpu_op_class_engine_and_torch_agree_bitwise(op: str, index: int) -> Non
         with autocast(BF16, device_type="cpu"):
             plain = _run(staged)
         assert_bitwise(plain, expected, f"{op} ({label}): mixprec.autocast() vs torch.autocast")
-        forced = _PolicyMode(BF16, {"cpu": {op: precision}}, "cpu")
+        forced = PolicyMode(BF16, {"cpu": {op: precision}}, "cpu")
         with torch.autocast("cpu", dtype=BF16), forced:
             engine = _run(staged)
         assert_bitwise(engine, expected, f"{op} ({label}): mixprec engine vs torch.autocast")
@@ -493,7 +494,7 @@ def test_cpu_op_float64_inputs_untouched(op: str, index: int) -> None:
         pytest.skip(f"{op} has no float64 CPU kernel: {str(err).splitlines()[0]}")
     with torch.autocast("cpu", dtype=BF16):
         under_torch = _run(case, to64)
-    forced = _PolicyMode(BF16, {"cpu": {op: precision}}, "cpu")
+    forced = PolicyMode(BF16, {"cpu": {op: precision}}, "cpu")
     with torch.autocast("cpu", dtype=BF16), forced:
         under_engine = _run(case, to64)
     assert_bitwise(under_torch, reference, f"{op}: torch.autocast touched float64")

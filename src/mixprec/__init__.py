@@ -1,7 +1,7 @@
 """mixprec: automatic mixed precision for PyTorch training, done right."""
 
 from mixprec import distributed, fp8
-from mixprec.autocast import (
+from mixprec.amp import (
     autocast,
     autocast_backward,
     custom_op_precision,

@@ -51,9 +51,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.autocast import _device_type_of
-from mixprec.dtypes import cast_floating
-from mixprec.policy import ModuleRule, OpPolicy, _as_module_rules
+from mixprec.dtypes import LOW_PRECISION_DTYPES, cast_floating
+from mixprec.nested import first_tensor, map_tensors
+from mixprec.policy import ModuleRule, OpPolicy, as_module_rules
 
 __all__ = [
     "FP32Island",
@@ -81,14 +81,14 @@ class FP32Island:
         """Run the original forward with autocast off and fp32 floating inputs."""
         base = type(self)._mixprec_island_base
         _check_fp32_state(self)  # type: ignore[arg-type]
-        device_type = (
-            _device_type_of(args) or _device_type_of(kwargs) or _module_device_type(self)  # type: ignore[arg-type]
-        )
+        first = first_tensor((args, kwargs))
+        device_type = first.device.type if first is not None else _module_device_type(self)  # type: ignore[arg-type]
         autocast_was_on = torch.is_autocast_enabled(device_type)
-        low_input = _low_precision_dtype(args, kwargs)
+        low = first_tensor((args, kwargs), lambda t: t.dtype in LOW_PRECISION_DTYPES)
+        low_input = low.dtype if low is not None else None
         with torch.autocast(device_type, enabled=False):
-            # Inputs the model's input cast rounded down come back at their fp32 values.
-            out = base.forward(self, *_to_fp32(_originals(args)), **_to_fp32(_originals(kwargs)))  # type: ignore[arg-type]
+            args, kwargs = _fp32_inputs(args, kwargs)
+            out = base.forward(self, *args, **kwargs)  # type: ignore[arg-type]
         if not autocast_was_on:
             # Transparent to its neighbours: back to the input's low dtype, or to the dtype
             # the model runs in (a pure-plan island fed by integer ids or fp32 values).
@@ -99,6 +99,8 @@ class FP32Island:
 
 
 _ISLAND_CLASSES: dict[type[nn.Module], type[nn.Module]] = {}
+# What selects islands: a policy (its fp32_modules), or module rules directly.
+_Rules = OpPolicy | Iterable[ModuleRule] | ModuleRule
 
 
 def _island_class(cls: type[nn.Module]) -> type[nn.Module]:
@@ -133,17 +135,13 @@ def _matches(name: str, module: nn.Module, rules: Sequence[ModuleRule]) -> bool:
     return False
 
 
-def _rules_of(
-    policy_or_rules: OpPolicy | Iterable[ModuleRule] | ModuleRule,
-) -> tuple[ModuleRule, ...]:
+def _rules_of(policy_or_rules: _Rules) -> tuple[ModuleRule, ...]:
     if isinstance(policy_or_rules, OpPolicy):
         return policy_or_rules.fp32_modules
-    return _as_module_rules(policy_or_rules)
+    return as_module_rules(policy_or_rules)
 
 
-def match_fp32_modules(
-    model: nn.Module, policy: OpPolicy | Iterable[ModuleRule] | ModuleRule
-) -> list[str]:
+def match_fp32_modules(model: nn.Module, policy: _Rules) -> list[str]:
     """Qualified names of the modules of ``model`` that ``policy.fp32_modules`` selects.
 
     The root module's name is ``""``. Nothing is changed.
@@ -179,10 +177,7 @@ class _IslandList(list[str]):
 
 
 def apply_fp32_islands(
-    model: nn.Module,
-    policy: OpPolicy | Iterable[ModuleRule] | ModuleRule,
-    *,
-    output_dtype: torch.dtype | None = None,
+    model: nn.Module, policy: _Rules, *, output_dtype: torch.dtype | None = None
 ) -> list[str]:
     """Mark the modules ``policy.fp32_modules`` selects as fp32 islands, in place.
 
@@ -225,7 +220,7 @@ def apply_fp32_islands(
         names.append(name)
         _cast_floating_(module, torch.float32)  # also restores islands a converter cast down
         if not isinstance(module, FP32Island):
-            _mark(module)
+            module.__class__ = _island_class(type(module))
             marked.append(name)
         if output_dtype is not None:
             module._mixprec_output_dtype = output_dtype  # type: ignore[assignment]
@@ -299,10 +294,6 @@ def cast_outside_islands(
     return originals
 
 
-def _mark(module: nn.Module) -> None:
-    module.__class__ = _island_class(type(module))
-
-
 def _unmark(module: nn.Module) -> bool:
     if not isinstance(module, FP32Island):
         return False
@@ -333,23 +324,20 @@ class _InputOriginals(threading.local):
 _INPUT_ORIGINALS = _InputOriginals()
 
 
-def _originals(value: Any) -> Any:
-    """``value`` with each tensor the input cast produced replaced by the input it was cast from."""
-    if not _INPUT_ORIGINALS.stack:
-        return value
-    table = _INPUT_ORIGINALS.stack[-1]
+def _fp32_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """The inputs with their floating tensors in fp32 (float64 kept); tensors the model's input
+    cast produced are replaced by the inputs they were cast from (fp32 values, not rounded)."""
+    table = _INPUT_ORIGINALS.stack[-1] if _INPUT_ORIGINALS.stack else {}
 
-    def swap(v: Any) -> Any:
-        if isinstance(v, torch.Tensor):
-            hit = table.get(id(v))
-            return hit[1] if hit is not None and hit[0] is v else v
-        if isinstance(v, list | tuple) and type(v) in (list, tuple):
-            return type(v)(swap(x) for x in v)
-        if isinstance(v, dict) and type(v) is dict:
-            return {k: swap(x) for k, x in v.items()}
-        return v
+    def to_fp32(t: torch.Tensor) -> torch.Tensor:
+        hit = table.get(id(t))
+        if hit is not None and hit[0] is t:
+            t = hit[1]
+        if t.is_floating_point() and t.dtype not in (torch.float32, torch.float64):
+            return t.to(torch.float32)
+        return t
 
-    return swap(value)
+    return map_tensors(to_fp32, args), {k: map_tensors(to_fp32, v) for k, v in kwargs.items()}
 
 
 def install_input_cast(model: nn.Module, dtype: torch.dtype) -> list[Any]:
@@ -366,21 +354,15 @@ def install_input_cast(model: nn.Module, dtype: torch.dtype) -> list[Any]:
     def before(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
         table: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-        def cast(v: Any) -> Any:
-            if isinstance(v, torch.Tensor):
-                if v.is_floating_point() and v.dtype != dtype:
-                    low = v.to(dtype)
-                    table[id(low)] = (low, v)
-                    return low
-                return v
-            if isinstance(v, list | tuple) and type(v) in (list, tuple):
-                return type(v)(cast(x) for x in v)
-            if isinstance(v, dict) and type(v) is dict:
-                return {k: cast(x) for k, x in v.items()}
-            return cast_floating(v, dtype, include_float64=True)
+        def cast(t: torch.Tensor) -> torch.Tensor:
+            if t.is_floating_point() and t.dtype != dtype:
+                low = t.to(dtype)
+                table[id(low)] = (low, t)
+                return low
+            return t
 
         _INPUT_ORIGINALS.stack.append(table)
-        return cast(args), cast(kwargs)
+        return map_tensors(cast, args), map_tensors(cast, kwargs)
 
     def after(module: nn.Module, args: Any, output: Any) -> None:
         if _INPUT_ORIGINALS.stack:
@@ -416,23 +398,3 @@ def _module_device_type(module: nn.Module) -> str:
     for tensor in (*module.parameters(), *module.buffers()):
         return tensor.device.type
     return "cpu"
-
-
-def _low_precision_dtype(*values: Any) -> torch.dtype | None:
-    for value in values:
-        if isinstance(value, torch.Tensor):
-            if value.dtype in (torch.float16, torch.bfloat16):
-                return value.dtype
-        elif isinstance(value, list | tuple):
-            found = _low_precision_dtype(*value)
-            if found is not None:
-                return found
-        elif isinstance(value, dict):
-            found = _low_precision_dtype(*value.values())
-            if found is not None:
-                return found
-    return None
-
-
-def _to_fp32(value: Any) -> Any:
-    return cast_floating(value, torch.float32)

@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mixprec.dtypes import dtype_name
+from mixprec.nested import first_tensor
 
 __all__ = ["OpStats", "op_stats"]
 
@@ -51,6 +52,11 @@ class OpStats(Mapping[tuple[str, torch.dtype], int]):
         key = (op, dtype)
         with self._lock:
             self._counts[key] = self._counts.get(key, 0) + 1
+
+    def counting_mode(self) -> TorchDispatchMode:
+        """A dispatch mode that counts the ops run under it into this object (what
+        :func:`op_stats` enters)."""
+        return _CountingMode(self._add)
 
     def __getitem__(self, key: tuple[str, torch.dtype]) -> int:
         return self._counts[key]
@@ -90,18 +96,12 @@ class OpStats(Mapping[tuple[str, torch.dtype], int]):
 
 
 def _first_dtype(value: Any, floating: bool) -> torch.dtype | None:
-    if isinstance(value, torch.Tensor):
-        if not floating or value.is_floating_point():
-            return value.dtype
-        return None
-    if isinstance(value, list | tuple):
-        for v in value:
-            found = _first_dtype(v, floating)
-            if found is not None:
-                return found
-    elif isinstance(value, dict):
-        return _first_dtype(tuple(value.values()), floating)
-    return None
+    found = first_tensor(value, _is_floating if floating else None)
+    return None if found is None else found.dtype
+
+
+def _is_floating(t: torch.Tensor) -> bool:
+    return t.is_floating_point()
 
 
 def _op_name(func: Any) -> str:
@@ -112,9 +112,9 @@ def _op_name(func: Any) -> str:
 
 
 class _CountingMode(TorchDispatchMode):
-    def __init__(self, stats: OpStats) -> None:
+    def __init__(self, record: Callable[[str, torch.dtype], None]) -> None:
         super().__init__()
-        self.stats = stats
+        self.record = record
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -125,7 +125,7 @@ class _CountingMode(TorchDispatchMode):
             or _first_dtype((args, kwargs), False)
         )
         if dtype is not None:
-            self.stats._add(_op_name(func), dtype)
+            self.record(_op_name(func), dtype)
         return out
 
 
@@ -137,5 +137,5 @@ def op_stats() -> Iterator[OpStats]:
     traced). The counts stay readable after the block.
     """
     stats = OpStats()
-    with _CountingMode(stats):
+    with stats.counting_mode():
         yield stats

@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixprec.autocast import _PolicyMode, autocast
+from mixprec.amp import autocast
+from mixprec.amp.mode import PolicyMode
 from mixprec.policy import OpPolicy, Precision, compare_with_torch, default_table
 from tests.test_policy import CPU_CASES, Case, _case, _flat, _map, _r, assert_bitwise
 
@@ -271,7 +272,7 @@ def test_cuda_op_class_engine_and_torch_agree(op: str, index: int, dtype: torch.
         with autocast(dtype, device_type="cuda"):
             plain = _run(staged)
         assert_bitwise(plain, expected, f"{op} ({label}): mixprec.autocast() vs torch.autocast('cuda')")
-        forced = _PolicyMode(dtype, {"cuda": {op: precision}}, "cuda")
+        forced = PolicyMode(dtype, {"cuda": {op: precision}}, "cuda")
         with torch.autocast("cuda", dtype=dtype), forced:
             engine = _run(staged)
         _assert_same(engine, expected, op, f"{op} ({label}): mixprec engine vs torch.autocast('cuda')")

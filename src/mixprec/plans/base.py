@@ -263,7 +263,7 @@ class Plan:
         """
         if self.policy is None or not self.uses_autocast:
             return contextlib.nullcontext()
-        from mixprec.autocast import autocast_backward
+        from mixprec.amp import autocast_backward
 
         return autocast_backward(self.policy)
 
@@ -277,7 +277,7 @@ class Plan:
             with torch.autocast(device_type, dtype=self.compute_dtype):
                 yield
             return
-        from mixprec.autocast import autocast
+        from mixprec.amp import autocast
 
         with autocast(self.compute_dtype, device_type=device_type, policy=self.policy):
             yield
