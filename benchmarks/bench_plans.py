@@ -29,7 +29,6 @@ from pathlib import Path
 
 import torch
 
-from mixprec.cli.format import parse_bytes
 from mixprec.cli.harness import (
     builtin_workload,
     default_plans,
@@ -38,6 +37,7 @@ from mixprec.cli.harness import (
     run_bench,
 )
 from mixprec.cli.report import bench_markdown
+from mixprec.formatting import parse_bytes
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,9 +24,9 @@ from mixprec.cli.common import (
     resolve_device,
     resolve_workload,
 )
-from mixprec.cli.format import parse_bytes
 from mixprec.cli.harness import default_plans, plan_rows, run_bench
 from mixprec.cli.report import bench_markdown
+from mixprec.formatting import parse_bytes
 
 __all__ = ["COMMAND"]
 

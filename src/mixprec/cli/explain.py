@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 
 from mixprec.cli.common import Command
-from mixprec.cli.format import markdown_table
+from mixprec.formatting import markdown_table
 from mixprec.plans import ALIASES, PLANS, get_plan
 
 __all__ = ["COMMAND"]

@@ -28,8 +28,8 @@ from mixprec.cli.common import (
     positive_int,
     resolve_workload,
 )
-from mixprec.cli.format import format_number, markdown_table
 from mixprec.cli.plots import pyplot
+from mixprec.formatting import format_number, markdown_table
 
 __all__ = ["COMMAND"]
 

@@ -28,8 +28,8 @@ from mixprec.cli.common import (
     positive_int,
     resolve_workload,
 )
-from mixprec.cli.format import format_bytes, markdown_table
 from mixprec.cli.harness import Workload, default_plans
+from mixprec.formatting import format_bytes, markdown_table
 
 __all__ = ["COMMAND"]
 

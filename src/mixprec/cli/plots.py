@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from mixprec.cli.format import format_ratio
 from mixprec.cli.harness import DemoResult
+from mixprec.formatting import format_ratio
 
 __all__ = ["PLOTS", "plot_demo", "pyplot"]
 

@@ -1,7 +1,7 @@
 """The demo's summary table and report folder, and the benchmark matrix as Markdown.
 
 The plots of the report are drawn by :mod:`mixprec.cli.plots`; every number is written
-by :mod:`mixprec.cli.format`.
+by :mod:`mixprec.formatting`.
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from mixprec.cli.format import format_bytes, format_number, format_ratio, markdown_table, plural
 from mixprec.cli.harness import TORCH_AUTOCAST, BenchResult, DemoResult
 from mixprec.cli.plots import plot_demo
+from mixprec.formatting import format_bytes, format_number, format_ratio, markdown_table, plural
 
 __all__ = [
     "bench_markdown",
@@ -22,6 +22,12 @@ __all__ = [
 ]
 
 # -------------------------------------------------------------------- demo
+
+def _cell(value: float | None, spec: str) -> str:
+    """A table cell: ``"n/a"`` where there is no (finite) measurement."""
+    return format_number(value, spec, missing="n/a", keep_nonfinite=False)
+
+
 _DEMO_HEADERS = ["plan", "step time (ms)", "speedup vs fp32", "peak memory", "state B/param",
                  "final loss", "accuracy", "skipped steps", "final loss scale"]
 
@@ -33,12 +39,12 @@ def demo_table(result: DemoResult) -> str:
         acc = h.eval_accuracies[-1] if h.eval_accuracies else None
         rows.append([
             h.label,
-            format_number(h.median_step_s * 1e3, ".1f"),
+            _cell(h.median_step_s * 1e3, ".1f"),
             format_ratio(result.speedup_vs_fp32(h)),
             format_bytes(h.peak_memory_bytes),
-            format_number(h.state_bytes_per_param.get("total"), ".1f"),
-            format_number(h.eval_losses[-1] if h.eval_losses else None, ".4f"),
-            format_number(acc, ".3f"),
+            _cell(h.state_bytes_per_param.get("total"), ".1f"),
+            _cell(h.eval_losses[-1] if h.eval_losses else None, ".4f"),
+            _cell(acc, ".3f"),
             str(h.skipped_steps),
             f"{h.final_scale:g}",
         ])
@@ -111,10 +117,10 @@ def bench_markdown(result: BenchResult, command: str | None = None) -> str:
         align += "r"
     rows = []
     for r in result.rows:
-        row = [r.model, r.label, str(r.batch), format_number(r.step_time_s * 1e3, ".1f"), format_number(r.min_step_time_s * 1e3, ".1f"),
+        row = [r.model, r.label, str(r.batch), _cell(r.step_time_s * 1e3, ".1f"), _cell(r.min_step_time_s * 1e3, ".1f"),
                format_ratio(r.speedup_vs_fp32),
                format_ratio(r.speedup_vs_autocast), format_bytes(r.peak_memory_bytes), format_ratio(r.peak_ratio_vs_fp32),
-               format_number(r.state_bytes_per_param.get("total"), ".1f"), format_ratio(r.state_ratio_vs_fp32)]
+               _cell(r.state_bytes_per_param.get("total"), ".1f"), format_ratio(r.state_ratio_vs_fp32)]
         if budget is not None:
             row.append("n/a" if r.max_batch is None else str(r.max_batch))
         rows.append(row)
