@@ -1,0 +1,91 @@
+"""Snapshots of an optimizer before a step, so a refused step can be undone bit for bit.
+
+>>> import torch
+>>> w = torch.nn.Parameter(torch.ones(2))
+>>> sgd = torch.optim.SGD([w], lr=1.0, momentum=0.9)
+>>> w.grad = torch.ones(2)
+>>> snap = take_snapshot(sgd)
+>>> sgd.step()
+>>> restore_snapshot(sgd, snap)
+>>> w.detach(), len(sgd.state)
+(tensor([1., 1.]), 0)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["StepSnapshot", "clone_all", "restore_snapshot", "take_snapshot"]
+
+
+@dataclass
+class StepSnapshot:
+    """Parameters, optimizer state and group settings before a step."""
+
+    params: list[torch.Tensor]
+    values: list[torch.Tensor]
+    state: dict[torch.Tensor, dict[str, Any] | None]
+    groups: list[dict[str, Any]] = field(default_factory=list)
+
+
+def clone_all(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of ``tensors`` (one foreach copy per device and dtype)."""
+    out = [torch.empty_like(t) for t in tensors]
+    groups: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for t, c in zip(tensors, out, strict=True):
+        dst, src = groups.setdefault((t.device, t.dtype), ([], []))
+        dst.append(c)
+        src.append(t)
+    for dst, src in groups.values():
+        torch._foreach_copy_(dst, src)
+    return out
+
+
+def take_snapshot(optimizer: torch.optim.Optimizer) -> StepSnapshot:
+    """Copy every parameter of ``optimizer``, its state tensors and its group settings."""
+    params = [q for g in optimizer.param_groups for q in g["params"]]
+    state: dict[torch.Tensor, dict[str, Any] | None] = {}
+    srcs: list[torch.Tensor] = list(params)
+    for q in params:
+        s = optimizer.state.get(q)
+        state[q] = None if not s else dict(s)
+        if s:
+            srcs.extend(v for v in s.values() if isinstance(v, torch.Tensor))
+    copies = clone_all(srcs)
+    by_id = {id(t): c for t, c in zip(srcs, copies, strict=True)}
+    for s in state.values():
+        if s is not None:
+            for k, v in s.items():
+                if isinstance(v, torch.Tensor):
+                    s[k] = by_id[id(v)]
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    return StepSnapshot(params=params, values=copies[: len(params)], state=state, groups=groups)
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
+
+
+@torch.no_grad()
+def restore_snapshot(optimizer: torch.optim.Optimizer, snap: StepSnapshot) -> None:
+    """Put ``optimizer``'s parameters, state (in place where the layout allows) and group
+    settings back to ``snap``."""
+    torch._foreach_copy_(snap.params, snap.values)
+    for q, saved in snap.state.items():
+        if saved is None:
+            optimizer.state.pop(q, None)
+            continue
+        current = optimizer.state.setdefault(q, {})
+        for k in [k for k in current if k not in saved]:
+            del current[k]
+        for k, v in saved.items():
+            cur = current.get(k)
+            if isinstance(v, torch.Tensor) and isinstance(cur, torch.Tensor) and _same_layout(cur, v):
+                cur.copy_(v)
+            else:
+                current[k] = v
+    for group, saved_group in zip(optimizer.param_groups, snap.groups, strict=False):
+        group.update(saved_group)
