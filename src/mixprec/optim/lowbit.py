@@ -34,7 +34,6 @@ The rounding variants live in :mod:`mixprec.optim.kahan` and :mod:`mixprec.optim
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
@@ -46,6 +45,7 @@ from mixprec.optim.base import WrappedOptimizer
 from mixprec.optim.checks import check_inner_state_dict, check_state_shapes
 from mixprec.optim.compiled import compiled_adam_step
 from mixprec.optim.fast import DEFAULT_CHUNK_NUMEL, fast_kind, fast_step, fused_available
+from mixprec.optim.snapshot import ParamSnapshot, became_nonfinite, restore_params, snapshot_params
 
 __all__ = ["LowPrecisionOptimizer"]
 
@@ -115,7 +115,7 @@ class LowPrecisionOptimizer(WrappedOptimizer):
             raise ValueError(f"chunk_numel must be a positive int (elements expanded to fp32 at a time), got {chunk_numel!r}")
         self.fast = fast
         self.chunk_numel = chunk_numel
-        self._snapshot: dict[str, Any] | None = None
+        self._snapshot: ParamSnapshot | None = None
         self._nonfinite: torch.Tensor | None = None
 
     def _low_params(self) -> list[torch.nn.Parameter]:
@@ -148,11 +148,11 @@ class LowPrecisionOptimizer(WrappedOptimizer):
         if closure is not None:
             raise ValueError(f"{type(self).__name__}.step() does not take a closure; compute the loss before step()")
         guarded = any(p.dtype == torch.float16 for p in self._low_params())
-        self._snapshot = self._take_snapshot() if guarded else None
+        self._snapshot = snapshot_params(self.optimizer, self.params(), self.extra_state()) if guarded else None
         self._nonfinite = None
         result = self.step_selected(None)
         if self._snapshot is not None:
-            self._nonfinite = self._check_nonfinite(self._snapshot)
+            self._nonfinite = became_nonfinite(self._snapshot)
             if bool(self._nonfinite):
                 self._restore(self._snapshot)
         return result
@@ -276,45 +276,9 @@ class LowPrecisionOptimizer(WrappedOptimizer):
         else:
             super().undo_step()
 
-    def _take_snapshot(self) -> dict[str, Any]:
-        params = list(self.params())
-        state: dict[torch.Tensor, dict[Any, Any] | None] = {}
-        for p in params:
-            live = self.optimizer.state.get(p)
-            state[p] = None if live is None else {
-                k: (v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)) for k, v in live.items()
-            }
-        return {
-            "params": [(p, p.detach().clone()) for p in params],
-            "state": state,
-            "extra": copy.deepcopy(self.extra_state()),
-            "restored": False,
-        }
-
-    @torch.no_grad()
-    def _check_nonfinite(self, snapshot: dict[str, Any]) -> torch.Tensor:
-        flags = [
-            (torch.isfinite(old) & ~torch.isfinite(p)).any()
-            for p, old in snapshot["params"]
-            if p.dtype == torch.float16
-        ]
-        if not flags:
-            return torch.zeros((), dtype=torch.bool)
-        return torch.stack(flags).any()
-
-    @torch.no_grad()
-    def _restore(self, snapshot: dict[str, Any]) -> None:
-        if snapshot["restored"]:
-            return
-        for p, old in snapshot["params"]:
-            p.copy_(old)
-        for p, saved_state in snapshot["state"].items():
-            if saved_state is None:
-                self.optimizer.state.pop(p, None)
-            else:
-                self.optimizer.state[p] = saved_state
-        self.load_extra_state(snapshot["extra"])
-        snapshot["restored"] = True
+    def _restore(self, snapshot: ParamSnapshot) -> None:
+        if restore_params(self.optimizer, snapshot):
+            self.load_extra_state(snapshot.extra)
 
     # ------------------------------------------------- compensation and rounding noise
     def compensation(self, param: torch.Tensor) -> torch.Tensor | None:

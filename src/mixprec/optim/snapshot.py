@@ -13,12 +13,23 @@
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-__all__ = ["StepSnapshot", "clone_all", "restore_snapshot", "take_snapshot"]
+__all__ = [
+    "ParamSnapshot",
+    "StepSnapshot",
+    "became_nonfinite",
+    "clone_all",
+    "restore_params",
+    "restore_snapshot",
+    "snapshot_params",
+    "take_snapshot",
+]
 
 
 @dataclass
@@ -89,3 +100,54 @@ def restore_snapshot(optimizer: torch.optim.Optimizer, snap: StepSnapshot) -> No
                 current[k] = v
     for group, saved_group in zip(optimizer.param_groups, snap.groups, strict=False):
         group.update(saved_group)
+
+
+# -------------------------------------------- per-parameter snapshots (low-precision wrappers)
+@dataclass
+class ParamSnapshot:
+    """Copies of parameters, their optimizer state (deep) and a wrapper's own state."""
+
+    params: list[tuple[torch.Tensor, torch.Tensor]]
+    state: dict[torch.Tensor, dict[Any, Any] | None]
+    extra: dict[str, Any]
+    restored: bool = False
+
+
+def snapshot_params(
+    optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor], extra: dict[str, Any]
+) -> ParamSnapshot:
+    """Copy ``params``, their state in ``optimizer`` and ``extra`` (a wrapper's own state)."""
+    params = list(params)
+    state: dict[torch.Tensor, dict[Any, Any] | None] = {}
+    for p in params:
+        live = optimizer.state.get(p)
+        state[p] = None if live is None else {
+            k: (v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)) for k, v in live.items()
+        }
+    return ParamSnapshot([(p, p.detach().clone()) for p in params], state, copy.deepcopy(extra))
+
+
+@torch.no_grad()
+def became_nonfinite(snap: ParamSnapshot) -> torch.Tensor:
+    """A bool tensor: an fp16 parameter finite in ``snap`` holds a non-finite value now."""
+    flags = [(torch.isfinite(old) & ~torch.isfinite(p)).any() for p, old in snap.params if p.dtype == torch.float16]
+    if not flags:
+        return torch.zeros((), dtype=torch.bool)
+    return torch.stack(flags).any()
+
+
+@torch.no_grad()
+def restore_params(optimizer: torch.optim.Optimizer, snap: ParamSnapshot) -> bool:
+    """Put the parameters and their state back to ``snap`` (once: False when it was already
+    restored); the caller restores ``snap.extra``."""
+    if snap.restored:
+        return False
+    for p, old in snap.params:
+        p.copy_(old)
+    for p, saved_state in snap.state.items():
+        if saved_state is None:
+            optimizer.state.pop(p, None)
+        else:
+            optimizer.state[p] = saved_state
+    snap.restored = True
+    return True
