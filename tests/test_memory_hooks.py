@@ -255,3 +255,15 @@ def test_kahan_compensation_public_api() -> None:
     plain.drop_compensation(w)  # nothing to drop
     with pytest.raises(TypeError, match=re.escape("LowPrecisionOptimizer keeps no compensation buffers")):
         plain.set_compensation(w, torch.zeros_like(w))
+
+
+def test_in_backward_optimizer_reports_its_wrapped_state_and_the_copies_it_keeps() -> None:
+    from mixprec.optim import InBackwardOptimizer
+
+    w = nn.Parameter(torch.ones(100, dtype=torch.bfloat16))
+    opt = KahanOptimizer(torch.optim.AdamW([w]), state_dtype=torch.bfloat16)
+    in_bwd = InBackwardOptimizer(opt)
+    assert in_bwd.state_bytes() == opt.state_bytes() == {"optimizer_state": 404, "compensation": 200}
+    # until finish(): a copy of the weight (200), its state (404) and its compensation (200)
+    assert in_bwd.step_transient_bytes() == 200 + 404 + 200
+    in_bwd.remove()
