@@ -29,7 +29,6 @@ during a step.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -44,20 +43,13 @@ from mixprec.optim.checks import (
     check_param_shaped_state,
 )
 from mixprec.optim.master_grads import MasterGrads
-from mixprec.optim.snapshot import StepSnapshot, restore_snapshot, take_snapshot
+from mixprec.optim.snapshot import StepSnapshot, masters_nonfinite, restore_snapshot, take_snapshot
 
 __all__ = ["MasterWeightOptimizer"]
 
 _MASTER_KEY = "mixprec_master_weights"
 
 _FUSED_DEVICES = frozenset({"cpu", "cuda", "xpu", "mps"})
-
-
-def _inf_threshold(dtype: torch.dtype) -> float:
-    """The smallest magnitude that rounds to inf when cast to ``dtype`` (round to nearest even)."""
-    fmax = torch.finfo(dtype).max
-    _, exp = math.frexp(fmax)
-    return fmax + torch.finfo(dtype).eps * 2.0 ** (exp - 1) / 2
 
 
 class MasterWeightOptimizer(WrappedOptimizer):
@@ -244,7 +236,7 @@ class MasterWeightOptimizer(WrappedOptimizer):
         result = self.optimizer.step()
         self._release_grads()
         if guard:
-            bad = self._would_be_nonfinite()
+            bad = masters_nonfinite(self._pairs, self.optimizer)
             self._nonfinite = bad
             if bool(bad):  # one host read, on guarded (fp16) steps only
                 self._restore()
@@ -254,33 +246,6 @@ class MasterWeightOptimizer(WrappedOptimizer):
 
     def _release_grads(self) -> None:
         self._grads.release()
-
-    def _would_be_nonfinite(self) -> torch.Tensor:
-        """True if a master or an fp32 parameter the optimizer updates is inf/NaN, or a master
-        rounds to inf in its model parameter's dtype (one inf-norm read of each).
-
-        The optimizer state is not read: from finite gradients, the usual optimizers' state
-        stays finite (Adam's squared gradients overflow fp32 only beyond 1.8e19; fp16
-        gradients end at 65504), and a non-finite state shows in the masters it updates.
-        """
-        by_threshold: dict[tuple[torch.device, float], list[torch.Tensor]] = {}
-        for p, m in self._pairs:
-            by_threshold.setdefault((m.device, _inf_threshold(p.dtype)), []).append(m)
-        direct = {id(m) for _, m in self._pairs}
-        fp32_max = _inf_threshold(torch.float32)
-        for group in self.optimizer.param_groups:
-            for q in group["params"]:
-                if id(q) not in direct and q.is_floating_point():
-                    by_threshold.setdefault((q.device, fp32_max), []).append(q)
-        flags = []
-        device = None
-        for (dev, threshold), tensors in by_threshold.items():
-            device = device or dev
-            norms = torch._foreach_norm(tensors, float("inf"))
-            flags.append((~(torch.stack(norms).float() < threshold)).any().to(device))
-        if not flags:
-            return torch.zeros((), dtype=torch.bool)
-        return torch.stack(flags).any()
 
     def step_nonfinite(self) -> torch.Tensor | None:
         """After :meth:`step`: a bool tensor, True when the update would have written a

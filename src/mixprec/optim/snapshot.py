@@ -1,4 +1,5 @@
-"""Snapshots of an optimizer before a step, so a refused step can be undone bit for bit.
+"""Snapshots of an optimizer before a step, so a refused step can be undone bit for bit, and
+the check that decides a master-weight step must be refused (:func:`masters_nonfinite`).
 
 >>> import torch
 >>> w = torch.nn.Parameter(torch.ones(2))
@@ -14,7 +15,8 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
+import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +27,7 @@ __all__ = [
     "StepSnapshot",
     "became_nonfinite",
     "clone_all",
+    "masters_nonfinite",
     "restore_params",
     "restore_snapshot",
     "snapshot_params",
@@ -151,3 +154,42 @@ def restore_params(optimizer: torch.optim.Optimizer, snap: ParamSnapshot) -> boo
             optimizer.state[p] = saved_state
     snap.restored = True
     return True
+
+
+# ------------------------------------------------- the master-weight step guard
+def _inf_threshold(dtype: torch.dtype) -> float:
+    """The smallest magnitude that rounds to inf when cast to ``dtype`` (round to nearest even)."""
+    fmax = torch.finfo(dtype).max
+    _, exp = math.frexp(fmax)
+    return fmax + torch.finfo(dtype).eps * 2.0 ** (exp - 1) / 2
+
+
+def masters_nonfinite(
+    pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], optimizer: torch.optim.Optimizer
+) -> torch.Tensor:
+    """After a master-weight step: True if a master (of ``(model parameter, master)`` ``pairs``)
+    or an fp32 parameter ``optimizer`` updates is inf/NaN, or a master
+    rounds to inf in its model parameter's dtype (one inf-norm read of each).
+
+    The optimizer state is not read: from finite gradients, the usual optimizers' state
+    stays finite (Adam's squared gradients overflow fp32 only beyond 1.8e19; fp16
+    gradients end at 65504), and a non-finite state shows in the masters it updates.
+    """
+    by_threshold: dict[tuple[torch.device, float], list[torch.Tensor]] = {}
+    for p, m in pairs:
+        by_threshold.setdefault((m.device, _inf_threshold(p.dtype)), []).append(m)
+    direct = {id(m) for _, m in pairs}
+    fp32_max = _inf_threshold(torch.float32)
+    for group in optimizer.param_groups:
+        for q in group["params"]:
+            if id(q) not in direct and q.is_floating_point():
+                by_threshold.setdefault((q.device, fp32_max), []).append(q)
+    flags = []
+    device = None
+    for (dev, threshold), tensors in by_threshold.items():
+        device = device or dev
+        norms = torch._foreach_norm(tensors, float("inf"))
+        flags.append((~(torch.stack(norms).float() < threshold)).any().to(device))
+    if not flags:
+        return torch.zeros((), dtype=torch.bool)
+    return torch.stack(flags).any()
