@@ -142,7 +142,7 @@ def test_kahan_is_exact_in_the_sum():
         w.grad = torch.full_like(w, -2.0**-12)
         opt.step()
     # 64 * 2**-12 = 2**-6 exactly: weight + compensation hold the exact sum
-    total = w.float() + opt._comp[w].float()
+    total = w.float() + opt.compensation(w).float()
     assert torch.equal(total, torch.full((8,), 1.0 + 2.0**-6))
 
 

@@ -185,7 +185,7 @@ def test_accumulate_grads_sums_micro_batches_in_fp32():
     for m, e in zip(opt.masters, expected, strict=True):
         assert m.grad.dtype == torch.float32 and torch.equal(m.grad, e)
     opt.step()
-    assert all(m.grad is None for m in opt.masters) and all(a is None for a in opt._acc)
+    assert all(m.grad is None for m in opt.masters) and opt.state_bytes()["grad_accumulation"] == 0
 
 
 def test_zero_grad_drops_accumulated_micro_batches():

@@ -22,7 +22,7 @@ WRAPPERS = [LowPrecisionOptimizer, KahanOptimizer]
 def _snapshot(params, opt):
     state = {i: {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in opt.state[p].items()}
              for i, p in enumerate(params) if p in opt.state}
-    comp = {i: opt._comp[p].clone() for i, p in enumerate(params) if p in getattr(opt, "_comp", {})}
+    comp = {i: c.clone() for i, p in enumerate(params) if (c := opt.compensation(p)) is not None}
     return [p.detach().clone() for p in params], state, comp
 
 
@@ -37,7 +37,7 @@ def _assert_unchanged(params, opt, before) -> None:
         for k, v in saved.items():
             assert torch.equal(live[k], v) if isinstance(v, torch.Tensor) else live[k] == v, (i, k)
     for i, c in comp.items():
-        assert torch.equal(opt._comp[params[i]], c), f"compensation {i} changed"
+        assert torch.equal(opt.compensation(params[i]), c), f"compensation {i} changed"
 
 
 @pytest.mark.parametrize("fast", [True, False])

@@ -1,44 +1,27 @@
-"""Small helpers shared by the diagnostics: walking nested outputs, module names, tables."""
+"""Small helpers shared by the diagnostics: floating tensors of nested outputs, module names, tables."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+
+from mixprec.nested import map_tensors, tensors
 
 __all__ = ["display_name", "floating_tensors", "format_number", "format_table", "human_bytes", "map_floating"]
 
 
 def floating_tensors(value: Any) -> Iterator[torch.Tensor]:
-    """Every floating-point tensor in a (nested) tensor / list / tuple / dict, in order."""
-    if isinstance(value, torch.Tensor):
-        if value.is_floating_point():
-            yield value
-    elif isinstance(value, list | tuple):
-        for v in value:
-            yield from floating_tensors(v)
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from floating_tensors(v)
+    """Every floating-point tensor in a (nested) value, in order (see :mod:`mixprec.nested`)."""
+    return (t for t in tensors(value) if t.is_floating_point())
 
 
-def map_floating(value: Any, fn: Any) -> Any:
-    """``value`` with ``fn`` applied to every floating tensor (structure kept)."""
-    if isinstance(value, torch.Tensor):
-        return fn(value) if value.is_floating_point() else value
-    if isinstance(value, list | tuple):
-        items = [map_floating(v, fn) for v in value]
-        if hasattr(value, "_fields"):  # namedtuple
-            return type(value)(*items)
-        return type(value)(items)
-    if isinstance(value, dict):
-        out = dict(value) if type(value) is dict else value.copy()
-        for k, v in value.items():
-            out[k] = map_floating(v, fn)
-        return out
-    return value
+def map_floating(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """``value`` with ``fn`` applied to every floating tensor; containers keep their types
+    (see :func:`mixprec.nested.map_tensors`)."""
+    return map_tensors(lambda t: fn(t) if t.is_floating_point() else t, value)
 
 
 def display_name(name: str) -> str:

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from mixprec.diagnostics._tensors import display_name, floating_tensors, format_number, format_table
+from mixprec.diagnostics.shadow import prepare_copy, run_loss
 from mixprec.dtypes import dtype_name
 
 __all__ = ["HeadroomMonitor", "HeadroomReport", "ModuleHeadroom", "ScaleHistory", "headroom"]
@@ -303,8 +304,6 @@ def headroom(
     >>> sorted(report)[:2]
     ['', '0']
     """
-    from mixprec.diagnostics.compare import prepare_copy, run_loss
-
     prepared = prepare_copy(model, plan)
     with HeadroomMonitor(prepared.model, loss_scale=loss_scale) as monitor:
         loss = run_loss(prepared, batch, criterion)

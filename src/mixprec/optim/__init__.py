@@ -2,13 +2,10 @@
 
 from mixprec.optim.base import WrappedOptimizer
 from mixprec.optim.in_backward import InBackwardOptimizer
-from mixprec.optim.lowbit import (
-    KahanOptimizer,
-    LowPrecisionOptimizer,
-    StochasticRoundingOptimizer,
-    stochastic_round,
-)
+from mixprec.optim.kahan import KahanOptimizer
+from mixprec.optim.lowbit import LowPrecisionOptimizer
 from mixprec.optim.master import MasterWeightOptimizer
+from mixprec.optim.stochastic import StochasticRoundingOptimizer, stochastic_round
 
 __all__ = [
     "InBackwardOptimizer",

@@ -12,45 +12,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["WrappedOptimizer", "check_inner_state_dict"]
+from mixprec.optim import footprint
 
-
-def check_inner_state_dict(optimizer: torch.optim.Optimizer, state_dict: Any) -> None:
-    """Raise ValueError/TypeError, naming the key, if torch's ``Optimizer.load_state_dict``
-    would refuse ``state_dict`` for ``optimizer`` (or fail half-way with a KeyError)."""
-    if not isinstance(state_dict, dict):
-        raise TypeError(f"an optimizer state_dict must be a dict, got {type(state_dict).__name__}")
-    for key, kind in (("state", dict), ("param_groups", list)):
-        if key not in state_dict:
-            raise ValueError(
-                f"the optimizer state_dict has no {key!r} entry; pass what optimizer.state_dict() returned"
-            )
-        if not isinstance(state_dict[key], kind):
-            raise TypeError(
-                f"the optimizer state_dict's {key!r} must be a {kind.__name__}, got {type(state_dict[key]).__name__}"
-            )
-    groups = state_dict["param_groups"]
-    if len(groups) != len(optimizer.param_groups):
-        raise ValueError(
-            f"the optimizer state_dict has {len(groups)} parameter group(s), this optimizer "
-            f"{len(optimizer.param_groups)}; was it saved from another optimizer?"
-        )
-    for i, (saved, live) in enumerate(zip(groups, optimizer.param_groups, strict=True)):
-        if not isinstance(saved, dict) or not isinstance(saved.get("params"), list):
-            raise ValueError(f"the optimizer state_dict's param_groups[{i}] has no 'params' list")
-        if len(saved["params"]) != len(live["params"]):
-            raise ValueError(
-                f"the optimizer state_dict's param_groups[{i}] holds {len(saved['params'])} parameters, this "
-                f"optimizer's {len(live['params'])}; was it saved from another model?"
-            )
-        if not all(isinstance(k, str) for k in saved):
-            raise TypeError(f"the optimizer state_dict's param_groups[{i}] has non-string keys")
-    ids = {pid for g in groups for pid in g["params"]}
-    for pid, value in state_dict["state"].items():
-        if pid not in ids:
-            raise ValueError(f"the optimizer state_dict's 'state' names parameter {pid!r}, which no group holds")
-        if not isinstance(value, dict):
-            raise TypeError(f"the optimizer state_dict's state[{pid!r}] must be a dict, got {type(value).__name__}")
+__all__ = ["WrappedOptimizer"]
 
 
 class WrappedOptimizer(torch.optim.Optimizer):
@@ -147,6 +111,34 @@ class WrappedOptimizer(torch.optim.Optimizer):
         support it, until the next ``zero_grad()``, ``prepare_grads()`` or ``step()``.
         """
         raise NotImplementedError(f"{type(self).__name__} cannot undo a step")
+
+    # Memory facts, read by the memory diagnostics (which know no wrapper class by name).
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes of training state this optimizer keeps between steps, by tensor class.
+
+        Keys (any subset): ``"master_weights"`` (fp32 copies of the model's parameters),
+        ``"optimizer_state"`` (moments, momentum buffers, step counters),
+        ``"compensation"`` (Kahan residuals), ``"grad_accumulation"`` (gradient buffers
+        that outlive a step). State not created yet (before the first step) is predicted.
+        The model's own parameters and gradients are not included. A wrapper that reports
+        ``"master_weights"`` accounts for every parameter of ``param_groups`` the model
+        lacks; without that key the memory diagnostics count those as master weights.
+
+        The default: the inner optimizer's state (see :mod:`mixprec.optim.footprint`).
+        """
+        return {"optimizer_state": footprint.optimizer_state_bytes(self.optimizer)}
+
+    def state_tensors(self) -> Iterator[torch.Tensor]:
+        """The tensors :meth:`state_bytes` counts that exist now (the parameters of
+        ``param_groups`` and their gradients excluded). The default: the inner optimizer's state."""
+        yield from footprint.state_tensors(self.optimizer)
+
+    def step_transient_bytes(self) -> int:
+        """Peak bytes of the temporaries one ``step()`` allocates besides the persistent state
+        and the gradients (update scratch, snapshots of a guarded step, gathered fp32
+        gradients). The default: the inner optimizer's update (see
+        :func:`mixprec.optim.footprint.update_transient_bytes`)."""
+        return footprint.update_transient_bytes(self.optimizer)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)

@@ -30,7 +30,16 @@ from typing import Any
 
 import torch
 
-__all__ = ["DEFAULT_CHUNK_NUMEL", "FAST_OPTIMIZERS", "compiled_adam_step", "fast_kind", "fast_step", "fused_available"]
+__all__ = [
+    "DEFAULT_CHUNK_NUMEL",
+    "FAST_OPTIMIZERS",
+    "chunks",
+    "fast_kind",
+    "fast_step",
+    "fused_available",
+    "init_adam_state",
+    "scalar_value",
+]
 
 DEFAULT_CHUNK_NUMEL = 1 << 22  # 16 MiB per fp32 working buffer
 
@@ -42,7 +51,8 @@ Store = Callable[[list[torch.Tensor], list[torch.Tensor], torch.Tensor], None]
 Expand = Callable[[list[torch.Tensor], list[torch.Tensor]], None]
 
 
-def _scalar(value: Any) -> float:
+def scalar_value(value: Any) -> float:
+    """A hyperparameter as a Python float (tensors are read once)."""
     return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
 
 
@@ -139,14 +149,14 @@ def fast_step(
         return
     dtype = torch.float32 if state_dtype is None else state_dtype
     if kind == "adam":
-        _init_adam_state(optimizer, group, active, dtype)
+        init_adam_state(optimizer, group, active, dtype)
         def key(p: torch.Tensor) -> Any:
             return (p.device, p.dtype, p.grad.dtype if p.grad is not None else None,
                     float(optimizer.state[p]["step"]))
         for chunk in chunks(active, key, chunk_numel):
             _adam_chunk(optimizer, group, chunk, expand, store, fused=fused, plain_store=plain_store)
     else:
-        momentum = _scalar(group["momentum"])
+        momentum = scalar_value(group["momentum"])
         def sgd_key(p: torch.Tensor) -> Any:
             has_buf = momentum != 0 and optimizer.state.get(p, {}).get("momentum_buffer") is not None
             return (p.device, p.dtype, p.grad.dtype if p.grad is not None else None, has_buf)
@@ -154,7 +164,7 @@ def fast_step(
             _sgd_chunk(optimizer, group, chunk, dtype, expand, store)
 
 
-def _init_adam_state(optimizer: torch.optim.Optimizer, group: dict[str, Any], params: list[torch.Tensor], dtype: torch.dtype) -> None:
+def init_adam_state(optimizer: torch.optim.Optimizer, group: dict[str, Any], params: list[torch.Tensor], dtype: torch.dtype) -> None:
     """torch.optim.Adam's lazy state initialisation, with the moments in ``dtype``."""
     for p in params:
         state = optimizer.state[p]
@@ -181,8 +191,8 @@ def _adam_chunk(
     optimizer: torch.optim.Optimizer, group: dict[str, Any], params: list[torch.Tensor], expand: Expand, store: Store,
     *, fused: bool, plain_store: bool,
 ) -> None:
-    lr = _scalar(group["lr"])
-    beta1, beta2 = (_scalar(b) for b in group["betas"])
+    lr = scalar_value(group["lr"])
+    beta1, beta2 = (scalar_value(b) for b in group["betas"])
     eps, weight_decay = float(group["eps"]), float(group["weight_decay"])
     decoupled = bool(group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW)))
     device = params[0].device
@@ -267,8 +277,8 @@ def _sgd_chunk(
     optimizer: torch.optim.Optimizer, group: dict[str, Any], params: list[torch.Tensor], dtype: torch.dtype,
     expand: Expand, store: Store,
 ) -> None:
-    lr = _scalar(group["lr"])
-    momentum, dampening = _scalar(group["momentum"]), _scalar(group["dampening"])
+    lr = scalar_value(group["lr"])
+    momentum, dampening = scalar_value(group["momentum"]), scalar_value(group["dampening"])
     weight_decay = float(group["weight_decay"])
     device = params[0].device
 
@@ -295,132 +305,3 @@ def _sgd_chunk(
             grads = bufs
     torch._foreach_add_(values, grads, alpha=-lr)
     store(params, values, flat)
-
-
-# --------------------------------------------------------------------- compiled route
-def _adam_lists(
-    params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor],
-    max_exp_avg_sqs: list[torch.Tensor], comps: list[torch.Tensor], counter: torch.Tensor, hyper: torch.Tensor,
-    *, decoupled: bool, amsgrad: bool, maximize: bool, weight_decay: bool, rounding: str,
-) -> None:
-    """Adam/AdamW on low-precision tensors, one fused loop per parameter under ``torch.compile``.
-
-    ``hyper`` holds [lr, beta1, beta2, eps, weight_decay, step_size, bias_correction2_sqrt]
-    (a tensor, so new values do not recompile). ``rounding``: "nearest", "kahan" (with
-    ``comps``) or "stochastic": 16 noise bits per element from a counter-based hash of
-    ``counter`` (int64) plus the element's position in the group, computed in the kernel.
-    """
-    lr, beta1, beta2, eps, wd, step_size, bc2_sqrt = hyper.unbind(0)
-    offset = 0
-    for i, p in enumerate(params):
-        w = p.float()
-        if rounding == "kahan":
-            w = w + comps[i].float()
-        g = grads[i].float()
-        if maximize:
-            g = -g
-        if weight_decay:
-            if decoupled:
-                w = w * (1 - lr * wd)
-            else:
-                g = g + w * wd
-        m = exp_avgs[i].float().lerp(g, 1 - beta1)
-        v = exp_avg_sqs[i].float() * beta2 + g * g * (1 - beta2)
-        if amsgrad:
-            vmax = torch.maximum(max_exp_avg_sqs[i].float(), v)
-            max_exp_avg_sqs[i].copy_(vmax)
-            denom = vmax.sqrt() / bc2_sqrt + eps
-        else:
-            denom = v.sqrt() / bc2_sqrt + eps
-        w = w - step_size * (m / denom)
-        exp_avgs[i].copy_(m)
-        exp_avg_sqs[i].copy_(v)
-        if rounding == "stochastic":
-            index = torch.arange(p.numel(), device=p.device, dtype=torch.int64).view(p.shape)
-            bits = (w.view(torch.int32) + _hash16(index + (counter + offset))) & -65536
-            p.copy_(bits.view(torch.float32))
-            offset += p.numel()
-        else:
-            low = w.to(p.dtype)
-            p.copy_(low)
-            if rounding == "kahan":
-                comps[i].copy_(w - low.float())
-
-
-def _hash16(x: torch.Tensor) -> torch.Tensor:
-    """16 well-mixed bits of each int64 ``x`` (a multiply-xorshift hash; products stay below 2**63)."""
-    x = x & 0xFFFFFFFF
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & 0xFFFFFFFF
-    x = x ^ (x >> 15)
-    x = (x * 0x5BD1E995) & 0xFFFFFFFF
-    x = x ^ (x >> 16)
-    return (x & 0xFFFF).to(torch.int32)
-
-
-_COMPILED: dict[str, Callable[..., None]] = {}
-
-
-def compiled_adam_step(
-    optimizer: torch.optim.Optimizer,
-    group: dict[str, Any],
-    params: Sequence[torch.Tensor],
-    *,
-    state_dtype: torch.dtype | None,
-    rounding: str,
-    comps: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    counter: list[int] | None = None,
-) -> None:
-    """Adam/AdamW for the low-precision ``params`` of ``group`` in one ``torch.compile``-d call.
-
-    No fp32 copies are materialised: expansion, update and store fuse into one loop per
-    parameter. The first call per group layout compiles (tens of seconds). Results equal
-    the generic path within fp32 rounding (the compiler may reorder and contract the
-    fp32 operations). Stochastic rounding hashes ``counter[0]`` (the wrapper's
-    checkpointed noise counter, advanced here by the number of elements rounded) with
-    each element's position: no random tensor is drawn or stored.
-    """
-    active = [p for p in params if p.grad is not None]
-    if not active:
-        return
-    dtype = torch.float32 if state_dtype is None else state_dtype
-    _init_adam_state(optimizer, group, active, dtype)
-    states = [optimizer.state[p] for p in active]
-    steps = [s["step"] for s in states]
-    by_step: dict[float, list[int]] = {}
-    torch._foreach_add_(steps, 1.0)
-    for i, s in enumerate(steps):
-        by_step.setdefault(float(s), []).append(i)
-    lr = _scalar(group["lr"])
-    beta1, beta2 = (_scalar(b) for b in group["betas"])
-    eps, weight_decay = float(group["eps"]), float(group["weight_decay"])
-    decoupled = bool(group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW)))
-    fn = _COMPILED.get("adam")
-    if fn is None:
-        # emulate_precision_casts: keep the bf16/fp16 rounding of the stored weight when the
-        # Kahan residual reads it back (inductor otherwise folds to(bf16).float() into a no-op)
-        fn = _COMPILED["adam"] = torch.compile(
-            _adam_lists, dynamic=False, options={"emulate_precision_casts": True}
-        )
-    for step, index in by_step.items():
-        ps = [active[i] for i in index]
-        st = [states[i] for i in index]
-        device = ps[0].device
-        hyper = torch.tensor(
-            [lr, beta1, beta2, eps, weight_decay, lr / (1 - beta1**step), (1 - beta2**step) ** 0.5],
-            dtype=torch.float32,
-        ).to(device, non_blocking=True)
-        start = 0
-        if rounding == "stochastic":
-            if counter is None:
-                raise ValueError("stochastic rounding needs the wrapper's noise counter")
-            start = counter[0]
-            counter[0] = (start + sum(p.numel() for p in ps)) % (1 << 32)
-        fn(
-            ps, [p.grad for p in ps], [s["exp_avg"] for s in st], [s["exp_avg_sq"] for s in st],
-            [s["max_exp_avg_sq"] for s in st] if group["amsgrad"] else [],
-            [comps(p) for p in ps] if (rounding == "kahan" and comps is not None) else [],
-            torch.tensor(start, dtype=torch.int64, device=device), hyper,
-            decoupled=decoupled, amsgrad=bool(group["amsgrad"]), maximize=bool(group["maximize"]),
-            weight_decay=weight_decay != 0, rounding=rounding,
-        )

@@ -38,7 +38,8 @@ from typing import Any
 
 import torch
 
-from mixprec.optim.lowbit import KahanOptimizer, LowPrecisionOptimizer
+from mixprec.optim import footprint
+from mixprec.optim.lowbit import LowPrecisionOptimizer
 
 __all__ = ["InBackwardOptimizer"]
 
@@ -84,15 +85,15 @@ class InBackwardOptimizer:
         if self._found is not None:
             bad = bad.to(self._found.device) | self._found
         self._found = bad
-        if self._extra is None and not isinstance(self.optimizer, KahanOptimizer):
-            self._extra = copy.deepcopy(self.optimizer._extra_state())  # rounding-noise state: small
+        if self._extra is None:
+            self._extra = copy.deepcopy(self.optimizer.rounding_state())  # rounding-noise state: small
         state = self.optimizer.state.get(p)
         saved_state = None if state is None else {
             k: (v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)) for k, v in state.items()
         }
-        comp = self.optimizer._comp.get(p) if isinstance(self.optimizer, KahanOptimizer) else None
+        comp = self.optimizer.compensation(p)
         self._records.append((p, p.detach().clone(), saved_state, None if comp is None else comp.clone()))
-        self.optimizer._step_selected({p})
+        self.optimizer.step_selected({p})
         # a finite weight that the update made non-finite (fp16 range) refuses the step too
         overflow = (torch.isfinite(self._records[-1][1]) & ~torch.isfinite(p)).any()
         self._found = self._found | overflow.to(self._found.device)
@@ -117,13 +118,27 @@ class InBackwardOptimizer:
                 self.optimizer.state.pop(p, None)
             else:
                 self.optimizer.state[p] = state
-            if comp is not None and isinstance(self.optimizer, KahanOptimizer):
-                self.optimizer._comp[p] = comp
-            elif isinstance(self.optimizer, KahanOptimizer):
-                self.optimizer._comp.pop(p, None)
+            if comp is not None:
+                self.optimizer.set_compensation(p, comp)
+            else:
+                self.optimizer.drop_compensation(p)
         if extra is not None:
-            self.optimizer._load_extra_state(extra)
+            self.optimizer.load_rounding_state(extra)
         return False
+
+    # ------------------------------------------------------------------ memory facts
+    def state_bytes(self) -> dict[str, int]:
+        """What the wrapped optimizer keeps between steps (see
+        :meth:`mixprec.optim.WrappedOptimizer.state_bytes`)."""
+        return self.optimizer.state_bytes()
+
+    def step_transient_bytes(self) -> int:
+        """Peak temporaries of the updates run inside backward: one parameter at a time, plus
+        the copies of every updated parameter, its state and compensation, kept until
+        :meth:`finish` (the whole training state, when every parameter has a gradient)."""
+        copies = sum(footprint.nbytes(p) for p in footprint.unique_tensors(self.optimizer.params()))
+        held = self.optimizer.state_bytes()
+        return copies + held.get("optimizer_state", 0) + held.get("compensation", 0)
 
     def remove(self) -> None:
         """Remove the hooks: the wrapper steps in ``step()`` again."""

@@ -19,6 +19,8 @@ attached). ``torch.optim.Adam``, ``AdamW`` and ``SGD`` take a multi-tensor fast 
 (:mod:`mixprec.optim.fast`) with the same results and state. Between steps optimizer
 state is kept in ``state_dtype`` (bf16 by default, halving its memory).
 
+The rounding variants live in :mod:`mixprec.optim.kahan` and :mod:`mixprec.optim.stochastic`.
+
 >>> import torch
 >>> from mixprec.optim import KahanOptimizer
 >>> w = torch.nn.Parameter(torch.ones(1000, dtype=torch.bfloat16))
@@ -32,40 +34,20 @@ state is kept in ``state_dtype`` (bf16 by default, halving its memory).
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from mixprec.dtypes import LOW_PRECISION_DTYPES, parse_dtype
-from mixprec.optim.base import WrappedOptimizer, check_inner_state_dict
-from mixprec.optim.fast import (
-    DEFAULT_CHUNK_NUMEL,
-    compiled_adam_step,
-    fast_kind,
-    fast_step,
-    fused_available,
-)
+from mixprec.optim import footprint
+from mixprec.optim.base import WrappedOptimizer
+from mixprec.optim.checks import check_inner_state_dict, check_state_shapes
+from mixprec.optim.compiled import compiled_adam_step
+from mixprec.optim.fast import DEFAULT_CHUNK_NUMEL, fast_kind, fast_step, fused_available
+from mixprec.optim.snapshot import ParamSnapshot, became_nonfinite, restore_params, snapshot_params
 
-__all__ = ["KahanOptimizer", "LowPrecisionOptimizer", "StochasticRoundingOptimizer", "stochastic_round"]
-
-
-def stochastic_round(x: torch.Tensor, dtype: torch.dtype = torch.bfloat16, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Round fp32 ``x`` to bf16, up or down at random: E[result] == x (for finite, in-range values).
-
-    >>> import torch
-    >>> x = torch.full((100000,), 1.0 + 2**-10)  # a quarter of the way between two bf16 values
-    >>> y = stochastic_round(x, generator=torch.Generator().manual_seed(0)).float()
-    >>> abs(float(y.mean()) - (1 + 2**-10)) < 1e-4
-    True
-    """
-    if dtype != torch.bfloat16:
-        raise ValueError(f"stochastic_round supports dtype=torch.bfloat16 only, got {dtype}")
-    x = x.to(torch.float32)
-    noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=generator)
-    bits = (x.view(torch.int32) + noise) & -65536  # keep the top 16 bits: exactly a bf16 value
-    return bits.view(torch.float32).to(torch.bfloat16)
+__all__ = ["LowPrecisionOptimizer"]
 
 
 class LowPrecisionOptimizer(WrappedOptimizer):
@@ -94,7 +76,7 @@ class LowPrecisionOptimizer(WrappedOptimizer):
             within fp32 rounding: a stored weight or moment can differ by one unit in the
             last place of its dtype where the fp32 result lies next to a rounding boundary.
         compile: on the fast path, run Adam/AdamW groups through ``torch.compile``
-            (:func:`~mixprec.optim.fast.compiled_adam_step`): expansion, update and store
+            (:func:`~mixprec.optim.compiled.compiled_adam_step`): expansion, update and store
             fuse into one loop per parameter, nothing is materialised in fp32; the first
             step compiles (tens of seconds to minutes). Within fp32 rounding of the
             generic path, like ``fused``.
@@ -108,8 +90,9 @@ class LowPrecisionOptimizer(WrappedOptimizer):
     """
 
     _STATE_KEY = "mixprec_lowbit"
-    _PLAIN_STORE = True  # stores round to nearest: fused kernels may update low-precision tensors in place
-    _ROUNDING = "nearest"
+    #: how updated weights are stored: ``"nearest"`` (fused kernels may then update the
+    #: low-precision tensors in place), ``"kahan"`` or ``"stochastic"``
+    rounding: ClassVar[str] = "nearest"
 
     def __init__(
         self,
@@ -132,7 +115,7 @@ class LowPrecisionOptimizer(WrappedOptimizer):
             raise ValueError(f"chunk_numel must be a positive int (elements expanded to fp32 at a time), got {chunk_numel!r}")
         self.fast = fast
         self.chunk_numel = chunk_numel
-        self._snapshot: dict[str, Any] | None = None
+        self._snapshot: ParamSnapshot | None = None
         self._nonfinite: torch.Tensor | None = None
 
     def _low_params(self) -> list[torch.nn.Parameter]:
@@ -165,18 +148,19 @@ class LowPrecisionOptimizer(WrappedOptimizer):
         if closure is not None:
             raise ValueError(f"{type(self).__name__}.step() does not take a closure; compute the loss before step()")
         guarded = any(p.dtype == torch.float16 for p in self._low_params())
-        self._snapshot = self._take_snapshot() if guarded else None
+        self._snapshot = snapshot_params(self.optimizer, self.params(), self.extra_state()) if guarded else None
         self._nonfinite = None
-        result = self._step_selected(None)
+        result = self.step_selected(None)
         if self._snapshot is not None:
-            self._nonfinite = self._check_nonfinite(self._snapshot)
+            self._nonfinite = became_nonfinite(self._snapshot)
             if bool(self._nonfinite):
                 self._restore(self._snapshot)
         return result
 
     @torch.no_grad()
-    def _step_selected(self, selected: set[torch.Tensor] | None) -> Any:
-        """Step every parameter with a gradient, or only those in ``selected`` (no overflow guard)."""
+    def step_selected(self, selected: set[torch.Tensor] | None) -> Any:
+        """Step every parameter with a gradient, or only those in ``selected`` (no overflow
+        guard, no snapshot: :class:`~mixprec.optim.InBackwardOptimizer` keeps its own copies)."""
         groups = self.optimizer.param_groups
         saved = [group["params"] for group in groups]
         picked = saved if selected is None else [[p for p in params if p in selected] for params in saved]
@@ -197,15 +181,16 @@ class LowPrecisionOptimizer(WrappedOptimizer):
                 group["params"] = active
                 kind = fast_kind(self.optimizer, group) if self.fast else None
                 if kind == "adam" and self.compile:
+                    comps, counter = self._compiled_rounding_inputs()
                     compiled_adam_step(
-                        self.optimizer, group, active, state_dtype=self.state_dtype, rounding=self._ROUNDING,
-                        comps=getattr(self, "_compensation", None), counter=getattr(self, "_counter", None),
+                        self.optimizer, group, active, state_dtype=self.state_dtype, rounding=self.rounding,
+                        comps=comps, counter=counter,
                     )
                 elif kind is not None:
                     fast_step(
                         self.optimizer, group, active, kind=kind, state_dtype=self.state_dtype,
                         expand=self._expand_many, store=self._store_many, chunk_numel=self.chunk_numel,
-                        fused=self.fused and fused_available(active[0].device), plain_store=self._PLAIN_STORE,
+                        fused=self.fused and fused_available(active[0].device), plain_store=self.rounding == "nearest",
                     )
                 else:
                     for p in active:
@@ -215,6 +200,11 @@ class LowPrecisionOptimizer(WrappedOptimizer):
             for group, params in zip(groups, saved, strict=True):
                 group["params"] = params
         return result
+
+    def _compiled_rounding_inputs(self) -> tuple[Callable[[torch.Tensor], torch.Tensor] | None, list[int] | None]:
+        """(compensation of a parameter, noise counter) the compiled route rounds with; the
+        rounding subclasses provide theirs."""
+        return None, None
 
     def _step_one(self, p: torch.nn.Parameter, group: dict[str, Any], scratch: dict[tuple[int, torch.device], torch.Tensor]) -> None:
         """The inner optimizer on an fp32 proxy of ``p`` (its value, gradient and state expanded)."""
@@ -286,56 +276,44 @@ class LowPrecisionOptimizer(WrappedOptimizer):
         else:
             super().undo_step()
 
-    def _take_snapshot(self) -> dict[str, Any]:
-        params = list(self.params())
-        state: dict[torch.Tensor, dict[Any, Any] | None] = {}
-        for p in params:
-            live = self.optimizer.state.get(p)
-            state[p] = None if live is None else {
-                k: (v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)) for k, v in live.items()
-            }
-        return {
-            "params": [(p, p.detach().clone()) for p in params],
-            "state": state,
-            "extra": copy.deepcopy(self._extra_state()),
-            "restored": False,
-        }
+    def _restore(self, snapshot: ParamSnapshot) -> None:
+        if restore_params(self.optimizer, snapshot):
+            self.load_extra_state(snapshot.extra)
 
-    @torch.no_grad()
-    def _check_nonfinite(self, snapshot: dict[str, Any]) -> torch.Tensor:
-        flags = [
-            (torch.isfinite(old) & ~torch.isfinite(p)).any()
-            for p, old in snapshot["params"]
-            if p.dtype == torch.float16
-        ]
-        if not flags:
-            return torch.zeros((), dtype=torch.bool)
-        return torch.stack(flags).any()
+    # ------------------------------------------------- compensation and rounding noise
+    def compensation(self, param: torch.Tensor) -> torch.Tensor | None:
+        """The Kahan compensation buffer of ``param`` (None: this wrapper keeps none, or
+        ``param`` has not been stepped yet)."""
+        return None
 
-    @torch.no_grad()
-    def _restore(self, snapshot: dict[str, Any]) -> None:
-        if snapshot["restored"]:
-            return
-        for p, old in snapshot["params"]:
-            p.copy_(old)
-        for p, saved_state in snapshot["state"].items():
-            if saved_state is None:
-                self.optimizer.state.pop(p, None)
-            else:
-                self.optimizer.state[p] = saved_state
-        self._load_extra_state(snapshot["extra"])
-        snapshot["restored"] = True
+    def set_compensation(self, param: torch.Tensor, value: torch.Tensor) -> None:
+        """Replace the compensation buffer of ``param`` (Kahan wrappers only)."""
+        raise TypeError(f"{type(self).__name__} keeps no compensation buffers; only KahanOptimizer does")
 
-    # ------------------------------------------------------------------------ checkpoints
-    def _extra_state(self) -> dict[str, Any]:
+    def drop_compensation(self, param: torch.Tensor) -> None:
+        """Forget the compensation buffer of ``param`` (the next step starts it at zero); a
+        no-op for wrappers without compensation."""
+
+    def rounding_state(self) -> dict[str, Any]:
+        """The state of the rounding noise (small; ``{}`` for deterministic rounding)."""
         return {}
 
-    def _load_extra_state(self, extra: dict[str, Any]) -> None:
-        return None
+    def load_rounding_state(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`rounding_state` returned."""
+
+    # ------------------------------------------------------------------------ checkpoints
+    def extra_state(self) -> dict[str, Any]:
+        """This wrapper's own state besides the inner optimizer's (compensation buffers,
+        rounding noise): what :meth:`state_dict` stores under its own key."""
+        return self.rounding_state()
+
+    def load_extra_state(self, extra: dict[str, Any]) -> None:
+        """Restore what :meth:`extra_state` returned (shapes are checked first)."""
+        self.load_rounding_state(extra)
 
     def state_dict(self) -> dict[str, Any]:
         sd = self.optimizer.state_dict()
-        sd[self._STATE_KEY] = self._extra_state()
+        sd[self._STATE_KEY] = self.extra_state()
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -355,14 +333,7 @@ class LowPrecisionOptimizer(WrappedOptimizer):
         check_inner_state_dict(self.optimizer, sd)
         params = list(self.params())
         order = [pid for group in sd["param_groups"] for pid in group["params"]]
-        for pid, saved in sd["state"].items():
-            param = params[order.index(pid)]
-            for key, value in saved.items():
-                if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != param.shape:
-                    raise ValueError(
-                        f"the optimizer state_dict's state[{pid!r}][{key!r}] has shape {tuple(value.shape)}, but its "
-                        f"parameter has shape {tuple(param.shape)}; was it saved from another model?"
-                    )
+        check_state_shapes(params, sd)
         old_state, old_groups, old_attrs = self.optimizer.state, self.optimizer.param_groups, dict(self.__dict__)
         try:
             self.optimizer.load_state_dict(sd)
@@ -373,7 +344,7 @@ class LowPrecisionOptimizer(WrappedOptimizer):
                 for key, value in saved.items():
                     if _is_param_state(key, value, param):
                         live[key] = value.detach().clone().to(param.device)
-            self._load_extra_state(extra)
+            self.load_extra_state(extra)
         except Exception as exc:
             self.optimizer.state, self.optimizer.param_groups = old_state, old_groups
             self.__dict__.clear()
@@ -383,151 +354,43 @@ class LowPrecisionOptimizer(WrappedOptimizer):
             raise ValueError(f"cannot load this {type(self).__name__} state_dict: {type(exc).__name__}: {exc}") from exc
         self._snapshot = None
 
+    # ------------------------------------------------------------------ memory facts
+    def state_bytes(self) -> dict[str, int]:
+        """The inner optimizer's state: low-precision parameters' per-element state in
+        ``state_dtype`` (predicted before the first step), the rest as the optimizer keeps it."""
+        low = self._low_params()
+        low_ids = {id(p) for p in low}
+        size = (self.state_dtype or torch.float32).itemsize
+        layouts = footprint.state_layout(self.optimizer, as_float32=low)
+        total = 0
+        for q in footprint.unique_tensors(self.params()):
+            state = self.optimizer.state.get(q)
+            if state:  # as it is
+                total += sum(footprint.nbytes(v) for v in footprint.unique_tensors(footprint.state_tensors_of(state)))
+                continue
+            for shape, dtype in layouts.get(id(q), {}).values():
+                shaped = id(q) in low_ids and shape == q.shape and dtype.is_floating_point
+                total += shape.numel() * (size if shaped else dtype.itemsize)
+        return {"optimizer_state": total}
 
-class KahanOptimizer(LowPrecisionOptimizer):
-    """bf16/fp16 weights with Kahan-compensated updates: no update is lost, no fp32 master copy.
+    def step_transient_bytes(self) -> int:
+        """Peak temporaries of one :meth:`step`, as it runs them:
 
-    Args:
-        optimizer: any torch optimizer over low-precision parameters.
-        state_dtype: dtype the optimizer state is kept in between steps (None: fp32).
-        fast, chunk_numel, fused, compile: see :class:`LowPrecisionOptimizer`.
-
-    Training-state memory for AdamW: 2 (weight) + 2 (grad) + 2 (compensation) +
-    4 (two bf16 moments) = 10 bytes per parameter, against 16 for fp32 training.
-    """
-
-    def __init__(
-        self,
-        optimizer: torch.optim.Optimizer,
-        *,
-        state_dtype: torch.dtype | str | None = torch.bfloat16,
-        fast: bool = True,
-        chunk_numel: int = DEFAULT_CHUNK_NUMEL,
-        fused: bool = True,
-        compile: bool = False,
-    ) -> None:
-        super().__init__(
-            optimizer, state_dtype=state_dtype, fast=fast, chunk_numel=chunk_numel, fused=fused, compile=compile
+        - fp32 parameters (norm layers) are stepped by the inner optimizer as usual;
+        - low-precision ones on the fast path (:func:`mixprec.optim.fast.fast_step`) are
+          expanded chunk by chunk (at most ``chunk_numel`` elements, or one larger
+          parameter): fp32 values and gradients, fp32 copies of low-precision state, the
+          foreach path's denominator, stochastic rounding's noise. Round-to-nearest stores
+          with everything in the parameters' dtype run torch's fused kernel in place (no
+          scratch); the compiled route materialises nothing in fp32;
+        - on the generic path, one parameter at a time on reused fp32 scratch;
+        - with fp16 parameters, the step first snapshots every parameter and state tensor
+          (kept for the whole step, so a non-finite update can be undone).
+        """
+        return footprint.low_precision_step_transient(
+            self.optimizer, state_dtype=self.state_dtype, fast=self.fast, fused=self.fused, compile=self.compile,
+            chunk_numel=self.chunk_numel, rounding=self.rounding,
         )
-        self._comp: dict[torch.Tensor, torch.Tensor] = {}
-
-    _PLAIN_STORE = False
-    _ROUNDING = "kahan"
-
-    def _compensation(self, param: torch.Tensor) -> torch.Tensor:
-        comp = self._comp.get(param)
-        if comp is None:
-            comp = torch.zeros_like(param, memory_format=torch.preserve_format)
-            self._comp[param] = comp
-        return comp
-
-    def _expand_into(self, param: torch.Tensor, out: torch.Tensor) -> None:
-        out.copy_(param).add_(self._compensation(param))
-
-    def _store(self, param: torch.Tensor, value32: torch.Tensor) -> None:
-        param.copy_(value32)
-        # value32 is scratch of this step: reuse it for the residual
-        self._comp[param].copy_(value32.sub_(param))
-
-    def _expand_many(self, params: list[torch.Tensor], values: list[torch.Tensor]) -> None:
-        torch._foreach_copy_(values, params)
-        torch._foreach_add_(values, [self._compensation(p) for p in params])
-
-    def _store_many(self, params: list[torch.Tensor], values: list[torch.Tensor], flat: torch.Tensor) -> None:
-        torch._foreach_copy_(params, values)
-        torch._foreach_sub_(values, params)
-        torch._foreach_copy_([self._comp[p] for p in params], values)
-
-    def _extra_state(self) -> dict[str, Any]:
-        params = list(self.params())
-        return {"compensation": {i: self._comp[p].clone() for i, p in enumerate(params) if p in self._comp}}
-
-    def _load_extra_state(self, extra: dict[str, Any]) -> None:
-        params = list(self.params())
-        comps: dict[torch.Tensor, torch.Tensor] = {}
-        for index, comp in extra.get("compensation", {}).items():
-            param = params[int(index)]
-            if comp.shape != param.shape:
-                raise ValueError(f"saved compensation {index} has shape {tuple(comp.shape)}, expected {tuple(param.shape)}")
-            comps[param] = comp.detach().clone().to(device=param.device, dtype=param.dtype)
-        self._comp = comps
-
-
-class StochasticRoundingOptimizer(LowPrecisionOptimizer):
-    """bf16 weights updated with stochastic rounding: unbiased, no extra buffer per weight.
-
-    Args:
-        optimizer: any torch optimizer over bf16 parameters.
-        state_dtype: dtype the optimizer state is kept in between steps (None: fp32).
-        seed: seed of the rounding noise (its generator state is checkpointed).
-        fast, chunk_numel, fused, compile: see :class:`LowPrecisionOptimizer`.
-
-    The noise is one ``randint`` per parameter on the generic path and one per chunk on
-    the fast path, drawn from the same generator in the same parameter order (on CPU
-    both paths draw identical bits). The compiled route (``compile=True``) instead hashes
-    a checkpointed counter with each element's position inside the kernel (no random
-    tensor at all): the same distribution, other bits.
-    """
-
-    def __init__(
-        self,
-        optimizer: torch.optim.Optimizer,
-        *,
-        state_dtype: torch.dtype | str | None = torch.bfloat16,
-        seed: int = 0,
-        fast: bool = True,
-        chunk_numel: int = DEFAULT_CHUNK_NUMEL,
-        fused: bool = True,
-        compile: bool = False,
-    ) -> None:
-        super().__init__(
-            optimizer, state_dtype=state_dtype, fast=fast, chunk_numel=chunk_numel, fused=fused, compile=compile
-        )
-        for p in self._low_params():
-            if p.dtype != torch.bfloat16:
-                raise ValueError(
-                    f"StochasticRoundingOptimizer needs bf16 parameters, got {p.dtype}; use KahanOptimizer for fp16"
-                )
-        self._seed = seed
-        self._generators: dict[torch.device, torch.Generator] = {}
-        self._counter = [(seed * 0x9E3779B9) % (1 << 32)]  # noise counter of the compiled route
-
-    _PLAIN_STORE = False
-    _ROUNDING = "stochastic"
-
-    def _generator(self, device: torch.device) -> torch.Generator:
-        gen = self._generators.get(device)
-        if gen is None:
-            gen = torch.Generator(device=device).manual_seed(self._seed)
-            self._generators[device] = gen
-        return gen
-
-    def _store(self, param: torch.Tensor, value32: torch.Tensor) -> None:
-        param.copy_(stochastic_round(value32, generator=self._generator(value32.device)))
-
-    def _store_many(self, params: list[torch.Tensor], values: list[torch.Tensor], flat: torch.Tensor) -> None:
-        # ``values`` are consecutive views of ``flat``: one draw of noise for the chunk
-        noise = torch.randint(
-            0, 1 << 16, flat.shape, dtype=torch.int32, device=flat.device, generator=self._generator(flat.device)
-        )
-        bits = flat.view(torch.int32)
-        bits.add_(noise).bitwise_and_(-65536)  # keep the top 16 bits: exactly a bf16 value
-        torch._foreach_copy_(params, values)
-
-    def _extra_state(self) -> dict[str, Any]:
-        return {
-            "generators": {str(dev): g.get_state() for dev, g in self._generators.items()},
-            "seed": self._seed,
-            "counter": self._counter[0],
-        }
-
-    def _load_extra_state(self, extra: dict[str, Any]) -> None:
-        self._seed = int(extra.get("seed", self._seed))
-        self._counter = [int(extra.get("counter", (self._seed * 0x9E3779B9) % (1 << 32)))]
-        self._generators = {}
-        for dev, state in extra.get("generators", {}).items():
-            self._generator(torch.device(dev)).set_state(state)
-
 
 def _is_param_state(key: Any, value: Any, param: torch.Tensor) -> bool:
     """A per-element state tensor of ``param`` (kept in ``state_dtype``); never the step count."""

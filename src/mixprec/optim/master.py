@@ -29,55 +29,27 @@ during a step.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from mixprec.dtypes import LOW_PRECISION_DTYPES
-from mixprec.optim.base import WrappedOptimizer, check_inner_state_dict
+from mixprec.optim import footprint
+from mixprec.optim.base import WrappedOptimizer
+from mixprec.optim.checks import (
+    check_inner_state_dict,
+    check_master_weights,
+    check_param_shaped_state,
+)
+from mixprec.optim.master_grads import MasterGrads
+from mixprec.optim.snapshot import StepSnapshot, masters_nonfinite, restore_snapshot, take_snapshot
 
 __all__ = ["MasterWeightOptimizer"]
 
 _MASTER_KEY = "mixprec_master_weights"
 
-# torch's own optimizers whose per-parameter state tensors are either scalars (step
-# counters) or shaped like the parameter; loading checks that shape.
-_PARAM_SHAPED_STATE = frozenset(
-    {"Adam", "AdamW", "Adamax", "NAdam", "RAdam", "SGD", "RMSprop", "Adagrad", "Adadelta", "ASGD", "Rprop"}
-)
-
-
 _FUSED_DEVICES = frozenset({"cpu", "cuda", "xpu", "mps"})
-
-
-def _inf_threshold(dtype: torch.dtype) -> float:
-    """The smallest magnitude that rounds to inf when cast to ``dtype`` (round to nearest even)."""
-    fmax = torch.finfo(dtype).max
-    _, exp = math.frexp(fmax)
-    return fmax + torch.finfo(dtype).eps * 2.0 ** (exp - 1) / 2
-
-
-@dataclass
-class _Gathered:
-    """What :meth:`MasterWeightOptimizer.prepare_grads` read for one parameter."""
-
-    grad: torch.Tensor | None  # the model gradient it read (None: there was none)
-    grad_version: int
-    master_version: int  # version of the master's .grad right after the gather
-    accumulated: bool  # the master grad includes fp32-accumulated micro-batches
-
-
-@dataclass
-class _Snapshot:
-    """Parameters, optimizer state and group settings before a step (for :meth:`undo_step`)."""
-
-    params: list[torch.Tensor]
-    values: list[torch.Tensor]
-    state: dict[torch.Tensor, dict[str, Any] | None]
-    groups: list[dict[str, Any]] = field(default_factory=list)
 
 
 class MasterWeightOptimizer(WrappedOptimizer):
@@ -106,9 +78,6 @@ class MasterWeightOptimizer(WrappedOptimizer):
     copy). The masters are part of :meth:`state_dict`.
     """
 
-    # The model's gradients stay in the model until the step (read by the memory estimator).
-    _hook_mode = False
-
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
@@ -122,11 +91,10 @@ class MasterWeightOptimizer(WrappedOptimizer):
             raise TypeError(f"guard_nonfinite must be True, False or None, got {guard_nonfinite!r}")
         self._values = master_values or {}
         self._guard_arg = guard_nonfinite
-        self._pairs: list[tuple[torch.nn.Parameter, torch.nn.Parameter]] = []
+        self._grads = MasterGrads()
+        self._pairs = self._grads.pairs  # (model parameter, fp32 master), shared with the gradient half
         self._master_by_param: dict[int, torch.nn.Parameter] = {}
-        self._acc: list[torch.Tensor | None] = []
-        self._gathered: list[_Gathered | None] | None = None
-        self._snapshot: _Snapshot | None = None
+        self._snapshot: StepSnapshot | None = None
         self._nonfinite: torch.Tensor | None = None
         self._fast_path = bool(fast_path)
         for group in optimizer.param_groups:
@@ -148,9 +116,8 @@ class MasterWeightOptimizer(WrappedOptimizer):
                 raise ValueError(f"master value has shape {tuple(source.shape)} but the parameter {tuple(p.shape)}")
             master = torch.nn.Parameter(source.detach().to(torch.float32, copy=True), requires_grad=p.requires_grad)
             self._adopt_state(p, master)
-            self._pairs.append((p, master))
+            self._grads.add_pair(p, master)
             self._master_by_param[id(p)] = master
-            self._acc.append(None)
             out.append(master)
         return out
 
@@ -206,7 +173,6 @@ class MasterWeightOptimizer(WrappedOptimizer):
                 state["step"] = step.to(device=q.device, dtype=torch.float32)  # type: ignore[index]
 
     # --------------------------------------------------------------- gradients
-    @torch.no_grad()
     def prepare_grads(self) -> None:
         """Gather the model's low-precision gradients into the masters' fp32 ``.grad``.
 
@@ -219,69 +185,8 @@ class MasterWeightOptimizer(WrappedOptimizer):
         """
         self._snapshot = None  # a new step begins: the last one can no longer be undone
         self._nonfinite = None
-        if self._gathered is not None:
-            self._regather_changed()
-            return
-        read: list[tuple[torch.Tensor | None, bool]] = []
-        dense_src: list[torch.Tensor] = []
-        dense_dst: list[torch.Tensor] = []
-        acc_dst: list[torch.Tensor] = []
-        acc_src: list[torch.Tensor] = []
-        for i, (p, m) in enumerate(self._pairs):
-            g, acc = p.grad, self._acc[i]
-            self._acc[i] = None
-            if g is None:
-                m.grad = acc
-            elif acc is not None:
-                m.grad = acc
-                if g.is_sparse:
-                    acc.add_(g.to(torch.float32))
-                else:
-                    acc_dst.append(acc)
-                    acc_src.append(g)
-            elif g.is_sparse:
-                m.grad = g.to(torch.float32)
-            else:
-                m.grad = torch.empty_like(m, memory_format=torch.preserve_format)
-                dense_dst.append(m.grad)
-                dense_src.append(g)
-            read.append((g, acc is not None))
-        if dense_dst:
-            torch._foreach_copy_(dense_dst, dense_src)
-        if acc_dst:
-            torch._foreach_add_(acc_dst, acc_src)
-        self._gathered = [self._record(i, g, accumulated) for i, (g, accumulated) in enumerate(read)]
+        self._grads.prepare()
 
-    def _record(self, i: int, grad: torch.Tensor | None, accumulated: bool) -> _Gathered:
-        master_grad = self._pairs[i][1].grad
-        return _Gathered(
-            grad=grad,
-            grad_version=-1 if grad is None else grad._version,
-            master_version=-1 if master_grad is None else master_grad._version,
-            accumulated=accumulated,
-        )
-
-    def _regather_changed(self) -> None:
-        assert self._gathered is not None
-        for i, (p, m) in enumerate(self._pairs):
-            rec = self._gathered[i]
-            assert rec is not None
-            g = p.grad
-            if g is rec.grad and (g is None or g._version == rec.grad_version):
-                continue  # unchanged since the gather: the master gradient is the truth
-            master_version = -1 if m.grad is None else m.grad._version
-            if rec.accumulated or master_version != rec.master_version:
-                where = "fp32-accumulated micro-batches" if rec.accumulated else "the master gradient was modified"
-                raise RuntimeError(
-                    f"the model gradient of a {tuple(p.shape)} parameter changed after prepare_grads() although "
-                    f"{where} since: the two disagree. Modify gradients on one side only: either "
-                    "before prepare_grads() in the model's .grad, or after it in the optimizer's "
-                    "param_groups (the fp32 masters); or call publish_grads() after changing the masters"
-                )
-            m.grad = None if g is None else g.to(torch.float32, copy=True)
-            self._gathered[i] = self._record(i, g, False)
-
-    @torch.no_grad()
     def publish_grads(self) -> None:
         """Copy the masters' fp32 gradients back into the model's ``.grad`` (rounded to its dtype).
 
@@ -289,25 +194,10 @@ class MasterWeightOptimizer(WrappedOptimizer):
         unscaled the master gradients: the model then shows the true gradients, and a
         later in-place change of them (clipping) is gathered again by :meth:`step`.
         """
-        if self._gathered is None:
+        if not self._grads.gathered:
             self.prepare_grads()
-        assert self._gathered is not None
-        dst, src, idx = [], [], []
-        for i, (p, m) in enumerate(self._pairs):
-            if m.grad is None:
-                p.grad = None
-            elif m.grad.is_sparse or p.grad is None or p.grad.is_sparse or p.grad.shape != p.shape:
-                p.grad = m.grad.to(p.dtype)
-            else:
-                dst.append(p.grad)
-                src.append(m.grad)
-            idx.append(i)
-        if dst:
-            torch._foreach_copy_(dst, src)
-        for i in idx:
-            self._gathered[i] = self._record(i, self._pairs[i][0].grad, False)
+        self._grads.publish()
 
-    @torch.no_grad()
     def accumulate_grads(self) -> None:
         """Add the model's low-precision gradients into fp32 buffers and free them.
 
@@ -317,27 +207,7 @@ class MasterWeightOptimizer(WrappedOptimizer):
         :meth:`zero_grad` and :meth:`step` drop the buffers. Not under DDP: its reducer
         reads ``.grad`` at the boundary and must see the sum there.
         """
-        if self._gathered is not None:
-            raise RuntimeError(
-                "accumulate_grads() called after prepare_grads() in the same step; accumulate every "
-                "micro-batch first, then prepare_grads() / step() once at the accumulation boundary"
-            )
-        add_dst, add_src = [], []
-        for i, (p, _) in enumerate(self._pairs):
-            g = p.grad
-            if g is None:
-                continue
-            acc = self._acc[i]
-            if acc is None:
-                self._acc[i] = g.to(torch.float32, copy=True)
-            elif g.is_sparse or acc.is_sparse:
-                self._acc[i] = acc + g.to(torch.float32)
-            else:
-                add_dst.append(acc)
-                add_src.append(g)
-            p.grad = None
-        if add_dst:
-            torch._foreach_add_(add_dst, add_src)
+        self._grads.accumulate()
 
     def gather_grads(self) -> None:
         """Alias of :meth:`prepare_grads` (the name earlier front doors call)."""
@@ -362,11 +232,11 @@ class MasterWeightOptimizer(WrappedOptimizer):
         self.prepare_grads()
         guard = self.guard_nonfinite
         if guard:
-            self._snapshot = self._take_snapshot()
+            self._snapshot = take_snapshot(self.optimizer)
         result = self.optimizer.step()
         self._release_grads()
         if guard:
-            bad = self._would_be_nonfinite()
+            bad = masters_nonfinite(self._pairs, self.optimizer)
             self._nonfinite = bad
             if bool(bad):  # one host read, on guarded (fp16) steps only
                 self._restore()
@@ -375,37 +245,7 @@ class MasterWeightOptimizer(WrappedOptimizer):
         return result
 
     def _release_grads(self) -> None:
-        for _, m in self._pairs:
-            m.grad = None
-        self._acc = [None] * len(self._pairs)
-        self._gathered = None
-
-    def _would_be_nonfinite(self) -> torch.Tensor:
-        """True if a master or an fp32 parameter the optimizer updates is inf/NaN, or a master
-        rounds to inf in its model parameter's dtype (one inf-norm read of each).
-
-        The optimizer state is not read: from finite gradients, the usual optimizers' state
-        stays finite (Adam's squared gradients overflow fp32 only beyond 1.8e19; fp16
-        gradients end at 65504), and a non-finite state shows in the masters it updates.
-        """
-        by_threshold: dict[tuple[torch.device, float], list[torch.Tensor]] = {}
-        for p, m in self._pairs:
-            by_threshold.setdefault((m.device, _inf_threshold(p.dtype)), []).append(m)
-        direct = {id(m) for _, m in self._pairs}
-        fp32_max = _inf_threshold(torch.float32)
-        for group in self.optimizer.param_groups:
-            for q in group["params"]:
-                if id(q) not in direct and q.is_floating_point():
-                    by_threshold.setdefault((q.device, fp32_max), []).append(q)
-        flags = []
-        device = None
-        for (dev, threshold), tensors in by_threshold.items():
-            device = device or dev
-            norms = torch._foreach_norm(tensors, float("inf"))
-            flags.append((~(torch.stack(norms).float() < threshold)).any().to(device))
-        if not flags:
-            return torch.zeros((), dtype=torch.bool)
-        return torch.stack(flags).any()
+        self._grads.release()
 
     def step_nonfinite(self) -> torch.Tensor | None:
         """After :meth:`step`: a bool tensor, True when the update would have written a
@@ -431,45 +271,12 @@ class MasterWeightOptimizer(WrappedOptimizer):
             )
         self._restore()
 
-    def _take_snapshot(self) -> _Snapshot:
-        params = [q for g in self.optimizer.param_groups for q in g["params"]]
-        state: dict[torch.Tensor, dict[str, Any] | None] = {}
-        srcs: list[torch.Tensor] = list(params)
-        for q in params:
-            s = self.optimizer.state.get(q)
-            state[q] = None if not s else dict(s)
-            if s:
-                srcs.extend(v for v in s.values() if isinstance(v, torch.Tensor))
-        copies = _clone_all(srcs)
-        by_id = {id(t): c for t, c in zip(srcs, copies, strict=True)}
-        for s in state.values():
-            if s is not None:
-                for k, v in s.items():
-                    if isinstance(v, torch.Tensor):
-                        s[k] = by_id[id(v)]
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-        return _Snapshot(params=params, values=copies[: len(params)], state=state, groups=groups)
-
     def _restore(self) -> None:
         snap = self._snapshot
-        assert snap is not None
+        if snap is None:  # pragma: no cover - callers check
+            raise RuntimeError("no snapshot to restore")
         with torch.no_grad():
-            torch._foreach_copy_(snap.params, snap.values)
-            for q, saved in snap.state.items():
-                if saved is None:
-                    self.optimizer.state.pop(q, None)
-                    continue
-                current = self.optimizer.state.setdefault(q, {})
-                for k in [k for k in current if k not in saved]:
-                    del current[k]
-                for k, v in saved.items():
-                    cur = current.get(k)
-                    if isinstance(v, torch.Tensor) and isinstance(cur, torch.Tensor) and _same_layout(cur, v):
-                        cur.copy_(v)
-                    else:
-                        current[k] = v
-            for group, saved_group in zip(self.optimizer.param_groups, snap.groups, strict=False):
-                group.update(saved_group)
+            restore_snapshot(self.optimizer, snap)
             self.sync_model()
         self._snapshot = None
 
@@ -506,30 +313,12 @@ class MasterWeightOptimizer(WrappedOptimizer):
                 "the current model weights instead, call opt.optimizer.load_state_dict(sd) and then "
                 "opt.reset_masters_from_model()."
             )
-        if not isinstance(masters, list | tuple) or len(masters) != len(self._pairs):
-            n = len(masters) if isinstance(masters, list | tuple) else type(masters).__name__
-            raise ValueError(
-                f"the state_dict holds {n} master weights but this optimizer has {len(self._pairs)}; "
-                "was it saved from a different model or plan?"
-            )
-        for i, (saved, (_, m)) in enumerate(zip(masters, self._pairs, strict=True)):
-            if not isinstance(saved, torch.Tensor):
-                raise TypeError(f"master weight {i} in the state_dict is a {type(saved).__name__}, not a tensor")
-            if saved.shape != m.shape:
-                raise ValueError(
-                    f"master weight {i} in the state_dict has shape {tuple(saved.shape)}, expected {tuple(m.shape)}; "
-                    "was it saved from a different model?"
-                )
-            if saved.dtype != torch.float32:
-                raise ValueError(
-                    f"master weight {i} in the state_dict has dtype {saved.dtype}, expected torch.float32; "
-                    "save it with MasterWeightOptimizer.state_dict()"
-                )
+        check_master_weights(masters, self.masters)
         check_inner_state_dict(self.optimizer, sd)
         old_state, old_groups = self.optimizer.state, self.optimizer.param_groups
         self.optimizer.load_state_dict(sd)  # builds new state and groups; raises before replacing them
         try:
-            self._check_loaded_state()
+            check_param_shaped_state(self.optimizer)
         except (ValueError, TypeError):
             self.optimizer.state, self.optimizer.param_groups = old_state, old_groups
             raise
@@ -543,46 +332,37 @@ class MasterWeightOptimizer(WrappedOptimizer):
             torch._foreach_copy_(targets, [t.to(m.device) for t, m in zip(masters, targets, strict=True)])
         self.sync_model()
 
-    def _check_loaded_state(self) -> None:
-        name = type(self.optimizer).__name__
-        shaped = name in _PARAM_SHAPED_STATE and type(self.optimizer).__module__.startswith("torch.optim")
-        for group in self.optimizer.param_groups:
-            for q in group["params"]:
-                for key, value in self.optimizer.state.get(q, {}).items():
-                    if not isinstance(value, torch.Tensor) or value.dim() == 0:
-                        continue
-                    if shaped and value.shape != q.shape:
-                        raise ValueError(
-                            f"optimizer state {key!r} in the state_dict has shape {tuple(value.shape)} but its "
-                            f"parameter has shape {tuple(q.shape)}; the state_dict belongs to another model"
-                        )
-
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self._master_by_param = {id(p): m for p, m in self._pairs}  # a copy has new parameters
+
+    # ------------------------------------------------------------ memory facts
+    def state_bytes(self) -> dict[str, int]:
+        """The fp32 masters, the inner optimizer's state (kept for the masters, in fp32;
+        predicted before the first step) and the fp32 buffers of micro-batches accumulated
+        since the last step."""
+        return {
+            "master_weights": sum(footprint.nbytes(m) for m in footprint.unique_tensors(self.masters)),
+            "optimizer_state": footprint.optimizer_state_bytes(self.optimizer),
+            "grad_accumulation": self._grads.accumulation_bytes(),
+        }
+
+    def step_transient_bytes(self) -> int:
+        """The update's temporaries, the fp32 gradients gathered at step time and, on guarded
+        steps, the copy of every parameter and state tensor kept to undo the update."""
+        transient = footprint.update_transient_bytes(self.optimizer) + sum(footprint.nbytes(m) for m in self.masters)
+        if self.guard_nonfinite:
+            layouts = footprint.state_layout(self.optimizer)
+            for group in self.optimizer.param_groups:
+                for q in group["params"]:
+                    transient += q.numel() * 4 * (1 + footprint.param_shaped(layouts.get(id(q), {}), q))
+        return transient
 
     @torch.no_grad()
     def reset_masters_from_model(self) -> None:
         """Set every master to the current (low-precision) value of its model parameter."""
         for p, m in self._pairs:
             m.copy_(p)
-
-
-def _clone_all(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Copies of ``tensors`` (one foreach copy per device and dtype)."""
-    out = [torch.empty_like(t) for t in tensors]
-    groups: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-    for t, c in zip(tensors, out, strict=True):
-        dst, src = groups.setdefault((t.device, t.dtype), ([], []))
-        dst.append(c)
-        src.append(t)
-    for dst, src in groups.values():
-        torch._foreach_copy_(dst, src)
-    return out
-
-
-def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
 
 
 def _is_param_shaped(value: Any, param: torch.Tensor) -> bool:

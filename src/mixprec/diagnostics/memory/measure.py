@@ -1,0 +1,107 @@
+"""Measuring training memory: real steps through :class:`~mixprec.MixedPrecision`, every live storage accounted.
+
+The persistent state present at the start of the measured step is registered, then
+every storage created during the step is counted until it is freed
+(:class:`~mixprec.diagnostics.memory.live.LiveStorages`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec.diagnostics.memory.live import LiveStorages
+from mixprec.diagnostics.memory.results import MemoryEstimate
+from mixprec.diagnostics.memory.state import (
+    OptimizerSpec,
+    optimizer_factory,
+    optimizer_tensors,
+    state_bytes,
+)
+from mixprec.diagnostics.shadow import projection_loss, split_batch
+from mixprec.optim.footprint import nbytes, unique_tensors
+from mixprec.plans import Plan, get_plan
+
+__all__ = ["measure_memory"]
+
+
+def _grad_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    return sum(nbytes(t.grad) for t in unique_tensors(tensors) if t.grad is not None)
+
+
+def measure_memory(
+    model_factory: Callable[[], nn.Module],
+    plan: str | Plan,
+    batch_fn: Callable[[], Any],
+    *,
+    optimizer: OptimizerSpec = "adamw",
+    criterion: Any = None,
+    warmup_steps: int = 1,
+) -> MemoryEstimate:
+    """Measure the memory of one training step through :class:`~mixprec.MixedPrecision`.
+
+    Args:
+        model_factory: builds a fresh model (as for :func:`estimate_memory`).
+        plan: a plan name or :class:`~mixprec.Plan`.
+        batch_fn: returns one batch (``(inputs, targets)`` with a criterion, else the inputs).
+        optimizer: as for :func:`estimate_memory`.
+        criterion: the loss function (without one, a fixed projection of the outputs).
+        warmup_steps: steps run before the measured one (optimizers create their state
+            on the first step).
+
+    Storages are accounted live (see the module docs): ``peak`` is the largest sum of
+    live bytes during the measured step; ``activations`` is what the forward left
+    alive when it ended; gradients are read when backward ended; the persistent classes
+    after the step.
+    """
+    from mixprec.session import MixedPrecision
+
+    plan = get_plan(plan)
+    make_opt = optimizer_factory(optimizer)
+    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+        raise ValueError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
+    model = model_factory()
+    opt = make_opt(model.parameters())
+    mp = MixedPrecision(plan)
+    if criterion is not None:
+        model, opt, crit = mp.prepare(model, opt, criterion=criterion)
+    else:
+        (model, opt), crit = mp.prepare(model, opt), None
+
+    def loss_of(batch: Any) -> torch.Tensor:
+        args, kwargs, targets = split_batch(batch, criterion)
+        with mp.autocast():
+            output = model(*args, **kwargs)
+        if crit is None:
+            return projection_loss(output)
+        return crit(output, targets)
+
+    for _ in range(warmup_steps):
+        mp.backward(loss_of(batch_fn()))
+        mp.step()
+
+    batch = batch_fn()
+    live = LiveStorages()
+    for t in [*model.parameters(), *model.buffers(), *optimizer_tensors(opt)]:
+        live.add(t, dynamic=False)
+    for p in model.parameters():
+        if p.grad is not None:
+            live.add(p.grad, dynamic=False)
+    live.peak = live.live
+    with live.tracking():
+        loss = loss_of(batch)
+        activations = live.dynamic_bytes()
+        mp.backward(loss)
+        grads = _grad_bytes(model.parameters())
+        model_ids = {id(p) for p in model.parameters()}
+        masters = [q for g in opt.param_groups for q in g["params"] if id(q) not in model_ids]
+        grad_accumulation = _grad_bytes(masters)
+        mp.step()
+    del loss
+    state = state_bytes(model, opt)
+    by_class = {**state, "grads": grads, "grad_accumulation": grad_accumulation, "activations": activations}
+    n = sum(p.numel() for p in unique_tensors(model.parameters()))
+    return MemoryEstimate(plan.name, "measured", by_class, int(live.peak), n)

@@ -1,0 +1,49 @@
+"""Estimated and measured memory side by side, for several plans."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torch import nn
+
+from mixprec.diagnostics.memory.estimate import estimate_memory
+from mixprec.diagnostics.memory.measure import measure_memory
+from mixprec.diagnostics.memory.results import MemoryEstimate, MemoryReport
+from mixprec.diagnostics.memory.state import OptimizerSpec
+from mixprec.plans import Plan, get_plan
+
+__all__ = ["memory_report"]
+
+
+def memory_report(
+    model_factory: Callable[[], nn.Module],
+    plans: Sequence[str | Plan] = ("fp32", "bf16-mixed", "bf16-master"),
+    batch_fn: Callable[[], Any] | None = None,
+    *,
+    optimizer: OptimizerSpec = "adamw",
+    criterion: Any = None,
+    measure: bool = True,
+) -> MemoryReport:
+    """Estimated (and, with ``measure=True`` and a ``batch_fn``, measured) memory of
+    ``model_factory()`` under each plan, side by side.
+
+    >>> import torch
+    >>> from mixprec.diagnostics import memory_report
+    >>> report = memory_report(lambda: torch.nn.Linear(32, 32), ("fp32", "bf16-master"),
+    ...                        lambda: torch.randn(8, 32))
+    >>> print(str(report).splitlines()[0])
+    class               fp32 est  fp32 meas  bf16-master est  bf16-master meas
+    """
+    estimates: dict[str, MemoryEstimate] = {}
+    measurements: dict[str, MemoryEstimate] = {}
+    model = model_factory()
+    batch = batch_fn() if batch_fn is not None else None
+    for p in plans:
+        plan = get_plan(p)
+        estimates[plan.name] = estimate_memory(model, plan, optimizer=optimizer, batch=batch, criterion=criterion)
+        if measure and batch_fn is not None:
+            measurements[plan.name] = measure_memory(
+                model_factory, plan, batch_fn, optimizer=optimizer, criterion=criterion
+            )
+    return MemoryReport(estimates, measurements)

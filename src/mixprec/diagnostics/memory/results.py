@@ -1,0 +1,123 @@
+"""Result types of the memory diagnostics: bytes by tensor class, estimated and measured."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from mixprec.diagnostics._tensors import format_table, human_bytes
+
+__all__ = ["MEMORY_CLASSES", "PERSISTENT_CLASSES", "STATE_CLASSES", "MemoryEstimate", "MemoryReport"]
+
+MEMORY_CLASSES: tuple[str, ...] = (
+    "weights",
+    "buffers",
+    "grads",
+    "master_weights",
+    "grad_accumulation",
+    "optimizer_state",
+    "compensation",
+    "activations",
+)
+#: the training state (everything but the activations)
+STATE_CLASSES: tuple[str, ...] = MEMORY_CLASSES[:-1]
+#: what lives across steps
+PERSISTENT_CLASSES: tuple[str, ...] = ("weights", "buffers", "master_weights", "optimizer_state", "compensation")
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes by tensor class for one training step of a model under a plan.
+
+    Attributes:
+        plan: the plan's name.
+        method: ``"estimated"`` or ``"measured"``.
+        bytes: bytes per class (keys: :data:`MEMORY_CLASSES`).
+        peak: peak bytes during one step (forward, backward, optimizer step).
+        params: number of model parameters.
+        notes: caveats (e.g. no batch given, so no activations).
+    """
+
+    plan: str
+    method: str
+    bytes: dict[str, int]
+    peak: int
+    params: int
+    notes: tuple[str, ...] = ()
+
+    @property
+    def persistent(self) -> int:
+        """Bytes that live across steps: weights, buffers, masters, optimizer state, compensation."""
+        return sum(self.bytes[k] for k in PERSISTENT_CLASSES)
+
+    @property
+    def total(self) -> int:
+        """Sum of all classes (an upper bound of what coexists; :attr:`peak` is what does)."""
+        return sum(self.bytes.values())
+
+    def per_param(self) -> dict[str, float]:
+        """Bytes per model parameter by class (activations excluded), with ``total``."""
+        n = max(self.params, 1)
+        out = {k: self.bytes[k] / n for k in STATE_CLASSES}
+        out["total"] = sum(out.values())
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "plan": self.plan,
+            "method": self.method,
+            **{k: self.bytes[k] for k in MEMORY_CLASSES},
+            "peak": self.peak,
+            "params": self.params,
+            "notes": list(self.notes),
+        }
+
+    def __str__(self) -> str:
+        rows = [[k, human_bytes(self.bytes[k]), f"{self.bytes[k] / max(self.params, 1):.2f}"] for k in MEMORY_CLASSES]
+        rows.append(["peak", human_bytes(self.peak), f"{self.peak / max(self.params, 1):.2f}"])
+        title = f"{self.method} memory of plan {self.plan} ({self.params:,} parameters)"
+        notes = "".join(f"\nnote: {n}" for n in self.notes)
+        return title + "\n" + format_table(["class", "bytes", "bytes/param"], rows) + notes
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Estimated and measured memory side by side, one pair per plan; ``str()`` is a table."""
+
+    estimates: dict[str, MemoryEstimate] = field(default_factory=dict)
+    measurements: dict[str, MemoryEstimate] = field(default_factory=dict)
+
+    def ratio(self, plan: str, key: str = "peak") -> float:
+        """Estimated over measured for ``key`` (a class or ``"peak"``) of ``plan``."""
+        est, meas = self.estimates[plan], self.measurements[plan]
+        e = est.peak if key == "peak" else est.bytes[key]
+        m = meas.peak if key == "peak" else meas.bytes[key]
+        if m == 0:
+            return 1.0 if e == 0 else math.inf
+        return e / m
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        out: dict[str, dict[str, Any]] = {}
+        for plan, est in self.estimates.items():
+            out[plan] = {"estimated": est.to_dict()}
+            if plan in self.measurements:
+                out[plan]["measured"] = self.measurements[plan].to_dict()
+        return out
+
+    def __str__(self) -> str:
+        plans = list(self.estimates)
+        header = ["class"]
+        for p in plans:
+            header += [f"{p} est", f"{p} meas"] if p in self.measurements else [f"{p} est"]
+        rows = []
+        for key in (*MEMORY_CLASSES, "peak"):
+            row = [key]
+            for p in plans:
+                est = self.estimates[p]
+                row.append(human_bytes(est.peak if key == "peak" else est.bytes[key]))
+                if p in self.measurements:
+                    meas = self.measurements[p]
+                    row.append(human_bytes(meas.peak if key == "peak" else meas.bytes[key]))
+            rows.append(row)
+        return format_table(header, rows)
