@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 import mixprec.checkpoint as ckpt
+import mixprec.checkpoint.files as ckpt_files
 from mixprec import MixedPrecision, load_checkpoint, save_checkpoint
 from mixprec.checkpoint import unwrap_model
 
@@ -108,7 +109,7 @@ def test_the_written_file_is_loaded_back_before_it_replaces_the_old_one(tmp_path
     model = nn.Linear(2, 2)
     save_checkpoint(path, model=model, extra={"v": 1})
     good = path.read_bytes()
-    monkeypatch.setattr(ckpt, "_check_loadable", lambda *a, **k: None)  # only the load-back can catch it now
+    monkeypatch.setattr(ckpt_files, "check_loadable", lambda *a, **k: None)  # only the load-back can catch it now
     with pytest.raises(TypeError, match=re.escape("holds an object torch.load(weights_only=True) refuses")):
         save_checkpoint(path, model=model, extra={"v": pathlib.Path("x")})
     assert path.read_bytes() == good
@@ -189,7 +190,7 @@ def _dead_pid() -> int:
 
 def test_stale_temp_files_of_the_same_target_are_removed(tmp_path):
     path = tmp_path / "c.pt"
-    host = ckpt._host_tag()
+    host = ckpt_files.host_tag()
     dead = _dead_pid()
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
@@ -257,8 +258,8 @@ def test_a_full_disk_raises_oserror_and_keeps_the_old_checkpoint(tmp_path, monke
     model = nn.Linear(16, 16)
     save_checkpoint(path, model=model, extra={"v": 1})
     good = path.read_bytes()
-    real_open = ckpt._open_temp
-    monkeypatch.setattr(ckpt, "_open_temp", lambda tmp, mode: _FullDisk(real_open(tmp, mode), room))
+    real_open = ckpt_files.open_temp
+    monkeypatch.setattr(ckpt_files, "open_temp", lambda tmp, mode: _FullDisk(real_open(tmp, mode), room))
     with pytest.raises(OSError, match=re.escape(f"cannot save checkpoint {str(path)!r}: the disk is full")) as info:
         save_checkpoint(path, model=nn.Linear(16, 16), extra={"v": 2})
     assert info.value.errno == errno.ENOSPC

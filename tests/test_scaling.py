@@ -270,6 +270,26 @@ def test_scale_nested_structures():
         s.scale(3.0)
 
 
+def test_scale_keeps_namedtuples_dataclasses_and_dict_subclasses():
+    """Containers are rebuilt with their own types (mixprec.nested's rules); other leaves are kept."""
+    import collections
+    import dataclasses
+
+    Pair = collections.namedtuple("Pair", "loss aux")
+
+    @dataclasses.dataclass
+    class Out:
+        loss: torch.Tensor
+        note: str
+
+    s = DynamicLossScaler(init_scale=4.0)
+    pair = s.scale(Pair(torch.tensor(1.0), collections.OrderedDict(a=torch.tensor(2.0))))
+    assert type(pair) is Pair and type(pair.aux) is collections.OrderedDict
+    assert pair.loss.item() == 4.0 and pair.aux["a"].item() == 8.0
+    out = s.scale(Out(torch.tensor(3.0), "kept"))
+    assert type(out) is Out and out.loss.item() == 12.0 and out.note == "kept"
+
+
 def _grad_penalty_step(model, opt, scaler, x, y):
     loss = torch.nn.functional.mse_loss(model(x), y)
     params = list(model.parameters())

@@ -2,8 +2,9 @@
 
 from mixprec.scaling._checks import SCALE_CEILING, SCALE_FLOOR
 from mixprec.scaling.base import LossScaler, OptState
+from mixprec.scaling.config import HYSTERESIS_MODES
 from mixprec.scaling.constant import ConstantLossScaler, NoOpScaler
-from mixprec.scaling.dynamic import HYSTERESIS_MODES, DynamicLossScaler
+from mixprec.scaling.dynamic import DynamicLossScaler
 
 __all__ = [
     "HYSTERESIS_MODES",

@@ -84,6 +84,52 @@ def boolean(name: str, value: object, fix: str) -> bool:
     return value
 
 
+def check_optimizer(optimizer: object, call: str) -> None:
+    """TypeError unless ``optimizer`` looks like a torch optimizer (``step()`` and ``param_groups``)."""
+    if not hasattr(optimizer, "param_groups") or not callable(getattr(optimizer, "step", None)):
+        raise TypeError(
+            f"{call}() expects a torch.optim.Optimizer (an object with step() and param_groups), "
+            f"got {show(optimizer)} ({type(optimizer).__name__}); pass the optimizer instance itself, "
+            f"e.g. scaler.{call}(optimizer)"
+        )
+
+
+def parse_device(device: object) -> torch.device | None:
+    """``device`` (a str, a torch.device or None) as a torch.device, or None."""
+    if device is None:
+        return None
+    if not isinstance(device, str | torch.device):
+        raise TypeError(
+            f"device must be a str or torch.device such as 'cuda' or 'cpu', got {show(device)} "
+            f"({type(device).__name__}); pass e.g. device='cuda'"
+        )
+    try:
+        return torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"device={show(device)} is not a device torch knows; pass e.g. device='cuda' or 'cpu'") from None
+
+
+def new_scale_value(new_scale: object) -> float:
+    """``update(new_scale=...)``'s argument (a number or a one-element tensor) as a checked scale."""
+    fix = "pass a finite scale in [2**-126, 3.4e38], e.g. update(65536.0)"
+    if isinstance(new_scale, torch.Tensor):
+        if new_scale.numel() != 1 or new_scale.requires_grad:
+            raise ValueError(
+                "new_scale must be a float or a one-element tensor that does not require grad, "
+                f"got shape {tuple(new_scale.shape)} (requires_grad={new_scale.requires_grad}); {fix}"
+            )
+        if new_scale.is_complex() or new_scale.dtype == torch.bool:
+            raise TypeError(f"new_scale must be a real-valued tensor, got dtype {new_scale.dtype}; {fix}")
+        value: object = new_scale.detach().reshape(()).item()
+        return scale_value("new_scale", value, fix)
+    if isinstance(new_scale, bool) or not isinstance(new_scale, numbers.Real):
+        raise TypeError(
+            f"new_scale must be a number or a one-element tensor, got {show(new_scale)} "
+            f"({type(new_scale).__name__}); {fix}"
+        )
+    return scale_value("new_scale", new_scale, fix)
+
+
 # ----------------------------------------------------------------- state dicts
 _MISSING: Any = object()
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 import copy
 import enum
 import inspect
-import numbers
 import warnings
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
@@ -35,9 +34,19 @@ from typing import Any, TypeVar
 
 import torch
 
-from mixprec.nested import by_device_dtype
+from mixprec.nested import first_tensor, map_tensors
 from mixprec.process_groups import all_reduce_max
-from mixprec.scaling._checks import SCALE_CEILING, SCALE_FLOOR, boolean, scale_value, show
+from mixprec.scaling._checks import (
+    SCALE_CEILING,
+    SCALE_FLOOR,
+    boolean,
+    check_optimizer,
+    new_scale_value,
+    parse_device,
+    scale_value,
+)
+from mixprec.scaling.compat import GradScalerCompat
+from mixprec.scaling.grads import grad_tensors, unscale_and_check
 
 __all__ = ["SCALE_CEILING", "SCALE_FLOOR", "LossScaler", "OptState", "grad_tensors"]
 
@@ -62,53 +71,13 @@ class _OptimizerRecord:
     host_found: bool | None = None
 
 
-def grad_tensors(optimizer: torch.optim.Optimizer) -> Iterable[torch.Tensor]:
-    """The gradient values of every parameter of ``optimizer`` (sparse ones coalesced if low precision)."""
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            grad = param.grad
-            if grad is None:
-                continue
-            if grad.is_sparse:
-                # Duplicate indices are summed by coalesce(); in fp16 that sum can overflow
-                # although every stored value is finite, so check the coalesced values.
-                if grad.dtype in (torch.float16, torch.bfloat16) and not grad.is_coalesced():
-                    grad = grad.coalesce()
-                    param.grad = grad
-                yield grad._values()
-            else:
-                yield grad
-
-
-def _check_optimizer(optimizer: object, call: str) -> None:
-    if not hasattr(optimizer, "param_groups") or not callable(getattr(optimizer, "step", None)):
-        raise TypeError(
-            f"{call}() expects a torch.optim.Optimizer (an object with step() and param_groups), "
-            f"got {show(optimizer)} ({type(optimizer).__name__}); pass the optimizer instance itself, "
-            f"e.g. scaler.{call}(optimizer)"
-        )
-
-
-def _parse_device(device: object) -> torch.device | None:
-    if device is None:
-        return None
-    if not isinstance(device, str | torch.device):
-        raise TypeError(
-            f"device must be a str or torch.device such as 'cuda' or 'cpu', got {show(device)} "
-            f"({type(device).__name__}); pass e.g. device='cuda'"
-        )
-    try:
-        return torch.device(device)
-    except RuntimeError:
-        raise ValueError(f"device={show(device)} is not a device torch knows; pass e.g. device='cuda' or 'cpu'") from None
-
-
-class LossScaler:
+class LossScaler(GradScalerCompat):
     """Base class: the state machine shared by dynamic, constant and no-op scalers.
 
     Subclasses implement :meth:`_update_scale` (and usually ``__init__``,
     ``state_dict`` and ``load_state_dict``). A disabled scaler is the identity:
-    ``scale`` returns its input, ``step`` calls ``optimizer.step()``.
+    ``scale`` returns its input, ``step`` calls ``optimizer.step()``. torch's
+    ``GradScaler`` helper methods come from :class:`~mixprec.scaling.compat.GradScalerCompat`.
     """
 
     def __init__(
@@ -123,7 +92,7 @@ class LossScaler:
         self._enabled = boolean("enabled", enabled, "pass enabled=True or enabled=False")
         # The device torch's GradScaler was asked for. The state moves to the loss's device on
         # the first scale() (as torch initialises it lazily there), so no device is touched here.
-        self._device_hint = _parse_device(device)
+        self._device_hint = parse_device(device)
         self._process_group = process_group
         self._scale = torch.full((), value, dtype=torch.float32)
         # Counters: what the host knows stays a Python int; overflows are a tensor (no sync).
@@ -144,13 +113,6 @@ class LossScaler:
         """Where the state tensors live now (the loss's device after the first ``scale()``)."""
         return self._scale.device
 
-    @property
-    def _device(self) -> str:
-        """torch's ``GradScaler._device``: the device type the scale lives (or will live) on."""
-        if self._device_hint is not None and self._scale.device.type == "cpu":
-            return self._device_hint.type
-        return self._scale.device.type
-
     def _tensors(self) -> dict[str, torch.Tensor]:
         """Every state tensor, by attribute name (moved together to the loss's device)."""
         return {"_scale": self._scale}
@@ -162,23 +124,12 @@ class LossScaler:
             setattr(self, name, tensor.to(device))
         self._overflow_steps = self._overflow_steps.to(device)
 
-    def _lazy_init_scale_growth_tracker(self, dev: str | torch.device) -> None:
-        """torch's hook for creating the state on ``dev`` (Accelerate calls it after loading): move it there."""
-        parsed = _parse_device(dev)
-        if parsed is None:
-            raise TypeError("_lazy_init_scale_growth_tracker() needs a device, got None; pass e.g. 'cuda'")
-        self._to_device(parsed)
-
     def get_scale(self) -> float:
         """The current scale as a Python float. This synchronises with the device."""
         return float(self._scale.item()) if self._enabled else 1.0
 
     def scale_tensor(self) -> torch.Tensor:
         """The current scale as a 0-dim fp32 tensor (no synchronisation)."""
-        return self._scale
-
-    def _get_scale_async(self) -> torch.Tensor:
-        """torch's name for :meth:`scale_tensor` (used by optimizers that unscale themselves)."""
         return self._scale
 
     @property
@@ -218,16 +169,20 @@ class LossScaler:
         """
         if not self._enabled:
             return outputs
-        first = _first_tensor(outputs)
+        first = first_tensor(outputs)
         if first is None:
             raise TypeError(
                 f"scale() expects a tensor or a (nested) list/tuple/dict of tensors, got {type(outputs).__name__}"
             )
         self._to_device(first.device)
-        return _apply(outputs, self._scale)  # type: ignore[return-value]
+        scale = self._scale
+        return map_tensors(lambda t: t * scale.to(device=t.device, non_blocking=True), outputs)  # type: ignore[no-any-return]
 
     def _record(self, optimizer: torch.optim.Optimizer) -> _OptimizerRecord:
         return self._records[id(optimizer)]
+
+    def _set_found_inf(self, optimizer: torch.optim.Optimizer, flag: torch.Tensor) -> None:
+        self._record(optimizer).found_inf = flag
 
     def _check_grads(
         self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, sync: bool = True
@@ -236,23 +191,7 @@ class LossScaler:
 
         With ``sync`` the flag is all-reduced, so all ranks agree; without, the caller does.
         """
-        with torch.no_grad():
-            groups = by_device_dtype(grad_tensors(optimizer))
-            per_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-            for (device, _dtype), grads in groups.items():
-                if device not in per_device:
-                    per_device[device] = (
-                        torch.zeros((), dtype=torch.float32, device=device),
-                        inv_scale.to(device),
-                    )
-                dev_found, dev_inv = per_device[device]
-                torch._amp_foreach_non_finite_check_and_unscale_(grads, dev_found, dev_inv)
-            if len(per_device) == 1 and self._scale.device in per_device:
-                found_inf = per_device[self._scale.device][0]
-            else:
-                found_inf = torch.zeros((), dtype=torch.float32, device=self._scale.device)
-                for dev_found, _ in per_device.values():
-                    found_inf = torch.maximum(found_inf, dev_found.to(found_inf.device))
+        found_inf = unscale_and_check(optimizer, inv_scale, self._scale.device)
         if sync:
             all_reduce_max(found_inf, self._process_group)
         return found_inf
@@ -271,7 +210,7 @@ class LossScaler:
         the cross-rank all-reduce of the flag: for a caller that makes one decision for
         several optimizers and ranks and then calls :meth:`decided`.
         """
-        _check_optimizer(optimizer, "unscale_")
+        check_optimizer(optimizer, "unscale_")
         if not self._enabled:
             return
         record = self._record(optimizer)
@@ -289,43 +228,6 @@ class LossScaler:
             prepare_grads()
         record.found_inf = self._check_grads(optimizer, self._inv_scale(), sync)
         record.stage = OptState.UNSCALED
-
-    # torch.amp.GradScaler's helpers, for optimizers and tools that call them.
-    def _unscale_grads_(
-        self,
-        optimizer: torch.optim.Optimizer,
-        inv_scale: torch.Tensor,
-        found_inf: torch.Tensor,
-        allow_fp16: bool,
-    ) -> dict[torch.device, torch.Tensor]:
-        """Multiply ``optimizer``'s gradients by ``inv_scale``; return {device: found_inf} (torch's helper).
-
-        The returned flag is the maximum of ``found_inf`` and this check. With
-        ``allow_fp16=False`` fp16 gradients are refused, as torch does.
-        """
-        _check_optimizer(optimizer, "_unscale_grads_")
-        if not allow_fp16:
-            for grad in grad_tensors(optimizer):
-                if grad.dtype == torch.float16:
-                    raise ValueError("Attempting to unscale FP16 gradients.")
-        flag = self._check_grads(optimizer, inv_scale.reshape(()).float())
-        merged = torch.maximum(found_inf.to(flag.device), flag.to(found_inf.dtype))
-        return {merged.device: merged}
-
-    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
-        """Check ``optimizer``'s gradients for inf/NaN without unscaling, and record the flag (torch's helper)."""
-        _check_optimizer(optimizer, "_check_inf_per_device")
-        ones = torch.ones((), dtype=torch.float32, device=self._scale.device)
-        flag = self._check_grads(optimizer, ones)
-        self._record(optimizer).found_inf = flag
-        return {flag.device: flag}
-
-    def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
-        """The recorded found-inf flag of ``optimizer`` as {device: flag} (torch's helper)."""
-        rec = self._records.get(id(optimizer))
-        if rec is None or rec.found_inf is None:
-            return {}
-        return {rec.found_inf.device: rec.found_inf}
 
     def found_inf(self, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
         """The found-inf flag recorded for ``optimizer`` this iteration (None before unscale_/step)."""
@@ -374,7 +276,7 @@ class LossScaler:
         their ``step`` takes a ``grad_scaler`` argument, this scaler (deprecated in torch,
         with torch's FutureWarning).
         """
-        _check_optimizer(optimizer, "step")
+        check_optimizer(optimizer, "step")
         if not self._enabled:
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs:
@@ -444,7 +346,7 @@ class LossScaler:
             return
         records = [rec for rec in self._records.values() if rec.found_inf is not None]
         if new_scale is not None:
-            value = self._check_new_scale(new_scale)
+            value = new_scale_value(new_scale)
             self._set_scale(value, from_tensor=isinstance(new_scale, torch.Tensor))
             self._last_skipped = self._last_flag(records)[1] if records else False
             self._records.clear()
@@ -472,25 +374,6 @@ class LossScaler:
         self._steps += 1
         self._forced_skips += 1
         self._last_skipped = True
-
-    def _check_new_scale(self, new_scale: object) -> float:
-        fix = "pass a finite scale in [2**-126, 3.4e38], e.g. update(65536.0)"
-        if isinstance(new_scale, torch.Tensor):
-            if new_scale.numel() != 1 or new_scale.requires_grad:
-                raise ValueError(
-                    "new_scale must be a float or a one-element tensor that does not require grad, "
-                    f"got shape {tuple(new_scale.shape)} (requires_grad={new_scale.requires_grad}); {fix}"
-                )
-            if new_scale.is_complex() or new_scale.dtype == torch.bool:
-                raise TypeError(f"new_scale must be a real-valued tensor, got dtype {new_scale.dtype}; {fix}")
-            value: object = new_scale.detach().reshape(()).item()
-            return scale_value("new_scale", value, fix)
-        if isinstance(new_scale, bool) or not isinstance(new_scale, numbers.Real):
-            raise TypeError(
-                f"new_scale must be a number or a one-element tensor, got {show(new_scale)} "
-                f"({type(new_scale).__name__}); {fix}"
-            )
-        return scale_value("new_scale", new_scale, fix)
 
     def _set_scale(self, value: float, from_tensor: bool) -> None:
         """Set the scale to an already checked value (subclasses add their bounds)."""
@@ -525,27 +408,3 @@ class LossScaler:
         probe._records = defaultdict(_OptimizerRecord)
         probe.load_state_dict(state_dict)
 
-
-def _first_tensor(obj: Any) -> torch.Tensor | None:
-    if isinstance(obj, torch.Tensor):
-        return obj
-    if isinstance(obj, Mapping):
-        obj = list(obj.values())
-    if isinstance(obj, list | tuple):
-        for item in obj:
-            found = _first_tensor(item)
-            if found is not None:
-                return found
-    return None
-
-
-def _apply(obj: Any, scale: torch.Tensor) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj * scale.to(device=obj.device, non_blocking=True)
-    if isinstance(obj, Mapping):
-        return type(obj)({k: _apply(v, scale) for k, v in obj.items()})  # type: ignore[call-arg]
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        return type(obj)(*(_apply(v, scale) for v in obj))
-    if isinstance(obj, list | tuple):
-        return type(obj)(_apply(v, scale) for v in obj)
-    raise TypeError(f"scale() cannot scale an object of type {type(obj).__name__}")

@@ -2,22 +2,26 @@
 
 from __future__ import annotations
 
-import math
 import numbers
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from mixprec.scaling import _checks as checks
-from mixprec.scaling._checks import SCALE_CEILING, SCALE_FLOOR, show
+from mixprec.scaling._checks import SCALE_FLOOR, show
 from mixprec.scaling.base import LossScaler
+from mixprec.scaling.config import (
+    DynamicConfig,
+    HysteresisMode,
+    check_backoff_factor,
+    check_growth_factor,
+    check_growth_interval,
+    check_within,
+    dynamic_config,
+)
 
-__all__ = ["HYSTERESIS_MODES", "DynamicLossScaler"]
-
-HysteresisMode = Literal["consecutive", "since_growth"]
-HYSTERESIS_MODES: tuple[str, ...] = ("consecutive", "since_growth")
+__all__ = ["DynamicLossScaler"]
 _STATE_FORMAT = "mixprec.DynamicLossScaler/1"
 _DEFAULT_INIT_SCALE = 2.0**16
 _REQUIRED_KEYS = {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"}
@@ -32,82 +36,6 @@ _ALLOWED_KEYS = _REQUIRED_KEYS | {
     "skipped_steps",
     "overflow_steps",
 }
-
-
-@dataclass(frozen=True)
-class _Config:
-    growth_factor: float
-    backoff_factor: float
-    growth_interval: int
-    hysteresis: int
-    hysteresis_mode: str
-    min_scale: float | None
-    max_scale: float | None
-
-
-def _growth_factor(value: object) -> float:
-    fix = "pass e.g. growth_factor=2.0"
-    x = checks.real("growth_factor", value, fix)
-    if not math.isfinite(x) or not x > 1.0:
-        raise ValueError(f"growth_factor must be a finite number > 1, got {show(value)}; {fix}")
-    if x > SCALE_CEILING:
-        raise ValueError(f"growth_factor={show(value)} is larger than the fp32 maximum; {fix}")
-    return x
-
-
-def _backoff_factor(value: object) -> float:
-    fix = "pass a factor in [2**-126, 1), e.g. backoff_factor=0.5"
-    x = checks.real("backoff_factor", value, fix)
-    if not 0.0 < x < 1.0:
-        raise ValueError(f"backoff_factor must be in (0, 1), got {show(value)}; {fix}")
-    if x < SCALE_FLOOR:
-        raise ValueError(
-            f"backoff_factor={show(value)} is below 2**-126: a single backoff from scale 1.0 would leave "
-            f"the usable range of scales; {fix} (min_scale bounds the scale from below)"
-        )
-    return x
-
-
-def _growth_interval(value: object) -> int:
-    return checks.positive_int("growth_interval", value, "pass e.g. growth_interval=2000")
-
-
-def _config(
-    growth_factor: object,
-    backoff_factor: object,
-    growth_interval: object,
-    hysteresis: object,
-    hysteresis_mode: object,
-    min_scale: object,
-    max_scale: object,
-) -> _Config:
-    """Every setting checked (nothing is changed here)."""
-    gf = _growth_factor(growth_factor)
-    bf = _backoff_factor(backoff_factor)
-    gi = _growth_interval(growth_interval)
-    hy = checks.positive_int("hysteresis", hysteresis, "pass e.g. hysteresis=1 (back off on every overflow)")
-    if not isinstance(hysteresis_mode, str) or hysteresis_mode not in HYSTERESIS_MODES:
-        raise ValueError(
-            f"hysteresis_mode must be one of {HYSTERESIS_MODES}, got {show(hysteresis_mode)}; "
-            "pass hysteresis_mode='consecutive' or 'since_growth'"
-        )
-    bounds: list[float | None] = []
-    for name, bound in (("min_scale", min_scale), ("max_scale", max_scale)):
-        if bound is None:
-            bounds.append(None)
-        else:
-            bounds.append(checks.scale_value(name, bound, f"pass {name}=None (no bound) or a scale such as 1.0"))
-    lo, hi = bounds
-    if lo is not None and hi is not None and lo > hi:
-        raise ValueError(f"min_scale={show(min_scale)} is larger than max_scale={show(max_scale)}; swap or fix them")
-    return _Config(gf, bf, gi, hy, hysteresis_mode, lo, hi)
-
-
-def _check_within(name: str, value: float, shown: str, config: _Config) -> None:
-    if config.min_scale is not None and value < config.min_scale:
-        raise ValueError(f"{name}={shown} is below min_scale={config.min_scale!r}; raise {name} or lower min_scale")
-    if config.max_scale is not None and value > config.max_scale:
-        raise ValueError(f"{name}={shown} is above max_scale={config.max_scale!r}; lower {name} or raise max_scale")
 
 
 class DynamicLossScaler(LossScaler):
@@ -189,14 +117,14 @@ class DynamicLossScaler(LossScaler):
             device_arg, init_scale = None, device  # type: ignore[assignment]
         if init_scale is None:
             init_scale = _DEFAULT_INIT_SCALE
-        config = _config(growth_factor, backoff_factor, growth_interval, hysteresis, hysteresis_mode, min_scale, max_scale)
+        config = dynamic_config(growth_factor, backoff_factor, growth_interval, hysteresis, hysteresis_mode, min_scale, max_scale)
         super().__init__(init_scale, enabled=enabled, process_group=process_group, device=device_arg)  # type: ignore[arg-type]
-        _check_within("init_scale", self._scale.item(), show(init_scale), config)
+        check_within("init_scale", self._scale.item(), show(init_scale), config)
         self._apply_config(config)
         self._growth_tracker = torch.zeros((), dtype=torch.int32)
         self._hysteresis_tracker = torch.full((), self._initial_hysteresis_tracker(), dtype=torch.int32)
 
-    def _apply_config(self, config: _Config) -> None:
+    def _apply_config(self, config: DynamicConfig) -> None:
         self._growth_factor = config.growth_factor
         self._backoff_factor = config.backoff_factor
         self._growth_interval = config.growth_interval
@@ -223,7 +151,7 @@ class DynamicLossScaler(LossScaler):
 
     def set_growth_factor(self, new_factor: float) -> None:
         """Set the growth factor (a finite number > 1)."""
-        self._growth_factor = _growth_factor(new_factor)
+        self._growth_factor = check_growth_factor(new_factor)
 
     def get_backoff_factor(self) -> float:
         """The backoff factor."""
@@ -231,7 +159,7 @@ class DynamicLossScaler(LossScaler):
 
     def set_backoff_factor(self, new_factor: float) -> None:
         """Set the backoff factor (in [2**-126, 1))."""
-        self._backoff_factor = _backoff_factor(new_factor)
+        self._backoff_factor = check_backoff_factor(new_factor)
 
     def get_growth_interval(self) -> int:
         """The growth interval."""
@@ -240,7 +168,7 @@ class DynamicLossScaler(LossScaler):
     def set_growth_interval(self, new_interval: int) -> None:
         """Set the growth interval. Clean steps already counted are kept, capped at
         ``new_interval - 1`` (so the next clean step grows); no synchronisation."""
-        interval = _growth_interval(new_interval)
+        interval = check_growth_interval(new_interval)
         self._growth_interval = interval
         self._growth_tracker.clamp_(max=interval - 1)
 
@@ -389,10 +317,10 @@ class DynamicLossScaler(LossScaler):
             bounds[1],
         )
         try:
-            config = _config(*settings)
+            config = dynamic_config(*settings)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"scaler state_dict: {exc}") from None
-        _check_within("state_dict['scale']", scale, show(scale), config)
+        check_within("state_dict['scale']", scale, show(scale), config)
         tracker = checks.state_int(state_dict, "_growth_tracker", maximum=checks.INT32_MAX)
         if tracker >= config.growth_interval:
             raise ValueError(

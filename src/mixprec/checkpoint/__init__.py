@@ -1,0 +1,270 @@
+"""Save and load a whole training state atomically.
+
+A checkpoint holds the model, every optimizer (with fp32 masters / compensation
+buffers), the :class:`~mixprec.MixedPrecision` state (scaler counters, plan
+fingerprint, scheduler) and the RNG states.
+
+Saving only ever replaces a good checkpoint with one that loads:
+
+- everything is checked to be loadable with ``weights_only=True`` first (a numpy
+  scalar, a ``pathlib.Path`` or a ``datetime`` in ``extra`` raises ``TypeError``
+  naming its key path; nothing is converted silently);
+- the state is written to a temporary file in the same folder, fsynced, loaded
+  back with ``weights_only=True``, and only then renamed over the target; a
+  failed or interrupted save (a full disk, a kill) never destroys the previous
+  checkpoint.
+- Temporary files are named ``.<target>.<host>.<pid>.<random>.mixprec-tmp``. A
+  save removes the temporary files of the *same target* left by processes that
+  no longer run on this host (a killed save); files of live processes and of
+  other hosts are left alone (other hosts' files only once they are a day old).
+  Liveness is ``kill(pid, 0)`` on this host: a reused pid keeps a stale file a while
+  longer (harmless); two containers with one hostname and separate pid namespaces
+  that save to the same path at the same time could remove each other's temp file,
+  which makes that save fail with an error, never corrupts the checkpoint.
+- The checkpoint's permissions follow the umask, or those of the file it
+  replaces.
+
+Loading is all-or-nothing: every part (model keys and shapes, optimizer groups,
+MixedPrecision state, RNG state) is checked before anything changes, and if
+applying still fails, what was already applied is restored.
+
+>>> import tempfile, os, torch
+>>> from mixprec import MixedPrecision, save_checkpoint, load_checkpoint
+>>> model = torch.nn.Linear(4, 4)
+>>> mp = MixedPrecision("bf16-master")
+>>> model, opt = mp.prepare(model, torch.optim.AdamW(model.parameters()))
+>>> path = os.path.join(tempfile.mkdtemp(), "ckpt.pt")
+>>> save_checkpoint(path, model=model, optimizers=[opt], mp=mp, extra={"epoch": 3})
+>>> load_checkpoint(path, model=model, optimizers=[opt], mp=mp)["epoch"]
+3
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import stat
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from mixprec.checkpoint import files
+from mixprec.checkpoint.checks import check_model, check_mp, check_optimizer, check_rng
+from mixprec.checkpoint.files import FORMAT, stale_temp_files
+from mixprec.session import MixedPrecision
+
+__all__ = ["load_checkpoint", "save_checkpoint", "stale_temp_files", "unwrap_model"]
+
+
+# ------------------------------------------------------------------ wrappers
+def _wrapper_types() -> tuple[type[torch.nn.Module], ...]:
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+    types: list[type[torch.nn.Module]] = [DistributedDataParallel, DataParallel]
+    try:
+        from torch._dynamo.eval_frame import OptimizedModule
+    except ImportError:  # pragma: no cover - torch without dynamo
+        pass
+    else:
+        types.append(OptimizedModule)
+    return tuple(types)
+
+
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The user's module inside ``torch.compile`` / DistributedDataParallel / DataParallel wrappers.
+
+    Only those wrapper types are unwrapped: a user module that happens to have a
+    ``module`` attribute is the model itself. (FSDP models are not unwrapped: their
+    ``state_dict()`` is the one to save.)
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    wrappers = _wrapper_types()
+    while isinstance(model, wrappers):
+        inner = model._orig_mod if hasattr(model, "_orig_mod") else model.module
+        if not isinstance(inner, torch.nn.Module):  # pragma: no cover - defensive
+            break
+        model = inner
+    return model
+
+
+# -------------------------------------------------------------- RNG helpers
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ------------------------------------------------------------------- saving
+def save_checkpoint(
+    path: str | os.PathLike[str],
+    *,
+    model: torch.nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer] = (),
+    mp: MixedPrecision | None = None,
+    extra: Mapping[str, Any] | None = None,
+    rng: bool = True,
+) -> None:
+    """Write the training state to ``path`` atomically.
+
+    Checks that everything loads with ``weights_only=True`` (``TypeError`` naming the
+    key path otherwise), writes a temporary file beside ``path``, fsyncs it, loads it
+    back, then renames it over ``path``. A failure at any point (``OSError`` for a full
+    disk) leaves the previous checkpoint as it was. Stale temporary files of earlier,
+    killed saves to the same path are removed.
+    """
+    if not isinstance(path, str | os.PathLike):
+        raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+    path = os.fspath(path)
+    if not isinstance(path, str):
+        raise TypeError(f"path must be a text path, got {type(path).__name__}")
+    if not path or path.endswith(os.sep) or os.path.isdir(path):
+        raise ValueError(f"path must name a checkpoint file, got {path!r} (a folder)")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if isinstance(optimizers, torch.optim.Optimizer) or not isinstance(optimizers, Sequence):
+        raise TypeError(f"optimizers must be a list of optimizers, got {type(optimizers).__name__}")
+    for i, opt in enumerate(optimizers):
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise TypeError(f"optimizers[{i}] must be a torch optimizer, got {type(opt).__name__}")
+    if mp is not None and not isinstance(mp, MixedPrecision):
+        raise TypeError(f"mp must be a mixprec.MixedPrecision or None, got {type(mp).__name__}")
+    if extra is not None and not isinstance(extra, Mapping):
+        raise TypeError(f"extra must be a dict or None, got {type(extra).__name__}")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"cannot save checkpoint {path!r}: folder {folder!r} does not exist; create it first")
+    payload: dict[str, Any] = {
+        "format": FORMAT,
+        "model": unwrap_model(model).state_dict(),
+        "optimizers": [opt.state_dict() for opt in optimizers],
+        "mixed_precision": None if mp is None else mp.state_dict(),
+        "extra": dict(extra) if extra is not None else {},
+    }
+    if rng:
+        payload["rng"] = _rng_state()
+    safe = files.safe_global_types()
+    for key, value in payload.items():
+        files.check_loadable(value, key, safe)
+
+    files.remove_stale_temp_files(path)
+    try:
+        mode: int | None = stat.S_IMODE(os.stat(path).st_mode)
+    except OSError:
+        mode = None
+    tmp = os.path.join(folder, files.temp_name(path))
+    try:
+        try:
+            with files.open_temp(tmp, mode) as f:
+                writer = files.RecordingWriter(f)
+                try:
+                    torch.save(payload, writer)  # type: ignore[arg-type]
+                except RuntimeError as exc:  # torch reports a failed write as its own RuntimeError
+                    raise (writer.error or exc) from exc
+                f.flush()
+                os.fsync(f.fileno())
+        except (OSError, RuntimeError) as exc:
+            raise files.write_error(path, exc) from exc
+        files.verify(tmp, path)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    with contextlib.suppress(OSError):
+        dir_fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+
+def _snapshot(obj: Any) -> Any:
+    """A deep copy with cloned tensors (state to restore if applying fails)."""
+    return copy.deepcopy(obj)
+
+
+def load_checkpoint(
+    path: str | os.PathLike[str],
+    *,
+    model: torch.nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer] = (),
+    mp: MixedPrecision | None = None,
+    allow_plan_change: bool = False,
+    rng: bool = True,
+) -> dict[str, Any]:
+    """Load what :func:`save_checkpoint` wrote: model, optimizers, RNG, then MixedPrecision.
+
+    All-or-nothing: every part is checked before anything changes (``ValueError``
+    naming the path and what does not match; ``OSError`` if the file cannot be read),
+    and if applying a part still fails, the parts already applied are restored.
+    Returns the ``extra`` dict that was saved.
+    """
+    if not isinstance(path, str | os.PathLike):
+        raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+    if isinstance(optimizers, torch.optim.Optimizer) or not isinstance(optimizers, Sequence):
+        raise TypeError(f"optimizers must be a list of optimizers, got {type(optimizers).__name__}")
+    if mp is not None and not isinstance(mp, MixedPrecision):
+        raise TypeError(f"mp must be a mixprec.MixedPrecision or None, got {type(mp).__name__}")
+    path = os.fspath(path)
+    module = unwrap_model(model)
+    payload = files.read(str(path))
+
+    # 1. validate every part (the plan first: a checkpoint of another plan explains every other mismatch)
+    if mp is not None:
+        check_mp(path, mp, payload["mixed_precision"], allow_plan_change)
+    check_model(path, module, payload["model"])
+    if len(payload["optimizers"]) != len(optimizers):
+        raise ValueError(
+            f"the checkpoint holds {len(payload['optimizers'])} optimizer states but {len(optimizers)} "
+            "optimizers were given; pass the same optimizers, in the same order, as when saving"
+        )
+    for i, (opt, state) in enumerate(zip(optimizers, payload["optimizers"], strict=True)):
+        check_optimizer(path, i, opt, state)
+    restore_rng = rng and "rng" in payload
+    if restore_rng:
+        check_rng(path, payload["rng"])
+
+    # 2. apply, restoring what was applied if a later part still fails
+    model_before = _snapshot(module.state_dict())
+    opts_before = [_snapshot(opt.state_dict()) for opt in optimizers]
+    rng_before = _rng_state() if restore_rng else None
+    mp_before: dict[str, Any] | None = None
+    if mp is not None:
+        with contextlib.suppress(RuntimeError):  # mid-accumulation sessions have no state_dict
+            mp_before = _snapshot(mp.state_dict())
+    applied: list[int] = []
+    rng_applied = mp_touched = False
+    try:
+        module.load_state_dict(payload["model"])
+        for i, (opt, state) in enumerate(zip(optimizers, payload["optimizers"], strict=True)):
+            opt.load_state_dict(state)
+            applied.append(i)
+        if restore_rng:
+            rng_applied = True
+            _set_rng_state(payload["rng"])
+        if mp is not None:
+            mp_touched = True
+            mp.load_state_dict(payload["mixed_precision"], allow_plan_change=allow_plan_change)
+    except Exception as exc:
+        module.load_state_dict(model_before)
+        for i in applied:
+            optimizers[i].load_state_dict(opts_before[i])
+        if rng_applied and rng_before is not None:
+            _set_rng_state(rng_before)
+        if mp_touched and mp is not None and mp_before is not None:
+            with contextlib.suppress(Exception):
+                mp.load_state_dict(mp_before)
+        if isinstance(exc, ValueError | TypeError | OSError):
+            raise
+        raise ValueError(f"checkpoint {path!r} could not be applied ({exc}); nothing was changed") from exc
+    return dict(payload["extra"])

@@ -1,0 +1,124 @@
+"""Checking every part of a checkpoint against what it will be loaded into, changing nothing.
+
+:func:`~mixprec.load_checkpoint` runs these before it applies any part, so a mismatch
+(another architecture, another optimizer, another plan, a foreign RNG state) raises a
+``ValueError`` naming the path and the part, and leaves the training state as it was.
+
+>>> import torch
+>>> check_model("c.pt", torch.nn.Linear(2, 2), torch.nn.Linear(2, 3).state_dict())
+Traceback (most recent call last):
+    ...
+ValueError: checkpoint 'c.pt': model entry 'weight' has shape (3, 2), the model's is (2, 2); pass the same architecture that was saved
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+from mixprec.session import MixedPrecision
+
+__all__ = ["check_model", "check_mp", "check_optimizer", "check_rng"]
+
+
+def check_model(path: str, module: torch.nn.Module, state: dict[str, Any]) -> None:
+    """``state`` has ``module``'s keys, and tensors of its shapes and kinds (floating point, complex)."""
+    own = module.state_dict()
+    missing = [k for k in own if k not in state]
+    unexpected = [k for k in state if k not in own]
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing keys {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+        if unexpected:
+            parts.append(f"unexpected keys {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
+        raise ValueError(
+            f"checkpoint {path!r} does not match the model ({'; '.join(parts)}); pass the same architecture "
+            "that was saved"
+        )
+    for key, ours in own.items():
+        saved = state[key]
+        if not isinstance(ours, torch.Tensor):
+            continue
+        if not isinstance(saved, torch.Tensor):
+            raise ValueError(f"checkpoint {path!r}: model entry {key!r} is a {type(saved).__name__}, expected a tensor")
+        if saved.shape != ours.shape:
+            raise ValueError(
+                f"checkpoint {path!r}: model entry {key!r} has shape {tuple(saved.shape)}, the model's is "
+                f"{tuple(ours.shape)}; pass the same architecture that was saved"
+            )
+        if saved.is_floating_point() != ours.is_floating_point() or saved.is_complex() != ours.is_complex():
+            raise ValueError(
+                f"checkpoint {path!r}: model entry {key!r} is {saved.dtype}, the model's is {ours.dtype}"
+            )
+
+
+def check_optimizer(path: str, i: int, opt: torch.optim.Optimizer, state: Any) -> None:
+    """``state`` is a state_dict of ``opt``'s kind, with its groups, parameter counts and state shapes."""
+    where = f"checkpoint {path!r}: optimizers[{i}]"
+    if not isinstance(state, dict) or "state" not in state or "param_groups" not in state:
+        raise ValueError(f"{where} is not an optimizer state_dict (needs 'state' and 'param_groups')")
+    own = opt.state_dict()
+    missing = sorted(set(own) - set(state))
+    if missing:
+        raise ValueError(f"{where} is missing {missing}; it was saved from another kind of optimizer ({type(opt).__name__} now)")
+    groups, own_groups = state["param_groups"], own["param_groups"]
+    if not isinstance(groups, list) or len(groups) != len(own_groups):
+        n = len(groups) if isinstance(groups, list) else type(groups).__name__
+        raise ValueError(f"{where} has {n} parameter groups, the optimizer has {len(own_groups)}")
+    for g, (saved_g, own_g) in enumerate(zip(groups, own_groups, strict=True)):
+        if not isinstance(saved_g, dict) or len(saved_g.get("params", ())) != len(own_g["params"]):
+            got = len(saved_g.get("params", ())) if isinstance(saved_g, dict) else "?"
+            raise ValueError(
+                f"{where} group {g} has {got} parameters, the optimizer's has {len(own_g['params'])}"
+            )
+    saved_state, own_state = state["state"], own["state"]
+    if not isinstance(saved_state, dict):
+        raise ValueError(f"{where}['state'] is a {type(saved_state).__name__}, expected a dict")
+    for pid, entry in saved_state.items():
+        mine = own_state.get(pid)
+        if not isinstance(mine, dict) or not isinstance(entry, dict):
+            continue
+        for key, value in entry.items():
+            cur = mine.get(key)
+            if isinstance(cur, torch.Tensor) and isinstance(value, torch.Tensor) and cur.shape != value.shape:
+                raise ValueError(
+                    f"{where} state {key!r} of parameter {pid} has shape {tuple(value.shape)}, the "
+                    f"optimizer's is {tuple(cur.shape)}"
+                )
+
+
+def check_mp(path: str, mp: MixedPrecision, state: Any, allow_plan_change: bool) -> None:
+    """``state`` is a MixedPrecision state that ``mp`` accepts (of its plan, unless ``allow_plan_change``)."""
+    if state is None:
+        raise ValueError(f"checkpoint {path!r} has no MixedPrecision state (it was saved without mp=); pass mp=None")
+    if not isinstance(state, dict) or "scaler" not in state or "format" not in state:
+        raise ValueError(f"checkpoint {path!r}: the MixedPrecision state is incomplete (no 'format'/'scaler')")
+    validate = getattr(mp, "validate_state_dict", None)
+    if validate is not None and "allow_plan_change" in inspect.signature(validate).parameters:
+        validate(state, allow_plan_change=allow_plan_change)
+        return
+    _check_plan(mp, state, allow_plan_change)
+    if validate is not None and not allow_plan_change:
+        validate(state)
+
+
+def check_rng(path: str, state: Any) -> None:
+    """``state`` holds a CPU RNG state of this torch's shape."""
+    if not isinstance(state, dict) or not isinstance(state.get("cpu"), torch.Tensor):
+        raise ValueError(f"checkpoint {path!r}: the RNG state is not what save_checkpoint wrote (no 'cpu' tensor)")
+    cpu = state["cpu"]
+    current = torch.get_rng_state()
+    if cpu.dtype != torch.uint8 or cpu.shape != current.shape:
+        raise ValueError(
+            f"checkpoint {path!r}: the CPU RNG state is a {cpu.dtype} tensor of shape {tuple(cpu.shape)}, "
+            f"expected uint8 of shape {tuple(current.shape)}"
+        )
+
+
+def _check_plan(mp: MixedPrecision, state: dict[str, Any], allow_plan_change: bool) -> None:
+    if allow_plan_change or state.get("fingerprint") == mp.plan.fingerprint():
+        return
+    mp.load_state_dict(state, allow_plan_change=False)  # raises with the explanation
