@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import pytest
@@ -43,8 +44,13 @@ class AveragingOptimizer(WrappedOptimizer):
         return out
 
     def state_bytes(self) -> dict[str, int]:
+        inner = super().state_bytes()
         own = sum(t.numel() * t.element_size() for t in self.average.values())
-        return {**super().state_bytes(), "optimizer state": super().state_bytes().get("optimizer state", 0) + own}
+        return {**inner, "optimizer_state": inner.get("optimizer_state", 0) + own}
+
+    def state_tensors(self) -> Iterator[torch.Tensor]:
+        yield from super().state_tensors()
+        yield from self.average.values()
 
 
 @dataclass(frozen=True)
@@ -122,6 +128,20 @@ def test_the_toy_plans_own_flag_vetoes_a_step_through_the_session() -> None:
     assert result.skip_reason == "nonfinite_plan" and opt.steps == 0
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     assert not bool(model.toy_veto)  # after_step ran
+
+
+def test_the_memory_estimate_counts_the_toy_wrappers_state_and_matches_the_measurement() -> None:
+    from mixprec.diagnostics import estimate_memory, measure_memory
+
+    model = _model()
+    n = sum(p.numel() for p in model.parameters())
+    est = estimate_memory(model, TOY, optimizer="sgd")
+    plain = estimate_memory(model, "bf16-mixed", optimizer="sgd")
+    assert est.plan == TOY
+    assert est.bytes["optimizer_state"] - plain.bytes["optimizer_state"] == 4 * n  # the fp32 averages
+    assert est.bytes["weights"] == plain.bytes["weights"] == 4 * n
+    meas = measure_memory(_model, TOY, lambda: torch.randn(6, 8), optimizer="sgd")
+    assert meas.bytes["optimizer_state"] == est.bytes["optimizer_state"]
 
 
 def test_a_plan_that_does_not_support_fsdp_is_refused_by_name() -> None:

@@ -376,7 +376,7 @@ class MixedPrecision:
         self.last_result = self._finish(reason, norm, zero_grad)
         return self.last_result
 
-    def _decide_and_update(self) -> tuple[str | None, torch.Tensor]:
+    def _decide_and_update(self) -> tuple[str | None, float | None]:
         """Unscale, measure, decide once for all optimizers and ranks, then clip and update."""
         self._unscale()
         grads = self._grads()
@@ -386,14 +386,14 @@ class MixedPrecision:
             clip_(grads, norm, self.clip_grad_norm)
         if reason is None:
             reason = apply_update(self.optimizers, self.process_group)
-        return reason, norm
+        return reason, self._decision.norm
 
     def _in_backward_outcome(self) -> str | None:
         if self._in_backward_ok:
             return None
         return "nonfinite_loss" if self._decision.loss_was_nonfinite() else "overflow"
 
-    def _finish(self, reason: str | None, norm: torch.Tensor | None, zero_grad: bool) -> StepResult:
+    def _finish(self, reason: str | None, norm: float | None, zero_grad: bool) -> StepResult:
         """After the decision: scheduler, tracer, buffers and plan; reset the step; count it."""
         overflow = self.tracer.first_overflow() if reason is not None and self.tracer is not None else None
         if reason is None:

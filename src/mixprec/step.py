@@ -150,6 +150,7 @@ class SkipDecision:
     def __init__(self, process_group: Any = None) -> None:
         self.process_group = process_group
         self._loss_bad: torch.Tensor | None = None
+        self.norm: float | None = None  # the gradient norm the last decision read
 
     def record_loss(self, loss: torch.Tensor) -> None:
         """Remember whether a micro-batch's loss is inf/NaN (no host read)."""
@@ -180,7 +181,10 @@ class SkipDecision:
         scaling = scaler is not None and scaler.is_enabled()
         if scaling:
             flags[1] = torch.maximum(flags[1], scaler.sync_found_inf(optimizers).to(device))  # type: ignore[union-attr]
-        nonfinite_loss, overflow, plan_bad = (bool(v) for v in all_reduce_max(flags, self.process_group).tolist())
+        all_reduce_max(flags, self.process_group)
+        # The one host read: the agreed flags and this rank's norm (StepResult.grad_norm).
+        *read, self.norm = torch.cat([flags, norm.detach().reshape(1).to(device, torch.float32)]).tolist()
+        nonfinite_loss, overflow, plan_bad = (bool(v) for v in read)
         if scaling:
             scaler.decided(optimizers, flags[1], overflow)  # type: ignore[union-attr]
         if nonfinite_loss:
@@ -232,7 +236,7 @@ class StepLedger:
     def record(
         self,
         reason: str | None,
-        norm: torch.Tensor | None,
+        grad_norm: float | None,
         scaler: LossScaler,
         max_consecutive_skips: int,
         overflow: Any = None,
@@ -248,7 +252,6 @@ class StepLedger:
             self.consecutive_skips = 0
         else:
             self.consecutive_skips += 1
-        grad_norm = None if norm is None else float(norm)  # no norm when the update ran in backward
         if reason is not None and self.consecutive_skips >= max_consecutive_skips:
             raise skip_error(reason, self.consecutive_skips, grad_norm, scaler.get_scale())
         if reason is None and grad_norm == 0.0 and scaler.is_enabled() and not self._warned_zero_grads:

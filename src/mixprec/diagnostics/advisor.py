@@ -33,8 +33,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.diagnostics._tensors import display_name, format_number
 from mixprec.diagnostics.compare import ComparisonReport, compare
+from mixprec.formatting import display_name, format_number
 from mixprec.plans import Plan, get_plan
 
 __all__ = ["Advice", "advise"]

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mixprec.diagnostics._tensors import display_name, format_number, format_table
+from mixprec.formatting import display_name, format_number, format_table
 from mixprec.plans import Plan
 
 __all__ = ["ComparisonReport", "ErrorSum", "ModuleError", "ParamError", "rel_of", "sqnr_of"]

@@ -35,9 +35,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.diagnostics._tensors import display_name, floating_tensors, format_number, format_table
+from mixprec.diagnostics._tensors import floating_tensors
 from mixprec.diagnostics.shadow import prepare_copy, run_loss
 from mixprec.dtypes import dtype_name
+from mixprec.formatting import display_name, format_number, format_table
 
 __all__ = ["HeadroomMonitor", "HeadroomReport", "ModuleHeadroom", "ScaleHistory", "headroom"]
 

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from mixprec.diagnostics._tensors import format_table, human_bytes
+from mixprec.formatting import format_bytes, format_table
 
 __all__ = ["MEMORY_CLASSES", "PERSISTENT_CLASSES", "STATE_CLASSES", "MemoryEstimate", "MemoryReport"]
 
@@ -74,8 +74,8 @@ class MemoryEstimate:
         }
 
     def __str__(self) -> str:
-        rows = [[k, human_bytes(self.bytes[k]), f"{self.bytes[k] / max(self.params, 1):.2f}"] for k in MEMORY_CLASSES]
-        rows.append(["peak", human_bytes(self.peak), f"{self.peak / max(self.params, 1):.2f}"])
+        rows = [[k, format_bytes(self.bytes[k]), f"{self.bytes[k] / max(self.params, 1):.2f}"] for k in MEMORY_CLASSES]
+        rows.append(["peak", format_bytes(self.peak), f"{self.peak / max(self.params, 1):.2f}"])
         title = f"{self.method} memory of plan {self.plan} ({self.params:,} parameters)"
         notes = "".join(f"\nnote: {n}" for n in self.notes)
         return title + "\n" + format_table(["class", "bytes", "bytes/param"], rows) + notes
@@ -115,9 +115,9 @@ class MemoryReport:
             row = [key]
             for p in plans:
                 est = self.estimates[p]
-                row.append(human_bytes(est.peak if key == "peak" else est.bytes[key]))
+                row.append(format_bytes(est.peak if key == "peak" else est.bytes[key]))
                 if p in self.measurements:
                     meas = self.measurements[p]
-                    row.append(human_bytes(meas.peak if key == "peak" else meas.bytes[key]))
+                    row.append(format_bytes(meas.peak if key == "peak" else meas.bytes[key]))
             rows.append(row)
         return format_table(header, rows)

@@ -1,0 +1,65 @@
+"""One skip decision per step: one collective and one host read, whatever the number of optimizers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mixprec import MixedPrecision
+from tests._dist import run_ranks
+
+
+def _worker(rank: int, world_size: int, plan: str, n_optimizers: int) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(8, 8) for _ in range(n_optimizers)))
+    mp = MixedPrecision(plan)
+    model, *opts = mp.prepare(model, *(torch.optim.SGD(layer.parameters(), lr=0.1) for layer in model))
+    calls: list[str] = []
+    real = dist.all_reduce
+
+    def counting(tensor, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append("all_reduce")
+        return real(tensor, *args, **kwargs)
+
+    x = torch.randn(4, 8)
+    with mp.autocast():
+        loss = model(x).float().square().mean()
+    mp.backward(loss)
+    dist.all_reduce = counting  # type: ignore[assignment]
+    try:
+        result = mp.step()
+    finally:
+        dist.all_reduce = real  # type: ignore[assignment]
+    assert result.stepped
+    assert calls == ["all_reduce"], f"{plan} with {n_optimizers} optimizers made {len(calls)} collectives"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("plan", ["fp16-mixed", "bf16-mixed"])
+def test_one_collective_per_step_for_three_optimizers(plan: str) -> None:
+    run_ranks(_worker, 2, plan, 3)
+
+
+@pytest.mark.parametrize("plan", ["bf16-mixed", "fp16-mixed"])
+def test_one_host_read_decides_the_step(plan: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decision reads the device once (flags and norm together), not once per optimizer.
+
+    An fp16 plan reads the updated loss scale once more for ``StepResult.scale``.
+    """
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8))
+    mp = MixedPrecision(plan)
+    model, *_ = mp.prepare(model, *(torch.optim.SGD(layer.parameters(), lr=0.1) for layer in model))
+    with mp.autocast():
+        loss = model(torch.randn(4, 8)).float().square().mean()
+    mp.backward(loss)
+    reads: list[str] = []
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda t, _n=name, _r=real: reads.append(_n) or _r(t))
+    result = mp.step()
+    monkeypatch.undo()
+    assert result.stepped and result.grad_norm is not None and result.grad_norm > 0
+    assert reads == (["tolist"] if plan == "bf16-mixed" else ["tolist", "item"]), reads
