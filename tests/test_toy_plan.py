@@ -10,8 +10,8 @@ its own non-finite flag that can veto a step (as fp8 layers do).
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import pytest
