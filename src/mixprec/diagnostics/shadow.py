@@ -2,7 +2,7 @@
 
 What :func:`~mixprec.diagnostics.compare`, :func:`~mixprec.diagnostics.headroom` and the
 memory diagnostics share: a deep copy of the model prepared through
-:class:`~mixprec.MixedPrecision` (the plan's own dtypes, islands and input casting), the
+:func:`mixprec.prepare.prepare_model` (the plan's own dtypes, islands and input casting), the
 rules that split a batch into positional / keyword inputs and targets, and the loss used
 when no criterion is given (a fixed random projection of the outputs).
 
@@ -28,6 +28,7 @@ from torch import nn
 
 from mixprec.diagnostics._tensors import floating_tensors
 from mixprec.plans import Plan, get_plan
+from mixprec.prepare import Fp32Criterion, prepare_model
 
 __all__ = ["PreparedCopy", "keep_fp32_islands", "prepare_copy", "projection_loss", "run_loss", "split_batch"]
 
@@ -47,20 +48,15 @@ class PreparedCopy:
 
 
 def prepare_copy(model: nn.Module, plan: str | Plan, criterion: Any = None) -> PreparedCopy:
-    """A deep copy of ``model`` prepared by ``plan`` through :class:`~mixprec.MixedPrecision`
-    (islands, conversion, input casting), without an optimizer."""
-    from mixprec.session import MixedPrecision
-
-    plan = get_plan(plan)
-    mp = MixedPrecision(plan)
-    shadow = copy.deepcopy(model)
-    if criterion is not None:
-        shadow, wrapped = mp.prepare(shadow, criterion=criterion)
-    else:
-        shadow, wrapped = mp.prepare(shadow), None
-    keep_fp32_islands(shadow)
-    scale = float(mp.scaler.get_scale()) if mp.scaler.is_enabled() else 1.0
-    return PreparedCopy(shadow, plan, mp.device_type, wrapped, scale)
+    """A deep copy of ``model`` prepared by ``plan`` as the session prepares models
+    (:func:`mixprec.prepare.prepare_model`: conversion, islands, input casting), without an
+    optimizer."""
+    prepared = prepare_model(copy.deepcopy(model), get_plan(plan))
+    keep_fp32_islands(prepared.model)
+    scaler = prepared.plan.make_scaler()
+    scale = float(scaler.get_scale()) if scaler.is_enabled() else 1.0
+    wrapped = Fp32Criterion(criterion) if criterion is not None else None
+    return PreparedCopy(prepared.module, prepared.plan, prepared.device.type, wrapped, scale)
 
 
 def keep_fp32_islands(model: nn.Module) -> None:
