@@ -333,7 +333,7 @@ class MixedPrecision:
     def grad_norm(self) -> torch.Tensor:
         """The true (unscaled) total 2-norm of every optimizer's gradients (unscales first)."""
         self._unscale()
-        return total_norm(self._grads(), self.device)
+        return total_norm(self._grads(), self.device, self.plan.shards_parameters)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Unscale, then clip the true gradients to a total norm of ``max_norm``; returns the norm
@@ -380,7 +380,7 @@ class MixedPrecision:
         """Unscale, measure, decide once for all optimizers and ranks, then clip and update."""
         self._unscale()
         grads = self._grads()
-        norm = total_norm(grads, self.device)
+        norm = total_norm(grads, self.device, self.plan.shards_parameters)
         reason = self._decision.decide(norm, self.plan.nonfinite_flag(self.model), self.scaler, self.optimizers)  # type: ignore[arg-type]
         if reason is None and self.clip_grad_norm is not None:
             clip_(grads, norm, self.clip_grad_norm)

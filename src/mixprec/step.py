@@ -15,6 +15,7 @@ non-finite low-precision weight adds one more, after the update).
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ import torch
 from mixprec.distributed.fsdp import has_dtensor, total_grad_norm
 from mixprec.nested import by_device_dtype
 from mixprec.plans import Plan
-from mixprec.process_groups import all_reduce_max
+from mixprec.process_groups import all_reduce_max, resolve_group
 from mixprec.scaling import LossScaler
 
 __all__ = [
@@ -107,14 +108,15 @@ def unscale_all(
         scaler.unscale_(opt, sync=False)
 
 
-def total_norm(grads: Sequence[torch.Tensor], device: torch.device | None) -> torch.Tensor:
+def total_norm(grads: Sequence[torch.Tensor], device: torch.device | None, sharded: bool = False) -> torch.Tensor:
     """The total 2-norm of ``grads`` in fp32: one foreach norm per (device, dtype) group.
 
-    FSDP2 shards (DTensors) sum their squared norms across the shard group.
+    ``sharded`` (the plan's ``shards_parameters``): FSDP2 shards (DTensors) sum their
+    squared norms across the shard group.
     """
     if not grads:
         return torch.zeros((), device=device)
-    if has_dtensor(grads):
+    if sharded and has_dtensor(grads):
         return total_grad_norm(list(grads))
     target = grads[0].device
     group_norms = [
@@ -149,18 +151,16 @@ class SkipDecision:
 
     def __init__(self, process_group: Any = None) -> None:
         self.process_group = process_group
-        self._loss_bad: torch.Tensor | None = None
+        self._losses: list[torch.Tensor] = []
         self.norm: float | None = None  # the gradient norm the last decision read
 
     def record_loss(self, loss: torch.Tensor) -> None:
-        """Remember whether a micro-batch's loss is inf/NaN (no host read)."""
-        with torch.no_grad():
-            bad = ~torch.isfinite(loss.detach().float())
-        self._loss_bad = bad if self._loss_bad is None else self._loss_bad | bad
+        """Keep a micro-batch's loss value to check it at the decision (no work, no host read)."""
+        self._losses.append(loss.detach())
 
     def loss_was_nonfinite(self) -> bool:
         """Whether a loss of this step was inf/NaN (a host read)."""
-        return self._loss_bad is not None and bool(self._loss_bad)
+        return bool(self._losses) and not bool(torch.isfinite(torch.stack([t.float() for t in self._losses])).all())
 
     def decide(
         self,
@@ -172,21 +172,30 @@ class SkipDecision:
         """The skip reason (None: step). ``scaler`` has unscaled ``optimizers`` without syncing;
         it learns the decision, so its ``update()`` needs no further synchronisation."""
         device = norm.device
-        loss_bad = self._loss_bad if self._loss_bad is not None else torch.zeros((), dtype=torch.bool)
-        flags = torch.stack([
-            loss_bad.to(device).float(),
-            (~torch.isfinite(norm)).float(),
-            torch.zeros((), device=device) if plan_flag is None else plan_flag.to(device).float(),
-        ])
+        zero = torch.zeros((), device=device)
+        losses = [t.to(device, torch.float32).reshape(()) for t in self._losses] or [zero]
+        norm = norm.detach().to(device, torch.float32).reshape(())
+        plan = zero if plan_flag is None else plan_flag.to(device, torch.float32).reshape(())
         scaling = scaler is not None and scaler.is_enabled()
+        found = scaler.sync_found_inf(optimizers).to(device, torch.float32) if scaling else zero  # type: ignore[union-attr]
+        if resolve_group(self.process_group) is None:
+            # One process: read the raw values once and judge them on the host.
+            *loss_values, self.norm, plan_bad, found_inf = torch.stack([*losses, norm, plan, found]).tolist()
+            nonfinite_loss = not all(math.isfinite(v) for v in loss_values)
+            overflow = not math.isfinite(self.norm) or found_inf > 0
+            agreed = torch.full((), float(overflow), device=device) if scaling else zero
+        else:
+            # Several ranks: one MAX all-reduce of the flags, then one read of them and this rank's norm.
+            flags = torch.stack([
+                (~torch.isfinite(torch.stack(losses))).any().float(),
+                torch.maximum((~torch.isfinite(norm)).float(), found),
+                plan,
+            ])
+            all_reduce_max(flags, self.process_group)
+            nonfinite_loss, overflow, plan_bad, self.norm = torch.cat([flags, norm.reshape(1)]).tolist()
+            agreed = flags[1]
         if scaling:
-            flags[1] = torch.maximum(flags[1], scaler.sync_found_inf(optimizers).to(device))  # type: ignore[union-attr]
-        all_reduce_max(flags, self.process_group)
-        # The one host read: the agreed flags and this rank's norm (StepResult.grad_norm).
-        *read, self.norm = torch.cat([flags, norm.detach().reshape(1).to(device, torch.float32)]).tolist()
-        nonfinite_loss, overflow, plan_bad = (bool(v) for v in read)
-        if scaling:
-            scaler.decided(optimizers, flags[1], overflow)  # type: ignore[union-attr]
+            scaler.decided(optimizers, agreed, bool(overflow))  # type: ignore[union-attr]
         if nonfinite_loss:
             return "nonfinite_loss"
         if overflow:
@@ -194,7 +203,7 @@ class SkipDecision:
         return "nonfinite_plan" if plan_bad else None
 
     def reset(self) -> None:
-        self._loss_bad = None
+        self._losses = []
 
 
 def _step_nonfinite(opt: torch.optim.Optimizer) -> torch.Tensor | None:

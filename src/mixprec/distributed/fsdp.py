@@ -177,6 +177,7 @@ class ShardedPlan(Plan):
 
     family: ClassVar[str] = "fsdp2"
     supports_fsdp: ClassVar[bool] = True
+    shards_parameters: ClassVar[bool] = True
     summary: ClassVar[str] = "FSDP2: fp32 parameter shards (the masters); all-gather and compute per the policy"
 
     @property
