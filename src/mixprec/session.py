@@ -70,13 +70,11 @@ class MixedPrecision:
         trace_overflow: install an :class:`~mixprec.diagnostics.OverflowTracer` on the
             model; a skipped step's ``StepResult.overflow`` then names the first module
             whose output or gradient became inf/NaN (a few percent slower; off by default).
-        optimizer_in_backward: update each parameter inside backward, as soon as its
-            gradient is complete, and free the gradient at once (peak memory drops by the
-            gradient bytes). For the bf16 pure, Kahan and stochastic-rounding plans with one
-            optimizer, on one process, without accumulation or clipping (a global-norm clip
-            needs every gradient before the first update). A step whose gradients hold
-            inf/NaN anywhere is still skipped exactly: every parameter updated during that
-            backward is restored (:class:`mixprec.optim.InBackwardOptimizer`).
+        optimizer_in_backward: update each parameter inside backward as soon as its
+            gradient is complete and free the gradient (peak memory drops by the gradient
+            bytes); plans with ``supports_optimizer_in_backward``, one optimizer, one process,
+            no accumulation or clipping. An inf/NaN step is still skipped exactly
+            (:class:`mixprec.optim.InBackwardOptimizer`).
 
     The one-line path is :meth:`prepare`, :meth:`autocast`, :meth:`backward`, :meth:`step`.
     Frameworks that own the loop use the halves: :meth:`prepare_model`,
@@ -242,11 +240,9 @@ class MixedPrecision:
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss to call ``.backward()`` on, for frameworks that run backward themselves.
 
-        Records whether the loss is finite (a non-finite loss skips the step), then
-        multiplies by the loss scale (fp16 plans). Unlike :meth:`backward` it does not
-        divide by ``grad_accum_steps``: a framework that accumulates divides itself. Run
-        the backward inside :meth:`backward_context` and call :meth:`micro_batch_done`
-        after it (or use :meth:`backward`, which does all three).
+        Keeps the loss for the skip decision and multiplies it by the loss scale (fp16
+        plans); it does not divide by ``grad_accum_steps``. Run the backward inside
+        :meth:`backward_context`, then call :meth:`micro_batch_done` (:meth:`backward` does all three).
         """
         return self._scale_loss(loss, "scale_loss()")
 
@@ -280,11 +276,8 @@ class MixedPrecision:
 
     @property
     def is_ddp(self) -> bool:
-        """Whether the model's gradients are reduced by DDP (whose reducer owns ``.grad``).
-
-        True after ``prepare(..., ddp=True)`` or for a model that arrived DDP-wrapped; a
-        framework that wraps the prepared model in DDP itself sets it to True.
-        """
+        """Whether DDP reduces the model's gradients (its reducer owns ``.grad``): after
+        ``prepare(..., ddp=True)``, for a DDP-wrapped model, or set by a framework that wraps it."""
         return self._ddp
 
     @is_ddp.setter
@@ -311,10 +304,9 @@ class MixedPrecision:
     def unscale_(self) -> None:
         """Gather and unscale every optimizer's gradients once for this step (idempotent).
 
-        Afterwards ``.grad`` of the optimizers' parameters hold true gradients, and so do
-        the model's own parameters (a master-weight wrapper copies the unscaled fp32
-        gradients back into them), so a framework's clipping, logging and hooks can run on
-        either; :meth:`step` does not unscale again and gathers in-place changes.
+        Afterwards the optimizers' and the model's parameters hold true gradients (a
+        master-weight wrapper copies them back), for a framework's clipping, logging and
+        hooks; :meth:`step` does not unscale again and gathers in-place changes.
         """
         self._unscale()
         if not self._published:
@@ -354,10 +346,8 @@ class MixedPrecision:
     def step(self, *, zero_grad: bool = True) -> StepResult:
         """At an accumulation boundary: unscale, check, clip, step every optimizer (or none), clear grads.
 
-        ``zero_grad=False`` leaves the gradients for a framework that clears them itself at
-        its own point of the loop (Lightning does, before the next backward): freeing them
-        here as well changes when the allocator gets the memory back, which on CPU cost
-        Lightning loops several percent in page faults.
+        ``zero_grad=False`` leaves the gradients to a framework that clears them itself
+        (Lightning does, before the next backward; freeing them twice costs page faults).
         """
         if not isinstance(zero_grad, bool):
             raise TypeError(f"zero_grad= must be True or False, got {zero_grad!r}")
