@@ -31,6 +31,7 @@ LEVELS: list[tuple[str, tuple[str, ...]]] = [
     ("prepare", ("mixprec.prepare",)),
     ("step", ("mixprec.step", "mixprec.options")),
     ("resume", ("mixprec.resume",)),
+    ("composable", ("mixprec.composable",)),
     ("session", ("mixprec.session",)),
     ("diagnostics", ("mixprec.diagnostics",)),
     ("checkpoint", ("mixprec.checkpoint",)),

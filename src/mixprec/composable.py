@@ -1,0 +1,167 @@
+"""The halves of a training step, for frameworks that own the loop.
+
+:class:`ComposableSteps` is the part of :class:`mixprec.MixedPrecision` a framework's
+loop calls instead of ``mp.backward`` and friends: :meth:`~ComposableSteps.scale_loss`,
+:meth:`~ComposableSteps.backward_context`, :meth:`~ComposableSteps.micro_batch_done`,
+:meth:`~ComposableSteps.unscale_`, :meth:`~ComposableSteps.grad_norm`,
+:meth:`~ComposableSteps.clip_grad_norm_`. ``MixedPrecision`` builds on it (the one-line
+path calls these too); the state it reads is set up by ``MixedPrecision.__init__`` and
+``prepare``.
+
+>>> import torch
+>>> from mixprec import MixedPrecision
+>>> _ = torch.manual_seed(0)
+>>> model = torch.nn.Linear(4, 2)
+>>> mp = MixedPrecision("fp16-mixed")
+>>> model, opt = mp.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+>>> with mp.autocast():
+...     loss = model(torch.randn(3, 4)).float().mean()
+>>> with mp.backward_context():
+...     mp.scale_loss(loss).backward()   # the framework runs backward itself
+>>> mp.micro_batch_done()
+>>> norm = mp.clip_grad_norm_(1.0)      # true gradients: unscaled first
+>>> mp.step().stepped
+True
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+from mixprec.options import check_ready
+from mixprec.plans import Plan
+from mixprec.scaling import LossScaler
+from mixprec.scaling.grads import grad_tensors
+from mixprec.step import (
+    SkipDecision,
+    StepResult,
+    call_hook,
+    check_loss,
+    clip_,
+    total_norm,
+    unscale_all,
+)
+
+__all__ = ["ComposableSteps"]
+
+
+class ComposableSteps:
+    """Loss scaling, backward bookkeeping, unscaling and clipping: one step's halves."""
+
+    plan: Plan
+    scaler: LossScaler
+    model: torch.nn.Module | None
+    optimizers: list[torch.optim.Optimizer]
+    device: torch.device | None
+    process_group: Any
+    grad_accum_steps: int
+    last_result: StepResult | None
+    _decision: SkipDecision
+    _micro: int
+    _unscaled: bool
+    _published: bool
+    _ddp: bool
+
+    @property
+    def device_type(self) -> str:
+        return (self.device or torch.device("cpu")).type
+
+    def is_accumulating(self) -> bool:
+        """True when the next backward() is not at an accumulation boundary."""
+        return (self._micro + 1) % self.grad_accum_steps != 0
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss to call ``.backward()`` on, for frameworks that run backward themselves.
+
+        Keeps the loss for the skip decision and multiplies it by the loss scale (fp16
+        plans); it does not divide by ``grad_accum_steps``. Run the backward inside
+        :meth:`backward_context`, then call :meth:`micro_batch_done` (:meth:`backward` does all three).
+        """
+        return self._scale_loss(loss, "scale_loss()")
+
+    def _scale_loss(self, loss: torch.Tensor, caller: str) -> torch.Tensor:
+        check_loss(loss, caller)
+        if self._unscaled:
+            raise RuntimeError(
+                "a backward after unscale_() in the same step would mix scaled and unscaled gradients; "
+                "call step() first"
+            )
+        self._decision.record_loss(loss)
+        return self.scaler.scale(loss)
+
+    def backward_context(self) -> contextlib.AbstractContextManager[Any]:
+        """The context a backward runs in (the plan's): a custom op policy also holds where
+        backward recomputes the forward (activation checkpointing); tf32 stays on."""
+        return self.plan.backward_context(self.device_type)
+
+    def micro_batch_done(self, boundary: bool | None = None) -> None:
+        """Count one finished backward; between accumulation boundaries, let the optimizer
+        wrappers move low-precision gradients into wider accumulators (not under DDP).
+
+        ``boundary`` says whether this backward ends the accumulation window; by default
+        ``grad_accum_steps`` decides. A framework that decides the boundary itself passes it.
+        """
+        self._micro += 1
+        if boundary is None:
+            boundary = self._micro % self.grad_accum_steps == 0
+        if not boundary and not self.is_ddp:
+            call_hook(self.optimizers, "accumulate_grads")
+
+    @property
+    def is_ddp(self) -> bool:
+        """Whether DDP reduces the model's gradients (its reducer owns ``.grad``): after
+        ``prepare(..., ddp=True)``, for a DDP-wrapped model, or set by a framework that wraps it."""
+        return self._ddp
+
+    @is_ddp.setter
+    def is_ddp(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise TypeError(f"is_ddp must be True or False, got {value!r}")
+        self._ddp = value
+
+    def _grads(self) -> list[torch.Tensor]:
+        return [g for opt in self.optimizers for g in grad_tensors(opt)]
+
+    def unscale_(self) -> None:
+        """Gather and unscale every optimizer's gradients once for this step (idempotent).
+
+        Afterwards the optimizers' and the model's parameters hold true gradients (a
+        master-weight wrapper copies them back), for a framework's clipping, logging and
+        hooks; :meth:`step` does not unscale again and gathers in-place changes.
+        """
+        self._unscale()
+        if not self._published:
+            call_hook(self.optimizers, "publish_grads")
+            self._published = True
+
+    def _unscale(self) -> None:
+        check_ready(self.model, self.optimizers, "unscale_()")
+        if self._unscaled:
+            return
+        if self._micro == 0:
+            raise RuntimeError("unscale_() called before any backward(); call mp.backward(loss) first")
+        unscale_all(self.plan, self.model, self.optimizers, self.scaler, self.process_group)  # type: ignore[arg-type]
+        self._unscaled = True
+
+    def grad_norm(self) -> torch.Tensor:
+        """The true (unscaled) total 2-norm of every optimizer's gradients (unscales first)."""
+        self._unscale()
+        return total_norm(self._grads(), self.device, self.plan.shards_parameters)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Unscale, then clip the true gradients to a total norm of ``max_norm``; returns the norm
+        before clipping (as ``torch.nn.utils.clip_grad_norm_``). A non-finite norm clips nothing:
+        the step will be skipped."""
+        if not isinstance(max_norm, int | float) or isinstance(max_norm, bool) or not max_norm > 0:
+            raise ValueError(f"max_norm must be a positive number, got {max_norm!r}")
+        norm = self.grad_norm()
+        clip_(self._grads(), norm, float(max_norm))
+        return norm
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the last :meth:`step` at an accumulation boundary skipped the update."""
+        return self.last_result is not None and self.last_result.skipped
