@@ -41,7 +41,7 @@ __all__ = [
     "scalar_value",
 ]
 
-DEFAULT_CHUNK_NUMEL = 1 << 22  # 16 MiB per fp32 working buffer
+DEFAULT_CHUNK_NUMEL = 1 << 20  # 4 MiB per fp32 working buffer: a chunk's temporaries stay near the caches
 
 FAST_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 
