@@ -177,8 +177,26 @@ def test_state_dict_round_trips_between_fast_and_generic(opt_name, wrapper):
             _assert_same(pb, b, pc, c, f"{opt_name}/{wrapper} resumed, step {step}")
 
 
-def test_chunks_are_bounded_and_large_parameters_go_alone():
-    # chunk_numel smaller than some parameters and a single huge one: same result as one big chunk
+def test_pieces_cover_each_parameter_in_order_and_chunks_are_bounded():
+    from mixprec.optim.fast import chunks
+
+    a, b, c = torch.zeros(10), torch.zeros(3, 3), torch.zeros(2, 5).t()  # c is not contiguous
+    out = chunks([a, b, c], lambda p: 0, 4, splittable=lambda p: p.is_contiguous())
+    assert all(sum(pc.numel() for pc in chunk) <= 4 for chunk in out[:-1])
+    pieces = [pc for chunk in out for pc in chunk]
+    assert [(pc.param is a, pc.start, pc.end) for pc in pieces if pc.param is a] == [
+        (True, 0, 4), (True, 4, 8), (True, 8, 10)
+    ]
+    assert [(pc.start, pc.end) for pc in pieces if pc.param is b] == [(0, 4), (4, 8), (8, 9)]
+    whole = [pc for pc in pieces if pc.param is c]
+    assert len(whole) == 1 and whole[0].whole and whole[0].value is c  # not contiguous: goes alone
+    piece = pieces[1]
+    piece.value.fill_(1.0)  # a view: writes reach the parameter
+    assert a[4:8].eq(1).all() and a[:4].eq(0).all()
+
+
+def test_chunks_are_bounded_and_large_parameters_are_cut_into_pieces():
+    # chunk_numel smaller than every parameter (each element its own piece): same result as one big chunk
     dtypes = (torch.bfloat16,)
     pa, a = _build("adamw", "kahan", 5, fast=True, dtypes=dtypes, state_dtype=torch.bfloat16, chunk_numel=1)
     pb, b = _build("adamw", "kahan", 5, fast=True, dtypes=dtypes, state_dtype=torch.bfloat16, chunk_numel=1 << 20)

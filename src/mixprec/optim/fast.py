@@ -5,7 +5,7 @@ subclasses run any inner optimizer once per low-precision parameter on fp32
 expansions (the generic path). For ``torch.optim.Adam``, ``AdamW`` and ``SGD`` this
 module does the same arithmetic over all parameters of a group at once, chunk by
 chunk: a chunk's weights, gradients and state are expanded into flat fp32 buffers
-of at most ``chunk_numel`` elements (or one parameter, when a parameter is larger),
+of at most ``chunk_numel`` elements (a larger parameter is cut into pieces),
 the update runs as a handful of ``torch._foreach_*`` / flat kernels, and the results
 are stored back (round to nearest, Kahan residual, or stochastic rounding).
 
@@ -33,6 +33,7 @@ import torch
 __all__ = [
     "DEFAULT_CHUNK_NUMEL",
     "FAST_OPTIMIZERS",
+    "Piece",
     "chunks",
     "fast_kind",
     "fast_step",
@@ -41,14 +42,14 @@ __all__ = [
     "scalar_value",
 ]
 
-DEFAULT_CHUNK_NUMEL = 1 << 20  # 4 MiB per fp32 working buffer: a chunk's temporaries stay near the caches
+DEFAULT_CHUNK_NUMEL = 1 << 17  # 512 KiB per fp32 working buffer: a chunk's temporaries stay in the caches
 
 FAST_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 
-# store(params, values32, flat32): write the fp32 results of a chunk into the low-precision parameters
-Store = Callable[[list[torch.Tensor], list[torch.Tensor], torch.Tensor], None]
-# expand(params, values32): fill the fp32 views with the parameters' values (plus compensation)
-Expand = Callable[[list[torch.Tensor], list[torch.Tensor]], None]
+# store(pieces, values32, flat32): write the fp32 results of a chunk into the low-precision parameters
+Store = Callable[[list["Piece"], list[torch.Tensor], torch.Tensor], None]
+# expand(pieces, values32): fill the fp32 views with the parameters' values (plus compensation)
+Expand = Callable[[list["Piece"], list[torch.Tensor]], None]
 
 
 def scalar_value(value: Any) -> float:
@@ -80,30 +81,81 @@ def fast_kind(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> str | 
     return "sgd" if kind is torch.optim.SGD else "adam"
 
 
-def chunks(params: list[torch.Tensor], key: Callable[[torch.Tensor], Any], chunk_numel: int) -> list[list[torch.Tensor]]:
-    """Consecutive runs of parameters with the same ``key`` (device, dtype, step), each up to ``chunk_numel`` elements."""
-    out: list[list[torch.Tensor]] = []
-    current: list[torch.Tensor] = []
+class Piece:
+    """A run of consecutive elements of one parameter: the unit the fast path expands.
+
+    A parameter larger than a chunk is cut into pieces, so a chunk's fp32 temporaries
+    stay small enough for the caches; its state and compensation are cut the same way
+    (:meth:`of`). A piece covering the whole parameter keeps the parameter's shape.
+    """
+
+    __slots__ = ("end", "param", "start", "whole")
+
+    def __init__(self, param: torch.Tensor, start: int, end: int) -> None:
+        self.param, self.start, self.end = param, start, end
+        self.whole = start == 0 and end == param.numel()
+
+    def of(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The same run of ``tensor`` (shaped like the parameter; a view, writes go through)."""
+        return tensor if self.whole else tensor.view(-1)[self.start : self.end]
+
+    @property
+    def value(self) -> torch.Tensor:
+        return self.of(self.param)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.param.shape if self.whole else torch.Size([self.end - self.start])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.param.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.param.device
+
+    def numel(self) -> int:
+        return self.end - self.start
+
+
+def chunks(
+    params: list[torch.Tensor],
+    key: Callable[[torch.Tensor], Any],
+    chunk_numel: int,
+    splittable: Callable[[torch.Tensor], bool] = lambda p: True,
+) -> list[list[Piece]]:
+    """Consecutive runs of pieces with the same ``key`` (device, dtype, step), each of at most
+    ``chunk_numel`` elements; a larger parameter is cut into pieces when ``splittable``
+    (its tensors are contiguous), else it goes alone."""
+    out: list[list[Piece]] = []
+    current: list[Piece] = []
     current_key: Any = None
     size = 0
     for p in params:
-        k = key(p)
-        if current and (k != current_key or size + p.numel() > chunk_numel):
-            out.append(current)
-            current, size = [], 0
-        current.append(p)
-        current_key = k
-        size += p.numel()
+        k, n = key(p), p.numel()
+        if n > chunk_numel and splittable(p):
+            runs = [(s, min(n, s + chunk_numel)) for s in range(0, n, chunk_numel)]
+        else:
+            runs = [(0, n)]
+        for start, end in runs:
+            if current and (k != current_key or size + end - start > chunk_numel):
+                out.append(current)
+                current, size = [], 0
+            current.append(Piece(p, start, end))
+            current_key = k
+            size += end - start
     if current:
         out.append(current)
     return out
 
 
-def _flat_views(params: list[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    total = sum(p.numel() for p in params)
+def _flat_views(shaped: Sequence[Any], device: torch.device) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One flat fp32 buffer and a view of it shaped like each of ``shaped`` (tensors or pieces)."""
+    total = sum(p.numel() for p in shaped)
     flat = torch.empty(total, dtype=torch.float32, device=device)
     views, offset = [], 0
-    for p in params:
+    for p in shaped:
         views.append(flat[offset : offset + p.numel()].view(p.shape))
         offset += p.numel()
     return flat, views
@@ -150,18 +202,34 @@ def fast_step(
     dtype = torch.float32 if state_dtype is None else state_dtype
     if kind == "adam":
         init_adam_state(optimizer, group, active, dtype)
+        torch._foreach_add_([optimizer.state[p]["step"] for p in active], 1.0)  # once per parameter, not per piece
+
         def key(p: torch.Tensor) -> Any:
             return (p.device, p.dtype, p.grad.dtype if p.grad is not None else None,
                     float(optimizer.state[p]["step"]))
-        for chunk in chunks(active, key, chunk_numel):
+
+        def splittable(p: torch.Tensor) -> bool:
+            return _contiguous(p, p.grad, *(v for v in optimizer.state[p].values() if torch.is_tensor(v) and v.dim()))
+
+        for chunk in chunks(active, key, chunk_numel, splittable):
             _adam_chunk(optimizer, group, chunk, expand, store, fused=fused, plain_store=plain_store)
     else:
         momentum = scalar_value(group["momentum"])
+        first = {p: momentum != 0 and optimizer.state.get(p, {}).get("momentum_buffer") is None for p in active}
+
         def sgd_key(p: torch.Tensor) -> Any:
-            has_buf = momentum != 0 and optimizer.state.get(p, {}).get("momentum_buffer") is not None
-            return (p.device, p.dtype, p.grad.dtype if p.grad is not None else None, has_buf)
-        for chunk in chunks(active, sgd_key, chunk_numel):
-            _sgd_chunk(optimizer, group, chunk, dtype, expand, store)
+            return (p.device, p.dtype, p.grad.dtype if p.grad is not None else None, first[p])
+
+        def sgd_splittable(p: torch.Tensor) -> bool:
+            buf = optimizer.state.get(p, {}).get("momentum_buffer")
+            return _contiguous(p, p.grad, *(() if buf is None else (buf,)))
+
+        for chunk in chunks(active, sgd_key, chunk_numel, sgd_splittable):
+            _sgd_chunk(optimizer, group, chunk, dtype, expand, store, first=first[chunk[0].param])
+
+
+def _contiguous(*tensors: Any) -> bool:
+    return all(t is None or t.is_contiguous() for t in tensors)
 
 
 def init_adam_state(optimizer: torch.optim.Optimizer, group: dict[str, Any], params: list[torch.Tensor], dtype: torch.dtype) -> None:
@@ -178,42 +246,41 @@ def init_adam_state(optimizer: torch.optim.Optimizer, group: dict[str, Any], par
             state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
 
 
-def _expanded(params: list[torch.Tensor], expand: Expand) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
-    device = params[0].device
-    flat, values = _flat_views(params, device)
-    expand(params, values)
-    _, grads = _flat_views(params, device)
-    torch._foreach_copy_(grads, [p.grad for p in params])  # type: ignore[misc]
+def _expanded(pieces: list[Piece], expand: Expand) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    device = pieces[0].device
+    flat, values = _flat_views(pieces, device)
+    expand(pieces, values)
+    _, grads = _flat_views(pieces, device)
+    torch._foreach_copy_(grads, [pc.of(pc.param.grad) for pc in pieces])  # type: ignore[arg-type]
     return flat, values, grads
 
 
 def _adam_chunk(
-    optimizer: torch.optim.Optimizer, group: dict[str, Any], params: list[torch.Tensor], expand: Expand, store: Store,
+    optimizer: torch.optim.Optimizer, group: dict[str, Any], pieces: list[Piece], expand: Expand, store: Store,
     *, fused: bool, plain_store: bool,
 ) -> None:
     lr = scalar_value(group["lr"])
     beta1, beta2 = (scalar_value(b) for b in group["betas"])
     eps, weight_decay = float(group["eps"]), float(group["weight_decay"])
     decoupled = bool(group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW)))
-    device = params[0].device
-    states = [optimizer.state[p] for p in params]
+    device = pieces[0].device
+    states = [optimizer.state[pc.param] for pc in pieces]
     if fused:
-        _adam_fused_chunk(group, params, states, expand, store, plain_store=plain_store,
+        _adam_fused_chunk(group, pieces, states, expand, store, plain_store=plain_store,
                           lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, decoupled=decoupled)
         return
 
-    flat, values, grads = _expanded(params, expand)
+    flat, values, grads = _expanded(pieces, expand)
     if group["maximize"]:
         torch._foreach_neg_(grads)
-    steps = [s["step"] for s in states]
-    torch._foreach_add_(steps, 1.0)
+    steps = [s["step"] for s in states]  # already counted by fast_step
     if weight_decay != 0:
         if decoupled:
             torch._foreach_mul_(values, 1 - lr * weight_decay)
         else:
             torch._foreach_add_(grads, values, alpha=weight_decay)
-    exp_avg_low = [s["exp_avg"] for s in states]
-    exp_avg_sq_low = [s["exp_avg_sq"] for s in states]
+    exp_avg_low = [pc.of(s["exp_avg"]) for pc, s in zip(pieces, states, strict=True)]
+    exp_avg_sq_low = [pc.of(s["exp_avg_sq"]) for pc, s in zip(pieces, states, strict=True)]
     exp_avgs = _expand_state(exp_avg_low, device)
     exp_avg_sqs = _expand_state(exp_avg_sq_low, device)
     torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
@@ -225,7 +292,7 @@ def _adam_chunk(
     step_size = lr / bias_correction1
     bias_correction2_sqrt = bias_correction2**0.5
     if group["amsgrad"]:
-        max_low = [s["max_exp_avg_sq"] for s in states]
+        max_low = [pc.of(s["max_exp_avg_sq"]) for pc, s in zip(pieces, states, strict=True)]
         maxes = _expand_state(max_low, device)
         torch._foreach_maximum_(maxes, exp_avg_sqs)
         denom = torch._foreach_sqrt(maxes)
@@ -237,64 +304,66 @@ def _adam_chunk(
     torch._foreach_addcdiv_(values, exp_avgs, denom, value=-step_size)
     _store_state(exp_avg_low, exp_avgs)
     _store_state(exp_avg_sq_low, exp_avg_sqs)
-    store(params, values, flat)
+    store(pieces, values, flat)
 
 
 def _adam_fused_chunk(
-    group: dict[str, Any], params: list[torch.Tensor], states: list[dict[Any, Any]], expand: Expand, store: Store, *,
+    group: dict[str, Any], pieces: list[Piece], states: list[dict[Any, Any]], expand: Expand, store: Store, *,
     plain_store: bool, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, decoupled: bool,
 ) -> None:
     kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
     amsgrad = bool(group["amsgrad"])
-    steps = [s["step"] for s in states]
-    torch._foreach_add_(steps, 1.0)
-    if params[0].device.type != "cpu":
+    steps = [s["step"] for s in states]  # already counted by fast_step
+    device = pieces[0].device
+    if device.type != "cpu":
         # the kernel reads the step counts on the parameters' device (torch keeps them on
         # the CPU for non-fused Adam); every parameter of a chunk has the same count
-        steps = [torch.tensor(float(steps[0]), dtype=torch.float32, device=params[0].device)] * len(params)
+        steps = [torch.tensor(float(steps[0]), dtype=torch.float32, device=device)] * len(pieces)
     keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else [])
-    low_state = {k: [s[k] for s in states] for k in keys}
-    dtype = params[0].dtype
+    low_state = {k: [pc.of(s[k]) for pc, s in zip(pieces, states, strict=True)] for k in keys}
+    dtype = pieces[0].dtype
     hyper: dict[str, Any] = {"lr": lr, "beta1": beta1, "beta2": beta2, "weight_decay": weight_decay, "eps": eps,
              "amsgrad": amsgrad, "maximize": bool(group["maximize"])}
-    if plain_store and all(p.grad is not None and p.grad.dtype == dtype for p in params) and all(
+    if plain_store and all(pc.param.grad is not None and pc.param.grad.dtype == dtype for pc in pieces) and all(
         t.dtype == dtype for ts in low_state.values() for t in ts
     ):
         # round to nearest of fp32 results, in one kernel on the low-precision tensors
-        kernel(params, [p.grad for p in params], low_state["exp_avg"], low_state["exp_avg_sq"],  # type: ignore[misc]
+        kernel([pc.value for pc in pieces], [pc.of(pc.param.grad) for pc in pieces],  # type: ignore[arg-type]
+               low_state["exp_avg"], low_state["exp_avg_sq"],
                low_state.get("max_exp_avg_sq", []), steps, **hyper)
         return
-    device = params[0].device
-    flat, values, grads = _expanded(params, expand)
+    flat, values, grads = _expanded(pieces, expand)
     state32 = {k: _expand_state(v, device) for k, v in low_state.items()}
     kernel(values, grads, state32["exp_avg"], state32["exp_avg_sq"], state32.get("max_exp_avg_sq", []), steps, **hyper)
     for k in keys:
         _store_state(low_state[k], state32[k])
-    store(params, values, flat)
+    store(pieces, values, flat)
 
 
 def _sgd_chunk(
-    optimizer: torch.optim.Optimizer, group: dict[str, Any], params: list[torch.Tensor], dtype: torch.dtype,
-    expand: Expand, store: Store,
+    optimizer: torch.optim.Optimizer, group: dict[str, Any], pieces: list[Piece], dtype: torch.dtype,
+    expand: Expand, store: Store, *, first: bool,
 ) -> None:
     lr = scalar_value(group["lr"])
     momentum, dampening = scalar_value(group["momentum"]), scalar_value(group["dampening"])
     weight_decay = float(group["weight_decay"])
-    device = params[0].device
+    device = pieces[0].device
 
-    flat, values, grads = _expanded(params, expand)
+    flat, values, grads = _expanded(pieces, expand)
     if group["maximize"]:
         torch._foreach_neg_(grads)
     if weight_decay != 0:
         torch._foreach_add_(grads, values, alpha=weight_decay)
     if momentum != 0:
-        states = [optimizer.state[p] for p in params]
-        if states[0].get("momentum_buffer") is None:  # first step: the buffer is the gradient (same for the chunk)
-            for s, g in zip(states, grads, strict=True):
-                s["momentum_buffer"] = g.to(dtype, copy=True)
+        states = [optimizer.state[pc.param] for pc in pieces]
+        if first:  # first step: the buffer is the gradient (the same for every piece of the chunk)
+            for pc, s, g in zip(pieces, states, grads, strict=True):
+                if s.get("momentum_buffer") is None:
+                    s["momentum_buffer"] = torch.empty_like(pc.param, dtype=dtype)
+                pc.of(s["momentum_buffer"]).copy_(g)
             bufs = grads
         else:
-            buf_low = [s["momentum_buffer"] for s in states]
+            buf_low = [pc.of(s["momentum_buffer"]) for pc, s in zip(pieces, states, strict=True)]
             bufs = _expand_state(buf_low, device)
             torch._foreach_mul_(bufs, momentum)
             torch._foreach_add_(bufs, grads, alpha=1 - dampening)
@@ -304,4 +373,4 @@ def _sgd_chunk(
         else:
             grads = bufs
     torch._foreach_add_(values, grads, alpha=-lr)
-    store(params, values, flat)
+    store(pieces, values, flat)

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from mixprec.optim import footprint
-from mixprec.optim.fast import DEFAULT_CHUNK_NUMEL
+from mixprec.optim.fast import DEFAULT_CHUNK_NUMEL, Piece
 from mixprec.optim.lowbit import LowPrecisionOptimizer
 
 __all__ = ["KahanOptimizer"]
@@ -91,14 +91,15 @@ class KahanOptimizer(LowPrecisionOptimizer):
         # value32 is scratch of this step: reuse it for the residual
         self._comp[param].copy_(value32.sub_(param))
 
-    def _expand_many(self, params: list[torch.Tensor], values: list[torch.Tensor]) -> None:
-        torch._foreach_copy_(values, params)
-        torch._foreach_add_(values, [self._compensation_for(p) for p in params])
+    def _expand_many(self, pieces: list[Piece], values: list[torch.Tensor]) -> None:
+        torch._foreach_copy_(values, [pc.value for pc in pieces])
+        torch._foreach_add_(values, [pc.of(self._compensation_for(pc.param)) for pc in pieces])
 
-    def _store_many(self, params: list[torch.Tensor], values: list[torch.Tensor], flat: torch.Tensor) -> None:
-        torch._foreach_copy_(params, values)
-        torch._foreach_sub_(values, params)
-        torch._foreach_copy_([self._comp[p] for p in params], values)
+    def _store_many(self, pieces: list[Piece], values: list[torch.Tensor], flat: torch.Tensor) -> None:
+        targets = [pc.value for pc in pieces]
+        torch._foreach_copy_(targets, values)
+        torch._foreach_sub_(values, targets)
+        torch._foreach_copy_([pc.of(self._comp[pc.param]) for pc in pieces], values)
 
     def _compiled_rounding_inputs(self) -> tuple[Callable[[torch.Tensor], torch.Tensor] | None, list[int] | None]:
         return self._compensation_for, None

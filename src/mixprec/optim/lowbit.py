@@ -44,7 +44,7 @@ from mixprec.optim import footprint
 from mixprec.optim.base import WrappedOptimizer
 from mixprec.optim.checks import check_inner_state_dict, check_state_shapes
 from mixprec.optim.compiled import compiled_adam_step
-from mixprec.optim.fast import DEFAULT_CHUNK_NUMEL, fast_kind, fast_step, fused_available
+from mixprec.optim.fast import DEFAULT_CHUNK_NUMEL, Piece, fast_kind, fast_step, fused_available
 from mixprec.optim.snapshot import ParamSnapshot, became_nonfinite, restore_params, snapshot_params
 
 __all__ = ["LowPrecisionOptimizer"]
@@ -68,8 +68,9 @@ class LowPrecisionOptimizer(WrappedOptimizer):
             optimizers and options (``capturable``, ``differentiable``, ``fused``) take the
             generic per-parameter path either way. Both keep the same state under torch's
             key names, so state_dicts move freely between them.
-        chunk_numel: the fast path expands at most this many elements (or one parameter,
-            when a parameter is larger) to fp32 at a time.
+        chunk_numel: the fast path expands at most this many elements to fp32 at a time (a
+            larger contiguous parameter is cut into pieces; small chunks keep the fp32
+            temporaries in the caches).
         fused: on the fast path, run Adam/AdamW's arithmetic in torch's fused kernel (one
             pass; CPU and CUDA) rather than torch's foreach sequence (bit-identical to the
             generic path on CPU, several passes). Fused results equal the generic path's
@@ -128,11 +129,11 @@ class LowPrecisionOptimizer(WrappedOptimizer):
     def _store(self, param: torch.Tensor, value32: torch.Tensor) -> None:
         param.copy_(value32)
 
-    def _expand_many(self, params: list[torch.Tensor], values: list[torch.Tensor]) -> None:
-        torch._foreach_copy_(values, params)
+    def _expand_many(self, pieces: list[Piece], values: list[torch.Tensor]) -> None:
+        torch._foreach_copy_(values, [pc.value for pc in pieces])
 
-    def _store_many(self, params: list[torch.Tensor], values: list[torch.Tensor], flat: torch.Tensor) -> None:
-        torch._foreach_copy_(params, values)
+    def _store_many(self, pieces: list[Piece], values: list[torch.Tensor], flat: torch.Tensor) -> None:
+        torch._foreach_copy_([pc.value for pc in pieces], values)
 
     # ------------------------------------------------------------------------------ step
     @torch.no_grad()

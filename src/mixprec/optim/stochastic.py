@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from mixprec.optim.fast import DEFAULT_CHUNK_NUMEL
+from mixprec.optim.fast import DEFAULT_CHUNK_NUMEL, Piece
 from mixprec.optim.lowbit import LowPrecisionOptimizer
 
 __all__ = ["StochasticRoundingOptimizer", "stochastic_round"]
@@ -88,14 +88,14 @@ class StochasticRoundingOptimizer(LowPrecisionOptimizer):
     def _store(self, param: torch.Tensor, value32: torch.Tensor) -> None:
         param.copy_(stochastic_round(value32, generator=self._generator(value32.device)))
 
-    def _store_many(self, params: list[torch.Tensor], values: list[torch.Tensor], flat: torch.Tensor) -> None:
+    def _store_many(self, pieces: list[Piece], values: list[torch.Tensor], flat: torch.Tensor) -> None:
         # ``values`` are consecutive views of ``flat``: one draw of noise for the chunk
         noise = torch.randint(
             0, 1 << 16, flat.shape, dtype=torch.int32, device=flat.device, generator=self._generator(flat.device)
         )
         bits = flat.view(torch.int32)
         bits.add_(noise).bitwise_and_(-65536)  # keep the top 16 bits: exactly a bf16 value
-        torch._foreach_copy_(params, values)
+        torch._foreach_copy_([pc.value for pc in pieces], values)
 
     def _compiled_rounding_inputs(self) -> tuple[Callable[[torch.Tensor], torch.Tensor] | None, list[int] | None]:
         return None, self._counter
