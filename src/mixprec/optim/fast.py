@@ -44,6 +44,8 @@ __all__ = [
 
 DEFAULT_CHUNK_NUMEL = 1 << 17  # 512 KiB per fp32 working buffer: a chunk's temporaries stay in the caches
 
+INPLACE_CHUNK_NUMEL = 1 << 22  # chunks of torch's fused kernel running in place (no temporaries)
+
 FAST_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 
 # store(pieces, values32, flat32): write the fp32 results of a chunk into the low-precision parameters
@@ -211,7 +213,14 @@ def fast_step(
         def splittable(p: torch.Tensor) -> bool:
             return _contiguous(p, p.grad, *(v for v in optimizer.state[p].values() if torch.is_tensor(v) and v.dim()))
 
-        for chunk in chunks(active, key, chunk_numel, splittable):
+        # torch's fused kernel in place on the low-precision tensors needs no fp32 temporaries:
+        # whole parameters, large chunks (fewer kernel launches)
+        inplace = fused and plain_store and all(p.dtype == dtype and p.grad.dtype == p.dtype for p in active)
+        if inplace:
+            plan = chunks(active, key, max(chunk_numel, INPLACE_CHUNK_NUMEL), lambda p: False)
+        else:
+            plan = chunks(active, key, chunk_numel, splittable)
+        for chunk in plan:
             _adam_chunk(optimizer, group, chunk, expand, store, fused=fused, plain_store=plain_store)
     else:
         momentum = scalar_value(group["momentum"])
