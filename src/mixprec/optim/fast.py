@@ -215,7 +215,7 @@ def fast_step(
 
         # torch's fused kernel in place on the low-precision tensors needs no fp32 temporaries:
         # whole parameters, large chunks (fewer kernel launches)
-        inplace = fused and plain_store and all(p.dtype == dtype and p.grad.dtype == p.dtype for p in active)
+        inplace = fused and plain_store and all(p.dtype == dtype and p.grad is not None and p.grad.dtype == p.dtype for p in active)
         if inplace:
             plan = chunks(active, key, max(chunk_numel, INPLACE_CHUNK_NUMEL), lambda p: False)
         else:
