@@ -36,7 +36,7 @@ LEVELS: list[tuple[str, tuple[str, ...]]] = [
     ("diagnostics", ("mixprec.diagnostics",)),
     ("checkpoint", ("mixprec.checkpoint",)),
     ("package", ("mixprec",)),
-    ("applications", ("mixprec.integrations", "mixprec.cli")),
+    ("applications", ("mixprec.integrations", "mixprec.cli", "mixprec.__main__")),
 ]
 
 

@@ -271,6 +271,15 @@ def test_console_script_error_has_no_traceback() -> None:
     assert proc.stderr.startswith("mixprec demo: error: unknown precision plan 'nope'.")
 
 
+@pytest.mark.parametrize("module", ["mixprec", "mixprec.cli"])
+def test_python_dash_m_runs_the_command(module: str) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", module, "explain", "bf16-mixed"], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("plan bf16-mixed:")
+
+
 # ------------------------------------------------------- robustness of the runs
 @pytest.mark.parametrize(
     ("argv", "expected"),
