@@ -36,7 +36,8 @@ LEVELS: list[tuple[str, tuple[str, ...]]] = [
     ("diagnostics", ("mixprec.diagnostics",)),
     ("checkpoint", ("mixprec.checkpoint",)),
     ("package", ("mixprec",)),
-    ("applications", ("mixprec.integrations", "mixprec.cli", "mixprec.__main__")),
+    ("applications", ("mixprec.integrations", "mixprec.cli")),
+    ("entry point", ("mixprec.__main__",)),
 ]
 
 
