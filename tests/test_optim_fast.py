@@ -235,7 +235,7 @@ def test_scalar_parameter_step_count_is_not_cast_to_the_state_dtype():
 
 def test_argument_errors():
     w = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
-    with pytest.raises(ValueError, match=re.escape("chunk_numel must be a positive int (elements expanded to fp32 at a time), got 0")):
+    with pytest.raises(ValueError, match=re.escape("chunk_numel must be a positive int (elements expanded to fp32 at a time) or None (the device's default), got 0")):
         KahanOptimizer(torch.optim.SGD([w], lr=0.1), chunk_numel=0)
     with pytest.raises(TypeError, match=re.escape("fast must be True or False, got 'yes'")):
         KahanOptimizer(torch.optim.SGD([w], lr=0.1), fast="yes")  # type: ignore[arg-type]

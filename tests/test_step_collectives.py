@@ -63,3 +63,41 @@ def test_one_host_read_decides_the_step(plan: str, monkeypatch: pytest.MonkeyPat
     monkeypatch.undo()
     assert result.stepped and result.grad_norm is not None and result.grad_norm > 0
     assert reads == (["tolist"] if plan == "bf16-mixed" else ["tolist", "item"]), reads
+
+
+def test_a_norm_that_overflows_fp32_on_finite_gradients_skips_but_leaves_the_scale_to_the_gradients() -> None:
+    """The scaler learns what the gradients say (finite here), as torch.amp.GradScaler would."""
+    from mixprec import DynamicLossScaler
+
+    w = nn.Parameter(torch.zeros(4))
+    mp = MixedPrecision("fp16-mixed", scaler=DynamicLossScaler(init_scale=1.0, growth_interval=1))
+    model = nn.ParameterList([w])
+    model, opt = mp.prepare(model, torch.optim.SGD([w], lr=0.1))
+    (w.sum() * 0).backward()  # a backward so the step has something to decide
+    mp.micro_batch_done()
+    w.grad = torch.full((4,), 3e38)  # finite, but the sum of squares overflows fp32
+    result = mp.step()
+    assert result.skip_reason == "overflow" and torch.equal(w.detach(), torch.zeros(4))
+    assert mp.scaler.get_scale() == 2.0  # a clean step for the scaler: it grew, as before
+
+
+def _tp_worker(rank: int, world_size: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = parallelize_module(nn.Sequential(nn.Linear(8, 8)), mesh, {"0": ColwiseParallel()})
+    mp = MixedPrecision("bf16-mixed")
+    model, _ = mp.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with mp.autocast():
+        loss = model(torch.randn(4, 8)).float().square().mean()
+    mp.backward(loss)
+    result = mp.step()
+    assert result.stepped and result.grad_norm is not None and result.grad_norm > 0
+
+
+@pytest.mark.distributed
+def test_tensor_parallel_dtensor_gradients_step() -> None:
+    """DTensor gradients outside FSDP2 (tensor parallelism) have their norm taken over the mesh."""
+    run_ranks(_tp_worker, 2)

@@ -173,8 +173,9 @@ def test_the_toy_plan_runs_under_ddp() -> None:
 
 
 def test_a_registered_name_must_be_new_and_built_ins_stay() -> None:
-    with pytest.raises(ValueError, match="is taken"):
-        register_plan("bf16-mixed", lambda: ToyPlan("x"))
+    for taken in ("bf16-mixed", "BF16-MIXED", "o1", "Fp32", "16-TRUE"):  # names resolve without regard to case
+        with pytest.raises(ValueError, match="is taken"):
+            register_plan(taken, lambda: ToyPlan("x"))
     with pytest.raises(ValueError, match="built-in plan"):
         unregister_plan("bf16-mixed")
     register_plan("toy-broken", lambda: "not a plan")  # type: ignore[arg-type,return-value]

@@ -49,7 +49,11 @@ __all__ = ["ComposableSteps"]
 
 
 class ComposableSteps:
-    """Loss scaling, backward bookkeeping, unscaling and clipping: one step's halves."""
+    """Loss scaling, backward bookkeeping, unscaling and clipping: one step's halves.
+
+    A base of :class:`mixprec.MixedPrecision`, not used alone: the attributes below are
+    set up by ``MixedPrecision.__init__`` and ``prepare``.
+    """
 
     plan: Plan
     scaler: LossScaler
@@ -149,7 +153,7 @@ class ComposableSteps:
     def grad_norm(self) -> torch.Tensor:
         """The true (unscaled) total 2-norm of every optimizer's gradients (unscales first)."""
         self._unscale()
-        return total_norm(self._grads(), self.device, self.plan.shards_parameters)
+        return total_norm(self._grads(), self.device)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Unscale, then clip the true gradients to a total norm of ``max_norm``; returns the norm

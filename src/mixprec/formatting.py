@@ -1,7 +1,7 @@
 """Formatting for people: sizes, numbers, ratios, module names and tables.
 
-The one set of formatters of mixprec: the tracer, the diagnostics, the command and the
-benchmark scripts all write through it (and read sizes given on the command line).
+The one set of formatters of mixprec: the tracer, the diagnostics and the command (its
+reports and tables) write through it, and it reads sizes given on the command line.
 
 >>> format_bytes(3 * 2**20), format_bytes(None)
 ('3.00 MiB', 'n/a')

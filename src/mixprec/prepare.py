@@ -54,6 +54,7 @@ class PreparedModel:
             cleared with the optimizers').
         hooks: hook handles installed on the model (input casting).
         tracer: the overflow tracer, when asked for.
+        parameters: the converted model's parameters (optimizers must hold only these).
     """
 
     model: torch.nn.Module
@@ -130,20 +131,18 @@ def check_optimizers(
     seen = {id(o) for o in existing} | {id(getattr(o, "optimizer", o)) for o in existing}
     for opt in optimizers:
         if not isinstance(opt, torch.optim.Optimizer):
-            raise TypeError(
-                f"{caller} expects torch optimizers after the model, got {type(opt).__name__}; "
-                "pass scheduler= and criterion= by keyword"
-            )
+            hint = "; pass scheduler= and criterion= by keyword" if caller == "prepare()" else ""
+            raise TypeError(f"{caller} expects torch optimizers, got {type(opt).__name__}{hint}")
         if id(opt) in seen:
             raise ValueError(
-                f"the same {type(opt).__name__} was passed twice to prepare(); it would step twice per "
+                f"the same {type(opt).__name__} was passed twice to {caller}; it would step twice per "
                 "iteration. Pass each optimizer once"
             )
         seen.add(id(opt))
         foreign = [p for g in opt.param_groups for p in g["params"] if p not in prepared.parameters]
         if foreign:
             raise ValueError(
-                f"{len(foreign)} parameter(s) of the {type(opt).__name__} passed to prepare() are not "
+                f"{len(foreign)} parameter(s) of the {type(opt).__name__} passed to {caller} are not "
                 "parameters of the prepared model (was the optimizer built over another model or a copy?). "
                 "Build the optimizer over model.parameters() of the model you pass to prepare()"
             )

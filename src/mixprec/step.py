@@ -1,9 +1,9 @@
 """The phases of one optimizer step: gradient norm and clipping, the skip decision, the update.
 
 :class:`mixprec.MixedPrecision.step` runs them in order. :class:`SkipDecision` is the one
-owner of the decision to skip: whatever the number of optimizers, a step makes one
-cross-rank collective and one host read to decide (a plan whose update can refuse a
-non-finite low-precision weight adds one more, after the update).
+owner of the decision to skip: whatever the number of optimizers, it decides with one
+host read, after one all-reduce when several ranks run (a plan whose update can refuse a
+non-finite low-precision weight checks once more, after the update).
 
 >>> import torch
 >>> from mixprec.step import SkipDecision, total_norm
@@ -108,15 +108,15 @@ def unscale_all(
         scaler.unscale_(opt, sync=False)
 
 
-def total_norm(grads: Sequence[torch.Tensor], device: torch.device | None, sharded: bool = False) -> torch.Tensor:
+def total_norm(grads: Sequence[torch.Tensor], device: torch.device | None) -> torch.Tensor:
     """The total 2-norm of ``grads`` in fp32: one foreach norm per (device, dtype) group.
 
-    ``sharded`` (the plan's ``shards_parameters``): FSDP2 shards (DTensors) sum their
-    squared norms across the shard group.
+    DTensor gradients (FSDP2 shards, tensor parallelism) sum their squared norms across
+    their mesh.
     """
     if not grads:
         return torch.zeros((), device=device)
-    if sharded and has_dtensor(grads):
+    if has_dtensor(grads):
         return total_grad_norm(list(grads))
     target = grads[0].device
     group_norms = [
@@ -155,8 +155,9 @@ class SkipDecision:
         self.norm: float | None = None  # the gradient norm the last decision read
 
     def record_loss(self, loss: torch.Tensor) -> None:
-        """Keep a micro-batch's loss value to check it at the decision (no work, no host read)."""
-        self._losses.append(loss.detach())
+        """Keep a micro-batch's loss value to check it at the decision (a copy of one element,
+        so the caller's tensor is neither kept alive nor read after it changes; no host read)."""
+        self._losses.append(loss.detach().reshape(()).clone())
 
     def loss_was_nonfinite(self) -> bool:
         """Whether a loss of this step was inf/NaN (a host read)."""
@@ -182,20 +183,23 @@ class SkipDecision:
             # One process: read the raw values once and judge them on the host.
             *loss_values, self.norm, plan_bad, found_inf = torch.stack([*losses, norm, plan, found]).tolist()
             nonfinite_loss = not all(math.isfinite(v) for v in loss_values)
-            overflow = not math.isfinite(self.norm) or found_inf > 0
-            agreed = torch.full((), float(overflow), device=device) if scaling else zero
+            grads_bad = found_inf > 0
+            overflow = grads_bad or not math.isfinite(self.norm)
+            agreed = torch.full((), float(grads_bad), device=device) if scaling else zero
         else:
             # Several ranks: one MAX all-reduce of the flags, then one read of them and this rank's norm.
             flags = torch.stack([
-                (~torch.isfinite(torch.stack(losses))).any().float(),
-                torch.maximum((~torch.isfinite(norm)).float(), found),
-                plan,
+                (~torch.isfinite(torch.stack(losses))).any().float(), (~torch.isfinite(norm)).float(), plan, found,
             ])
             all_reduce_max(flags, self.process_group)
-            nonfinite_loss, overflow, plan_bad, self.norm = torch.cat([flags, norm.reshape(1)]).tolist()
-            agreed = flags[1]
+            nonfinite_loss, norm_bad, plan_bad, found_inf, self.norm = torch.cat([flags, norm.reshape(1)]).tolist()
+            grads_bad = found_inf > 0
+            overflow = grads_bad or norm_bad > 0
+            agreed = flags[3]
         if scaling:
-            scaler.decided(optimizers, agreed, bool(overflow))  # type: ignore[union-attr]
+            # the scaler counts inf/NaN gradients (its backoff); a norm that overflows fp32 on finite
+            # gradients skips the step but is not the scale's doing
+            scaler.decided(optimizers, agreed, grads_bad)  # type: ignore[union-attr]
         if nonfinite_loss:
             return "nonfinite_loss"
         if overflow:

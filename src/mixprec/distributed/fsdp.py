@@ -177,7 +177,6 @@ class ShardedPlan(Plan):
 
     family: ClassVar[str] = "fsdp2"
     supports_fsdp: ClassVar[bool] = True
-    shards_parameters: ClassVar[bool] = True
     summary: ClassVar[str] = "FSDP2: fp32 parameter shards (the masters); all-gather and compute per the policy"
 
     @property
@@ -222,6 +221,21 @@ class ShardedPlan(Plan):
         self, optimizer: torch.optim.Optimizer, fp32_values: dict[torch.Tensor, torch.Tensor]
     ) -> torch.optim.Optimizer:
         return optimizer
+
+    # The base plan's step hooks still apply on shards (its own layers, its flags).
+    def before_unscale(self, model: torch.nn.Module, process_group: Any) -> None:
+        if self.base is not None:
+            self.base.before_unscale(model, process_group)
+
+    def nonfinite_flag(self, model: torch.nn.Module) -> torch.Tensor | None:
+        return self.base.nonfinite_flag(model) if self.base is not None else None
+
+    def after_step(self, model: torch.nn.Module) -> None:
+        if self.base is not None:
+            self.base.after_step(model)
+
+    def backward_context(self, device_type: str = "cpu") -> contextlib.AbstractContextManager[Any]:
+        return self.base.backward_context(device_type) if self.base is not None else super().backward_context(device_type)
 
     @contextlib.contextmanager
     def autocast(self, device_type: str = "cpu") -> Iterator[None]:

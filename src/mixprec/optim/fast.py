@@ -31,10 +31,12 @@ from typing import Any
 import torch
 
 __all__ = [
-    "DEFAULT_CHUNK_NUMEL",
+    "CPU_CHUNK_NUMEL",
+    "DEVICE_CHUNK_NUMEL",
     "FAST_OPTIMIZERS",
     "Piece",
     "chunks",
+    "default_chunk_numel",
     "fast_kind",
     "fast_step",
     "fused_available",
@@ -42,7 +44,8 @@ __all__ = [
     "scalar_value",
 ]
 
-DEFAULT_CHUNK_NUMEL = 1 << 17  # 512 KiB per fp32 working buffer: a chunk's temporaries stay in the caches
+CPU_CHUNK_NUMEL = 1 << 17  # 512 KiB per fp32 working buffer: a chunk's temporaries stay in the CPU caches
+DEVICE_CHUNK_NUMEL = 1 << 22  # accelerators: fewer, larger kernels (a chunk costs a dozen launches)
 
 INPLACE_CHUNK_NUMEL = 1 << 22  # chunks of torch's fused kernel running in place (no temporaries)
 
@@ -52,6 +55,15 @@ FAST_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.Adam, to
 Store = Callable[[list["Piece"], list[torch.Tensor], torch.Tensor], None]
 # expand(pieces, values32): fill the fp32 views with the parameters' values (plus compensation)
 Expand = Callable[[list["Piece"], list[torch.Tensor]], None]
+
+
+def default_chunk_numel(device: torch.device) -> int:
+    """Elements the fast path expands to fp32 at a time on ``device`` unless told otherwise.
+
+    >>> default_chunk_numel(torch.device("cpu"))
+    131072
+    """
+    return CPU_CHUNK_NUMEL if device.type == "cpu" else DEVICE_CHUNK_NUMEL
 
 
 def scalar_value(value: Any) -> float:

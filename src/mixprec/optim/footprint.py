@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from mixprec.dtypes import LOW_PRECISION_DTYPES
-from mixprec.optim.fast import chunks, fast_kind, fused_available
+from mixprec.optim.fast import chunks, default_chunk_numel, fast_kind, fused_available
 
 __all__ = [
     "StateLayout",
@@ -226,7 +226,7 @@ def low_precision_step_transient(
     fast: bool,
     fused: bool,
     compile: bool,
-    chunk_numel: int,
+    chunk_numel: int | None,
     rounding: str,
 ) -> int:
     """Peak temporaries of one step of a low-precision wrapper over ``optimizer`` with these
@@ -263,7 +263,8 @@ def low_precision_step_transient(
             continue
         if kind is not None:
             in_fused = kind == "adam" and fused and fused_available(low[0].device)
-            for chunk in chunks(low, lambda q: (q.device, q.dtype), chunk_numel):
+            limit = chunk_numel or default_chunk_numel(low[0].device)
+            for chunk in chunks(low, lambda q: (q.device, q.dtype), limit, lambda q: q.is_contiguous()):
                 n = sum(q.numel() for q in chunk)
                 if in_fused and rounding == "nearest" and store_dtype == chunk[0].dtype:
                     continue  # torch's fused kernel on the low-precision tensors, in place

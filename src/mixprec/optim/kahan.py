@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from mixprec.optim import footprint
-from mixprec.optim.fast import DEFAULT_CHUNK_NUMEL, Piece
+from mixprec.optim.fast import Piece
 from mixprec.optim.lowbit import LowPrecisionOptimizer
 
 __all__ = ["KahanOptimizer"]
@@ -46,7 +46,7 @@ class KahanOptimizer(LowPrecisionOptimizer):
         *,
         state_dtype: torch.dtype | str | None = torch.bfloat16,
         fast: bool = True,
-        chunk_numel: int = DEFAULT_CHUNK_NUMEL,
+        chunk_numel: int | None = None,
         fused: bool = True,
         compile: bool = False,
     ) -> None:

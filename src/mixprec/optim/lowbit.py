@@ -44,7 +44,7 @@ from mixprec.optim import footprint
 from mixprec.optim.base import WrappedOptimizer
 from mixprec.optim.checks import check_inner_state_dict, check_state_shapes
 from mixprec.optim.compiled import compiled_adam_step
-from mixprec.optim.fast import DEFAULT_CHUNK_NUMEL, Piece, fast_kind, fast_step, fused_available
+from mixprec.optim.fast import Piece, default_chunk_numel, fast_kind, fast_step, fused_available
 from mixprec.optim.snapshot import ParamSnapshot, became_nonfinite, restore_params, snapshot_params
 
 __all__ = ["LowPrecisionOptimizer"]
@@ -69,8 +69,10 @@ class LowPrecisionOptimizer(WrappedOptimizer):
             generic per-parameter path either way. Both keep the same state under torch's
             key names, so state_dicts move freely between them.
         chunk_numel: the fast path expands at most this many elements to fp32 at a time (a
-            larger contiguous parameter is cut into pieces; small chunks keep the fp32
-            temporaries in the caches).
+            larger contiguous parameter is cut into pieces). None: 2**17 on CPU, where small
+            chunks keep the fp32 temporaries in the caches, 2**22 elsewhere. Stochastic
+            rounding draws its noise chunk by chunk, so a different chunk size gives a
+            different (equally unbiased) random stream.
         fused: on the fast path, run Adam/AdamW's arithmetic in torch's fused kernel (one
             pass; CPU and CUDA) rather than torch's foreach sequence (bit-identical to the
             generic path on CPU, several passes). Fused results equal the generic path's
@@ -101,7 +103,7 @@ class LowPrecisionOptimizer(WrappedOptimizer):
         *,
         state_dtype: torch.dtype | str | None = torch.bfloat16,
         fast: bool = True,
-        chunk_numel: int = DEFAULT_CHUNK_NUMEL,
+        chunk_numel: int | None = None,
         fused: bool = True,
         compile: bool = False,
     ) -> None:
@@ -112,8 +114,13 @@ class LowPrecisionOptimizer(WrappedOptimizer):
                 raise TypeError(f"{name} must be True or False, got {flag!r}")
         self.fused = fused
         self.compile = compile
-        if isinstance(chunk_numel, bool) or not isinstance(chunk_numel, int) or chunk_numel < 1:
-            raise ValueError(f"chunk_numel must be a positive int (elements expanded to fp32 at a time), got {chunk_numel!r}")
+        if chunk_numel is not None and (
+            isinstance(chunk_numel, bool) or not isinstance(chunk_numel, int) or chunk_numel < 1
+        ):
+            raise ValueError(
+                f"chunk_numel must be a positive int (elements expanded to fp32 at a time) or None (the "
+                f"device's default), got {chunk_numel!r}"
+            )
         self.fast = fast
         self.chunk_numel = chunk_numel
         self._snapshot: ParamSnapshot | None = None
@@ -190,7 +197,8 @@ class LowPrecisionOptimizer(WrappedOptimizer):
                 elif kind is not None:
                     fast_step(
                         self.optimizer, group, active, kind=kind, state_dtype=self.state_dtype,
-                        expand=self._expand_many, store=self._store_many, chunk_numel=self.chunk_numel,
+                        expand=self._expand_many, store=self._store_many,
+                        chunk_numel=self.chunk_numel or default_chunk_numel(active[0].device),
                         fused=self.fused and fused_available(active[0].device), plain_store=self.rounding == "nearest",
                     )
                 else:
@@ -379,8 +387,8 @@ class LowPrecisionOptimizer(WrappedOptimizer):
 
         - fp32 parameters (norm layers) are stepped by the inner optimizer as usual;
         - low-precision ones on the fast path (:func:`mixprec.optim.fast.fast_step`) are
-          expanded chunk by chunk (at most ``chunk_numel`` elements, or one larger
-          parameter): fp32 values and gradients, fp32 copies of low-precision state, the
+          expanded chunk by chunk (at most ``chunk_numel`` elements; a larger contiguous
+          parameter is cut into pieces, another one goes alone): fp32 values and gradients, fp32 copies of low-precision state, the
           foreach path's denominator, stochastic rounding's noise. Round-to-nearest stores
           with everything in the parameters' dtype run torch's fused kernel in place (no
           scratch); the compiled route materialises nothing in fp32;

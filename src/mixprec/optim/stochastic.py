@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from mixprec.optim.fast import DEFAULT_CHUNK_NUMEL, Piece
+from mixprec.optim.fast import Piece
 from mixprec.optim.lowbit import LowPrecisionOptimizer
 
 __all__ = ["StochasticRoundingOptimizer", "stochastic_round"]
@@ -60,7 +60,7 @@ class StochasticRoundingOptimizer(LowPrecisionOptimizer):
         state_dtype: torch.dtype | str | None = torch.bfloat16,
         seed: int = 0,
         fast: bool = True,
-        chunk_numel: int = DEFAULT_CHUNK_NUMEL,
+        chunk_numel: int | None = None,
         fused: bool = True,
         compile: bool = False,
     ) -> None:

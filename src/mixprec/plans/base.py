@@ -152,8 +152,6 @@ class Plan:
     #: ``MixedPrecision(optimizer_in_backward=True)`` works: the plan's optimizer wrapper can
     #: update one parameter at a time inside backward.
     supports_optimizer_in_backward: ClassVar[bool] = False
-    #: the model's parameters are shards (DTensors) whose gradient norms need the shard group
-    shards_parameters: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         if self.policy is not None and self.policy.dtype != self.compute_dtype and self.uses_autocast:

@@ -99,7 +99,8 @@ def register_plan(name: str, factory: Callable[[], Plan]) -> None:
     """
     if not isinstance(name, str) or not name or name != name.strip():
         raise ValueError(f"a plan name must be a non-empty string without surrounding spaces, got {name!r}")
-    if name in _FACTORIES or name in ALIASES or name.lower() in NOT_ALIASES:
+    taken = {n.lower() for n in (*_FACTORIES, *ALIASES, *NOT_ALIASES)}
+    if name.lower() in taken:  # names resolve without regard to case
         raise ValueError(f"plan name {name!r} is taken; choose another name (registered: {', '.join(plan_names())})")
     if not callable(factory):
         raise TypeError(f"register_plan() needs a callable that returns a Plan, got {type(factory).__name__}")
