@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["by_device_dtype", "first_tensor", "map_tensors", "tensors"]
+__all__ = ["by_device_dtype", "first_tensor", "floating_tensors", "map_floating", "map_tensors", "tensors"]
 
 # Leaves that are common in op arguments: checked first so walking them costs one lookup.
 _ATOMS = frozenset({int, float, bool, str, bytes, type(None), torch.dtype, torch.device, slice, complex})
@@ -122,3 +122,13 @@ def by_device_dtype(items: Iterable[torch.Tensor]) -> dict[tuple[torch.device, t
     for t in items:
         groups.setdefault((t.device, t.dtype), []).append(t)
     return groups
+
+
+def floating_tensors(value: Any) -> Iterator[torch.Tensor]:
+    """Every floating-point tensor in ``value``, in order."""
+    return (t for t in tensors(value) if t.is_floating_point())
+
+
+def map_floating(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """``value`` with ``fn`` applied to every floating-point tensor; containers keep their types."""
+    return map_tensors(lambda t: fn(t) if t.is_floating_point() else t, value)

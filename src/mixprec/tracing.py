@@ -49,7 +49,7 @@ from torch import nn
 
 from mixprec.dtypes import dtype_name
 from mixprec.formatting import display_name, format_number
-from mixprec.nested import tensors
+from mixprec.nested import floating_tensors
 
 __all__ = ["OverflowFinding", "OverflowTracer", "trace_overflow"]
 
@@ -235,7 +235,7 @@ class OverflowTracer:
             if self._idle or not self.backward or not torch.is_grad_enabled():
                 return
             call = self._calls[index]
-            for t in _floating(args):
+            for t in floating_tensors(args):
                 if t.requires_grad:
                     t.register_hook(self._grad_hook(index, _BWD_IN, call))
 
@@ -247,7 +247,7 @@ class OverflowTracer:
                 return
             call = self._calls[index]
             self._calls[index] = call + 1
-            for t in _floating(output):
+            for t in floating_tensors(output):
                 self._record(index, _FWD_OUT, call, t)
                 if self.backward and t.requires_grad:
                     t.register_hook(self._grad_hook(index, _BWD_OUT, call))
@@ -400,7 +400,3 @@ def trace_overflow(model: nn.Module, *, backward: bool = True) -> _TraceContext:
     keeps working on what was recorded.
     """
     return _TraceContext(OverflowTracer(model, backward=backward))
-
-
-def _floating(value: Any) -> list[torch.Tensor]:
-    return [t for t in tensors(value) if t.is_floating_point()]

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.diagnostics._tensors import floating_tensors, map_floating
+from mixprec.nested import floating_tensors, map_floating
 
 __all__ = ["Call", "Capture", "exact_children", "run_isolated", "seeded"]
 

@@ -35,10 +35,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.diagnostics._tensors import floating_tensors
 from mixprec.diagnostics.shadow import prepare_copy, run_loss
 from mixprec.dtypes import dtype_name
 from mixprec.formatting import display_name, format_number, format_table
+from mixprec.nested import floating_tensors
 
 __all__ = ["HeadroomMonitor", "HeadroomReport", "ModuleHeadroom", "ScaleHistory", "headroom"]
 

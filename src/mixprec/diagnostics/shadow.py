@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.diagnostics._tensors import floating_tensors
+from mixprec.nested import floating_tensors
 from mixprec.plans import Plan, get_plan
 from mixprec.prepare import Fp32Criterion, prepare_model
 
