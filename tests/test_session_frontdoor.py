@@ -345,3 +345,21 @@ def test_step_can_leave_gradients_for_the_framework_to_clear():
     assert model.weight.grad is not None  # the framework's own zero_grad() clears it
     with pytest.raises(TypeError, match=re.escape("zero_grad= must be True or False, got 'no'")):
         mp.step(zero_grad="no")  # type: ignore[arg-type]
+
+
+def test_clip_grad_value_clamps_the_unscaled_gradients_exactly():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    mp = MixedPrecision("fp16-mixed")
+    model, opt = mp.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with mp.autocast():
+        loss = model(torch.randn(16, 8)).float().square().mean()
+    mp.backward(loss)
+    scale = mp.scaler.get_scale()
+    scaled = [p.grad.clone() for p in model.parameters()]
+    mp.clip_grad_value_(0.05)
+    for p, g in zip(model.parameters(), scaled, strict=True):
+        assert torch.equal(p.grad, (g / scale).clamp(-0.05, 0.05))  # a power-of-two scale: exact
+    assert mp.step().stepped
+    with pytest.raises(ValueError, match=re.escape("clip_value must be a positive finite number, got inf")):
+        mp.clip_grad_value_(float("inf"))

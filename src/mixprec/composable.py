@@ -27,10 +27,12 @@ True
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any
 
 import torch
 
+from mixprec.nested import by_device_dtype
 from mixprec.options import check_ready
 from mixprec.plans import Plan
 from mixprec.scaling import LossScaler
@@ -161,9 +163,25 @@ class ComposableSteps:
         the step will be skipped."""
         if not isinstance(max_norm, int | float) or isinstance(max_norm, bool) or not max_norm > 0:
             raise ValueError(f"max_norm must be a positive number, got {max_norm!r}")
-        norm = self.grad_norm()
-        clip_(self._grads(), norm, float(max_norm))
+        self._unscale()
+        grads = self._grads()
+        norm = total_norm(grads, self.device)
+        clip_(grads, norm, float(max_norm))
         return norm
+
+    def clip_grad_value_(self, clip_value: float) -> None:
+        """Unscale, then clamp every true gradient to ``[-clip_value, clip_value]`` (as
+        ``torch.nn.utils.clip_grad_value_``; inf/NaN gradients still skip the step)."""
+        if (
+            not isinstance(clip_value, int | float)
+            or isinstance(clip_value, bool)
+            or not 0 < clip_value < math.inf
+        ):
+            raise ValueError(f"clip_value must be a positive finite number, got {clip_value!r}")
+        self._unscale()
+        for gs in by_device_dtype(self._grads()).values():
+            torch._foreach_clamp_min_(gs, -float(clip_value))
+            torch._foreach_clamp_max_(gs, float(clip_value))
 
     @property
     def last_step_skipped(self) -> bool:

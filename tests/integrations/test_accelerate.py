@@ -42,7 +42,8 @@ def _fresh_accelerate_state():
     GradientState._reset_state()
 
 
-def accelerate_run(model, batches, precision, *, gas=1, clip=None, stop_after=None, accelerator=None, setup=None):
+def accelerate_run(model, batches, precision, *, gas=1, clip=None, stop_after=None, accelerator=None, setup=None,
+                   clip_value=None):
     acc = accelerator or Accelerator(cpu=True, gradient_accumulation_steps=gas)
     mp = precision if isinstance(precision, MixedPrecision) else MixedPrecision(precision)
     opt, sched = make_optimizer(model)
@@ -59,6 +60,8 @@ def accelerate_run(model, batches, precision, *, gas=1, clip=None, stop_after=No
             acc.backward(loss)
             if acc.sync_gradients and clip is not None:
                 norms.append(float(acc.clip_grad_norm_(model.parameters(), clip)))
+            if acc.sync_gradients and clip_value is not None:
+                acc.clip_grad_value_(model.parameters(), clip_value)
             opt.step()
             sched.step()
             opt.zero_grad()
@@ -127,6 +130,25 @@ def test_save_state_resume_is_bit_identical(tmp_path, plan):
     assert resumed["mp"].scaler.get_scale() == full["mp"].scaler.get_scale()
     assert_close_losses(first["losses"] + resumed["losses"], full["losses"], exact=True)
     assert_same_params(resumed["params"], full["params"])
+
+
+def test_clip_grad_value_matches_accelerate_in_fp32():
+    """fp32 plan: acc.clip_grad_value_ through mixprec gives Accelerate's own fp32 run, bit for bit."""
+    model, data = TinyMLP(), mlp_data(8)
+    got = accelerate_run(copy.deepcopy(model), data, "fp32", clip_value=1e-3)
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    acc = Accelerator(cpu=True)
+    ref = copy.deepcopy(model)
+    opt, sched = make_optimizer(ref)
+    ref, opt, sched = acc.prepare(ref, opt, sched)
+    for x, y in data:
+        acc.backward(mse(ref(x), y))
+        acc.clip_grad_value_(ref.parameters(), 1e-3)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    assert_same_params(got["params"], {k: v.detach() for k, v in ref.state_dict().items()})
 
 
 def test_accelerator_mixed_precision_and_mixprec_conflict():

@@ -72,7 +72,8 @@ def trainer(plugin, max_steps, **kwargs):
     )
 
 
-def lightning_run(net, batches, precision, *, gas=1, clip=None, max_steps=None, ckpt_path=None, save_dir=None):
+def lightning_run(net, batches, precision, *, gas=1, clip=None, max_steps=None, ckpt_path=None, save_dir=None,
+                  clip_algorithm=None):
     lit = LitMLP(net)
     plugin = MixprecPrecision(precision)
     steps = max_steps if max_steps is not None else len(batches) // gas
@@ -80,6 +81,8 @@ def lightning_run(net, batches, precision, *, gas=1, clip=None, max_steps=None, 
     if save_dir is not None:  # a checkpoint at the end of every epoch, as users save them
         extra = {"enable_checkpointing": True, "callbacks": [L.pytorch.callbacks.ModelCheckpoint(
             dirpath=save_dir, save_top_k=-1, every_n_epochs=1, save_on_train_epoch_end=True)]}
+    if clip_algorithm is not None:
+        extra["gradient_clip_algorithm"] = clip_algorithm
     t = trainer(plugin, steps, accumulate_grad_batches=gas, gradient_clip_val=clip, **extra)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -104,6 +107,21 @@ def test_same_losses_as_mixprec_loop_with_accumulation_and_clipping(plan):
     # on_before_optimizer_step saw the true (unscaled, gathered) gradients, before clipping
     finite = [(h, r.grad_norm) for h, r in zip(got["hook_norms"], want["results"], strict=True) if r.stepped]
     assert [h for h, _ in finite] == pytest.approx([n for _, n in finite], rel=1e-5)
+
+
+def test_clipping_by_value_clamps_the_true_gradients_as_lightning_does_in_fp32():
+    """fp32 plan, gradient_clip_algorithm="value": the same parameters as Lightning's own fp32 run."""
+    model, data = TinyMLP(), mlp_data(8)
+    got = lightning_run(copy.deepcopy(model), data, "fp32", clip=1e-3, clip_algorithm="value")
+    lit = LitMLP(copy.deepcopy(model))
+    t = L.Trainer(accelerator="cpu", devices=1, max_steps=len(data), logger=False, enable_checkpointing=False,
+                  enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                  gradient_clip_val=1e-3, gradient_clip_algorithm="value")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        t.fit(lit, loader(data))
+    assert got["losses"] == lit.losses
+    assert_same_params(got["params"], {k: v.detach() for k, v in lit.net.state_dict().items()})
 
 
 def test_fp16_overflow_skips_steps_and_holds_the_scheduler():

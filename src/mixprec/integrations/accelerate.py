@@ -184,10 +184,7 @@ class _MixprecAcceleratorMixin:
     def clip_grad_value_(self, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
         self._check_boundary("clip_grad_value_()")
         _check_parameters(self._mixprec.mp, parameters)
-        mp = self._mixprec.mp
-        mp.unscale_()
-        grads = [p.grad for opt in mp.optimizers for g in opt.param_groups for p in g["params"] if p.grad is not None]
-        torch.nn.utils.clip_grad_value_([g for g in grads], clip_value)  # type: ignore[arg-type]
+        self._mixprec.mp.clip_grad_value_(float(clip_value))
 
 
 def _check_parameters(mp: MixedPrecision, parameters: Iterable[torch.Tensor]) -> None:

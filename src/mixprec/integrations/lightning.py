@@ -263,9 +263,7 @@ class MixprecPrecision(Precision):
 
     def clip_grad_by_value(self, optimizer: Any, clip_val: int | float) -> None:
         with self._only(optimizer):
-            self.mp.unscale_()
-        grads = [p.grad for p in self.main_params(optimizer) if p.grad is not None]
-        torch.nn.utils.clip_grad_value_(grads, clip_val)  # type: ignore[arg-type]
+            self.mp.clip_grad_value_(float(clip_val))
 
     # ------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
