@@ -363,3 +363,21 @@ def test_clip_grad_value_clamps_the_unscaled_gradients_exactly():
     assert mp.step().stepped
     with pytest.raises(ValueError, match=re.escape("clip_value must be a positive finite number, got inf")):
         mp.clip_grad_value_(float("inf"))
+
+
+def test_buffers_a_framework_replaces_after_prepare_are_still_guarded_and_the_device_follows_the_model():
+    """Lightning and Accelerate move the model after prepare(): model.to() replaces buffer tensors."""
+    torch.manual_seed(0)
+    model = BNNet()
+    mp = MixedPrecision("bf16-mixed")
+    model, opt = mp.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01))
+    model.bn.running_mean = model.bn.running_mean.clone()  # what a device move does to every buffer
+    before = {k: v.clone() for k, v in model.bn.state_dict().items()}
+    x, y = torch.randn(16, 8), torch.randn(16, 4)
+    result = _train_step(mp, model, x, y * float("nan"))
+    assert result.skip_reason == "nonfinite_loss"
+    for k, v in model.bn.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert mp.device == torch.device("cpu") and mp.device_type == "cpu"
+    model.to("meta")
+    assert mp.device == torch.device("meta") and mp.device_type == "meta"  # not frozen at prepare()

@@ -27,44 +27,46 @@ class BufferGuard:
     """
 
     def __init__(self) -> None:
-        self._buffers: list[torch.Tensor] = []
+        # (module, name): looked up at every snapshot, so buffers a framework replaced after
+        # prepare() (``model.to(device)``) are the ones guarded
+        self._slots: list[tuple[torch.nn.Module, str]] = []
         self._saved: list[torch.Tensor] = []
         self._taken = False
 
     def install(self, prepared: torch.nn.Module, inner: torch.nn.Module) -> None:
-        buffers = [b for _, b in persistent_buffers(inner)]
-        if not buffers:
+        owners = dict(inner.named_modules())
+        self._slots = [(owners[qual.rpartition(".")[0]], qual.rpartition(".")[2]) for qual, _ in persistent_buffers(inner)]
+        if not self._slots:
             return
-        self._buffers = buffers
         if prepared is not inner:  # torch.compile's wrapper: its own hooks run eagerly
             prepared.register_forward_pre_hook(self._pre_forward)
             return
-        for module in inner.modules():
-            skip: set[str] = getattr(module, "_non_persistent_buffers_set", set())
-            if any(b is not None and n not in skip for n, b in module.named_buffers(recurse=False)):
-                module.register_forward_pre_hook(self._pre_forward)
+        for module in {id(m): m for m, _ in self._slots}.values():
+            module.register_forward_pre_hook(self._pre_forward)
+
+    def _buffers(self) -> list[torch.Tensor]:
+        return [getattr(module, name) for module, name in self._slots]
 
     @torch.compiler.disable
     def _pre_forward(self, module: torch.nn.Module, args: Any) -> None:
         if self._taken or not module.training:
             return
+        buffers = self._buffers()
         with torch.no_grad():
-            if len(self._saved) != len(self._buffers) or any(
+            if len(self._saved) != len(buffers) or any(
                 s.shape != b.shape or s.dtype != b.dtype or s.device != b.device
-                for s, b in zip(self._saved, self._buffers, strict=True)
+                for s, b in zip(self._saved, buffers, strict=True)
             ):
-                self._saved = [b.detach().clone() for b in self._buffers]
+                self._saved = [b.detach().clone() for b in buffers]
             else:
-                for s, b in zip(self._saved, self._buffers, strict=True):
-                    s.copy_(b)
+                torch._foreach_copy_(self._saved, buffers)
         self._taken = True
 
     def restore(self) -> None:
         if not self._taken:
             return
         with torch.no_grad():
-            for s, b in zip(self._saved, self._buffers, strict=True):
-                b.copy_(s)
+            torch._foreach_copy_(self._buffers(), self._saved)
 
     def commit(self) -> None:
         self._taken = False

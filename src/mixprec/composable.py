@@ -61,7 +61,7 @@ class ComposableSteps:
     scaler: LossScaler
     model: torch.nn.Module | None
     optimizers: list[torch.optim.Optimizer]
-    device: torch.device | None
+    _device: torch.device | None  # the device= argument, if any
     process_group: Any
     grad_accum_steps: int
     last_result: StepResult | None
@@ -70,6 +70,15 @@ class ComposableSteps:
     _unscaled: bool
     _published: bool
     _ddp: bool
+
+    @property
+    def device(self) -> torch.device | None:
+        """``device=`` if given, else where the model's parameters are now: a framework may
+        move the model after :meth:`~mixprec.MixedPrecision.prepare` (Lightning, Accelerate)."""
+        if self._device is not None or self.model is None:
+            return self._device
+        first = next(iter(self.model.parameters()), None)
+        return None if first is None else first.device
 
     @property
     def device_type(self) -> str:

@@ -104,7 +104,7 @@ class MixedPrecision(ComposableSteps):
         self.max_consecutive_skips = max_consecutive_skips
         self.process_group = process_group
         self.scaler: LossScaler = scaler if scaler is not None else self.plan.make_scaler(process_group)
-        self.device = None if device is None else torch.device(device)
+        self._device = None if device is None else torch.device(device)
         self.compile = compile
         self.trace_overflow = trace_overflow
         self.optimizer_in_backward = optimizer_in_backward
@@ -172,10 +172,10 @@ class MixedPrecision(ComposableSteps):
         if self.model is not None:
             raise RuntimeError("prepare() was already called on this MixedPrecision; create one per model")
         prepared = self._prepared = prepare_model(
-            model, self.plan, device=self.device, ddp=ddp, process_group=self.process_group,
+            model, self.plan, device=self._device, ddp=ddp, process_group=self.process_group,
             compile=self.compile, trace_overflow=self.trace_overflow,
         )
-        self.plan, self.device, self.model, self.tracer = prepared.plan, prepared.device, prepared.model, prepared.tracer
+        self.plan, self.model, self.tracer = prepared.plan, prepared.model, prepared.tracer
         self._ddp = prepared.ddp
         # A skipped step must not keep what its forward wrote into buffers (BatchNorm statistics).
         self._buffers.install(prepared.module, prepared.model)
