@@ -101,3 +101,22 @@ def _tp_worker(rank: int, world_size: int) -> None:
 def test_tensor_parallel_dtensor_gradients_step() -> None:
     """DTensor gradients outside FSDP2 (tensor parallelism) have their norm taken over the mesh."""
     run_ranks(_tp_worker, 2)
+
+
+@pytest.mark.parametrize("plan", ["bf16-master", "fp16-master"])
+def test_the_session_gathers_master_gradients_once_per_step(plan: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once by the scaler's unscale_ (enabled or not), once more inside the wrapper's own step
+    (which, used without a session, must gather itself; it finds nothing new). It was three."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 8)
+    mp = MixedPrecision(plan)
+    model, opt = mp.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    calls: list[int] = []
+    real = opt.prepare_grads
+    monkeypatch.setattr(opt, "prepare_grads", lambda: calls.append(1) or real())
+    with mp.autocast():
+        loss = model(torch.randn(4, 8)).float().square().mean()
+    mp.backward(loss)
+    mp.unscale_()  # a framework's hook before step(): no second gather
+    assert mp.step().stepped
+    assert len(calls) == 2

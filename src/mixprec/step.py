@@ -68,9 +68,9 @@ class StepResult:
 def call_hook(optimizers: Sequence[torch.optim.Optimizer], name: str) -> None:
     """Call the optional wrapper hook ``name`` on each optimizer that has it.
 
-    The hooks of :class:`mixprec.optim.WrappedOptimizer` (``prepare_grads``,
-    ``publish_grads``, ``accumulate_grads``) move gradients between the model and a
-    wrapper's own storage; a plain torch optimizer has none of them.
+    The hooks of :class:`mixprec.optim.WrappedOptimizer` (``publish_grads``,
+    ``accumulate_grads``; the scaler calls ``prepare_grads``) move gradients between the
+    model and a wrapper's own storage; a plain torch optimizer has none of them.
     """
     for opt in optimizers:
         hook = getattr(opt, name, None)
@@ -98,12 +98,11 @@ def unscale_all(
     """Bring every optimizer's gradients to their true values, once per step.
 
     The plan acts first (fp8: every rank computes the next scales from the same amaxes),
-    then each wrapper gathers its gradients (masters: the model's gradients into the fp32
-    masters), then the scaler unscales them without a collective: :class:`SkipDecision`
+    then the scaler has each wrapper gather its gradients (masters: the model's gradients
+    into the fp32 masters) and unscales them without a collective: :class:`SkipDecision`
     makes the only one.
     """
     plan.before_unscale(model, process_group)
-    call_hook(optimizers, "prepare_grads")
     for opt in optimizers:
         scaler.unscale_(opt, sync=False)
 

@@ -211,21 +211,21 @@ class LossScaler(GradScalerCompat):
         several optimizers and ranks and then calls :meth:`decided`.
         """
         check_optimizer(optimizer, "unscale_")
-        if not self._enabled:
-            return
-        record = self._record(optimizer)
-        if record.stage is OptState.UNSCALED:
+        record = self._record(optimizer) if self._enabled else None
+        if record is not None and record.stage is OptState.UNSCALED:
             raise RuntimeError(
                 "unscale_() has already been called on this optimizer since the last update(); "
                 "call it once per optimizer per iteration."
             )
-        if record.stage is OptState.STEPPED:
+        if record is not None and record.stage is OptState.STEPPED:
             raise RuntimeError(
                 "unscale_() is being called after step(); call unscale_() before step() and update() after both."
             )
         prepare_grads = getattr(optimizer, "prepare_grads", None)
         if prepare_grads is not None:  # a mixprec wrapper: e.g. the model's grads into the fp32 masters
-            prepare_grads()
+            prepare_grads()  # also when disabled: the gradients are then true, and gathered
+        if record is None:
+            return
         record.found_inf = self._check_grads(optimizer, self._inv_scale(), sync)
         record.stage = OptState.UNSCALED
 
