@@ -101,9 +101,12 @@ def test_every_module_has_a_level() -> None:
         _component(module)
 
 
-def test_imports_point_down_the_layers() -> None:
+Edge = tuple[str, str, list[str], int]
+
+
+def _layer_problems(edges: list[Edge]) -> list[str]:
     problems = []
-    for module, target, _, line in EDGES:
+    for module, target, _, line in edges:
         (src_level, src_comp), (dst_level, dst_comp) = _component(module), _component(target)
         if src_comp == dst_comp:
             continue
@@ -113,18 +116,28 @@ def test_imports_point_down_the_layers() -> None:
             )
         elif dst_level == src_level:
             problems.append(f"{module}:{line} imports {target}: peers on level {LEVELS[src_level][0]!r}")
-    assert not problems, "\n".join(problems)
+    return problems
 
 
-def test_no_module_imports_another_modules_private_names() -> None:
+def _private_problems(edges: list[Edge]) -> list[str]:
     problems = []
-    for module, target, names, line in EDGES:
+    for module, target, names, line in edges:
         private = [n for n in names if n.startswith("_") and not n.startswith("__")]
         if private and target != module:
             problems.append(f"{module}:{line} imports {', '.join(private)} from {target}")
         hidden = [p for p in target.split(".")[1:] if p.startswith("_") and not p.startswith("__")]
         if hidden and _component(module)[1] != _component(target)[1]:
             problems.append(f"{module}:{line} imports the private module {target} of another component")
+    return problems
+
+
+def test_imports_point_down_the_layers() -> None:
+    problems = _layer_problems(EDGES)
+    assert not problems, "\n".join(problems)
+
+
+def test_no_module_imports_another_modules_private_names() -> None:
+    problems = _private_problems(EDGES)
     assert not problems, "\n".join(problems)
 
 
@@ -153,11 +166,21 @@ def test_the_module_graph_has_no_cycle() -> None:
             visit(module)
 
 
-def test_the_checker_catches_an_upward_import() -> None:
-    """The rules are not vacuous: a session import inside the scaling layer is named."""
-    (scaling, _), (session, _) = _component("mixprec.scaling.base"), _component("mixprec.session")
-    assert scaling < session
-    assert _component("mixprec.fp8.formats")[0] < _component("mixprec.fp8.linear")[0]
+def test_the_checkers_name_each_kind_of_bad_import() -> None:
+    """The rules are not vacuous: synthetic bad edges are each reported, good ones are not."""
+    assert _layer_problems([("mixprec.scaling.base", "mixprec.session", [], 1)]) == [
+        "mixprec.scaling.base:1 imports mixprec.session: numerics -> session points up"
+    ]
+    assert _layer_problems([("mixprec.optim.base", "mixprec.scaling", [], 2)]) == [
+        "mixprec.optim.base:2 imports mixprec.scaling: peers on level 'numerics'"
+    ]
+    assert _layer_problems([("mixprec.session", "mixprec.step", [], 3)]) == []
+    assert _private_problems([("mixprec.session", "mixprec.step", ["_hidden"], 4)]) == [
+        "mixprec.session:4 imports _hidden from mixprec.step"
+    ]
+    assert _private_problems([("mixprec.cli.demo", "mixprec.scaling._checks", ["show"], 5)]) == [
+        "mixprec.cli.demo:5 imports the private module mixprec.scaling._checks of another component"
+    ]
     assert any(target == "mixprec.session" for _, target, _, _ in EDGES), "the edges were not collected"
 
 

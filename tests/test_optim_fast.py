@@ -94,7 +94,12 @@ CASES = [
 
 
 @pytest.mark.parametrize(("opt_name", "wrapper"), CASES)
-def test_fast_path_is_bit_identical_to_generic(opt_name, wrapper):
+def test_fast_path_is_bit_identical_to_generic(opt_name, wrapper, monkeypatch):
+    import mixprec.optim.lowbit as lowbit
+
+    calls = []
+    real = lowbit.fast_step
+    monkeypatch.setattr(lowbit, "fast_step", lambda *a, **k: calls.append(1) or real(*a, **k))
     dtypes = (torch.bfloat16,) if wrapper == "sr" else (torch.bfloat16, torch.float16, torch.float32)
     for seed, state_dtype in ((0, torch.bfloat16), (1, None)):
         pa, fast = _build(opt_name, wrapper, seed, fast=True, dtypes=dtypes, state_dtype=state_dtype)
@@ -104,8 +109,12 @@ def test_fast_path_is_bit_identical_to_generic(opt_name, wrapper):
             if step == 3:  # an LR scheduler changes the group's lr: both paths read it
                 for o in (fast, generic):
                     o.param_groups[0]["lr"] *= 0.5
+            before = len(calls)
             _step(pa, fast, step)
+            assert len(calls) > before, "the fast optimizer did not take the fast path"
+            before = len(calls)
             _step(pb, generic, step)
+            assert len(calls) == before, "the generic optimizer took the fast path"
             _assert_same(pa, fast, pb, generic, f"{opt_name}/{wrapper}/{state_dtype} step {step}")
         # state stays in state_dtype, the step count in fp32
         for p in pa:

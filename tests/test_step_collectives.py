@@ -93,8 +93,12 @@ def _tp_worker(rank: int, world_size: int) -> None:
     with mp.autocast():
         loss = model(torch.randn(4, 8)).float().square().mean()
     mp.backward(loss)
+    full = torch.cat([p.grad.full_tensor().reshape(-1) for p in model.parameters()])  # gathers the shards
+    local = torch.cat([p.grad.to_local().reshape(-1) for p in model.parameters()])
     result = mp.step()
-    assert result.stepped and result.grad_norm is not None and result.grad_norm > 0
+    assert result.stepped
+    assert result.grad_norm == pytest.approx(float(full.norm()), rel=1e-6)  # the norm over the mesh
+    assert result.grad_norm != pytest.approx(float(local.norm()), rel=1e-3)  # not this rank's shard
 
 
 @pytest.mark.distributed
