@@ -184,7 +184,7 @@ class SkipDecision:
             nonfinite_loss = not all(math.isfinite(v) for v in loss_values)
             grads_bad = found_inf > 0
             overflow = grads_bad or not math.isfinite(self.norm)
-            agreed = torch.full((), float(grads_bad), device=device) if scaling else zero
+            agreed = found  # the scaler's own combined flag: already what every optimizer agreed
         else:
             # Several ranks: one MAX all-reduce of the flags, then one read of them and this rank's norm.
             flags = torch.stack([

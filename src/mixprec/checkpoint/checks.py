@@ -13,7 +13,6 @@ ValueError: checkpoint 'c.pt': model entry 'weight' has shape (3, 2), the model'
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
@@ -96,13 +95,7 @@ def check_mp(path: str, mp: MixedPrecision, state: Any, allow_plan_change: bool)
         raise ValueError(f"checkpoint {path!r} has no MixedPrecision state (it was saved without mp=); pass mp=None")
     if not isinstance(state, dict) or "scaler" not in state or "format" not in state:
         raise ValueError(f"checkpoint {path!r}: the MixedPrecision state is incomplete (no 'format'/'scaler')")
-    validate = getattr(mp, "validate_state_dict", None)
-    if validate is not None and "allow_plan_change" in inspect.signature(validate).parameters:
-        validate(state, allow_plan_change=allow_plan_change)
-        return
-    _check_plan(mp, state, allow_plan_change)
-    if validate is not None and not allow_plan_change:
-        validate(state)
+    mp.validate_state_dict(state, allow_plan_change=allow_plan_change)
 
 
 def check_rng(path: str, state: Any) -> None:
@@ -116,9 +109,3 @@ def check_rng(path: str, state: Any) -> None:
             f"checkpoint {path!r}: the CPU RNG state is a {cpu.dtype} tensor of shape {tuple(cpu.shape)}, "
             f"expected uint8 of shape {tuple(current.shape)}"
         )
-
-
-def _check_plan(mp: MixedPrecision, state: dict[str, Any], allow_plan_change: bool) -> None:
-    if allow_plan_change or state.get("fingerprint") == mp.plan.fingerprint():
-        return
-    mp.load_state_dict(state, allow_plan_change=False)  # raises with the explanation

@@ -232,8 +232,10 @@ def fast_step(
             plan = chunks(active, key, max(chunk_numel, INPLACE_CHUNK_NUMEL), lambda p: False)
         else:
             plan = chunks(active, key, chunk_numel, splittable)
+        device_steps: dict[tuple[torch.device, float], torch.Tensor] = {}  # one per device and count
         for chunk in plan:
-            _adam_chunk(optimizer, group, chunk, expand, store, fused=fused, plain_store=plain_store)
+            _adam_chunk(optimizer, group, chunk, expand, store, fused=fused, plain_store=plain_store,
+                        device_steps=device_steps)
     else:
         momentum = scalar_value(group["momentum"])
         first = {p: momentum != 0 and optimizer.state.get(p, {}).get("momentum_buffer") is None for p in active}
@@ -278,7 +280,7 @@ def _expanded(pieces: list[Piece], expand: Expand) -> tuple[torch.Tensor, list[t
 
 def _adam_chunk(
     optimizer: torch.optim.Optimizer, group: dict[str, Any], pieces: list[Piece], expand: Expand, store: Store,
-    *, fused: bool, plain_store: bool,
+    *, fused: bool, plain_store: bool, device_steps: dict[tuple[torch.device, float], torch.Tensor],
 ) -> None:
     lr = scalar_value(group["lr"])
     beta1, beta2 = (scalar_value(b) for b in group["betas"])
@@ -287,7 +289,7 @@ def _adam_chunk(
     device = pieces[0].device
     states = [optimizer.state[pc.param] for pc in pieces]
     if fused:
-        _adam_fused_chunk(group, pieces, states, expand, store, plain_store=plain_store,
+        _adam_fused_chunk(group, pieces, states, expand, store, plain_store=plain_store, device_steps=device_steps,
                           lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, decoupled=decoupled)
         return
 
@@ -331,6 +333,7 @@ def _adam_chunk(
 def _adam_fused_chunk(
     group: dict[str, Any], pieces: list[Piece], states: list[dict[Any, Any]], expand: Expand, store: Store, *,
     plain_store: bool, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, decoupled: bool,
+    device_steps: dict[tuple[torch.device, float], torch.Tensor],
 ) -> None:
     kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
     amsgrad = bool(group["amsgrad"])
@@ -339,7 +342,10 @@ def _adam_fused_chunk(
     if device.type != "cpu":
         # the kernel reads the step counts on the parameters' device (torch keeps them on
         # the CPU for non-fused Adam); every parameter of a chunk has the same count
-        steps = [torch.tensor(float(steps[0]), dtype=torch.float32, device=device)] * len(pieces)
+        count = float(steps[0])
+        if (device, count) not in device_steps:
+            device_steps[(device, count)] = torch.tensor(count, dtype=torch.float32, device=device)
+        steps = [device_steps[(device, count)]] * len(pieces)
     keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else [])
     low_state = {k: [pc.of(s[k]) for pc, s in zip(pieces, states, strict=True)] for k in keys}
     dtype = pieces[0].dtype

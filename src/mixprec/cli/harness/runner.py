@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from mixprec.cli.harness.rows import TORCH_AUTOCAST
 from mixprec.cli.harness.workloads import TaskLike
+from mixprec.nested import first_tensor
 from mixprec.plans import Plan
 from mixprec.session import MixedPrecision
 
@@ -64,7 +65,9 @@ class Runner:
             return self.criterion(self.model(inputs), targets)
 
     def step(self, inputs: Any, targets: Any) -> StepOutcome:
-        """One timed training step: forward and loss, backward, optimizer step."""
+        """One timed training step: forward and loss, backward, optimizer step (on a GPU, the
+        clock stops when the device has finished, for every row alike)."""
+        _sync(inputs)
         start = time.perf_counter()
         loss = self.loss(inputs, targets)
         if self.mp is None:
@@ -76,6 +79,7 @@ class Runner:
             self.mp.backward(loss)
             result = self.mp.step()
             skipped, scale = result.skipped, result.scale
+        _sync(loss)
         seconds = time.perf_counter() - start
         return StepOutcome(seconds=seconds, loss=float(loss.detach().float()), skipped=skipped, scale=scale)
 
@@ -103,3 +107,10 @@ class Runner:
 def interleaved(indices: Sequence[int], repeat: int) -> Iterator[int]:
     """A B C on even repeats, C B A on odd ones: slow drift costs every variant alike."""
     return iter(indices if repeat % 2 == 0 else list(reversed(indices)))
+
+
+def _sync(value: Any) -> None:
+    """Wait for the device of ``value``'s first tensor (a no-op on CPU)."""
+    first = first_tensor(value)
+    if first is not None and first.device.type == "cuda":
+        torch.cuda.synchronize(first.device)
