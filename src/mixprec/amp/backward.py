@@ -11,6 +11,7 @@ user-facing context built on it.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any
 
@@ -39,11 +40,11 @@ def backward_with_mode(mode: TorchFunctionMode, func: Any, args: Any, kwargs: An
     run_engine = getattr(torch.autograd.graph, "_engine_run_backward", None)
     try:
         if func is torch.Tensor.backward:
-            bound = inspect.signature(func).bind(*args, **kwargs)
+            bound = _signature(func).bind(*args, **kwargs)
             a = bound.arguments
             tensors, grads = a["self"], a.get("gradient")
         elif func is torch.autograd.backward:
-            bound = inspect.signature(func).bind(*args, **kwargs)
+            bound = _signature(func).bind(*args, **kwargs)
             a = bound.arguments
             if a.get("grad_variables") is not None:
                 raise TypeError("grad_variables")
@@ -85,3 +86,8 @@ def backward_with_mode(mode: TorchFunctionMode, func: Any, args: Any, kwargs: An
             accumulate_grad=True,
         )
     return None
+
+
+@functools.cache
+def _signature(func: Any) -> inspect.Signature:
+    return inspect.signature(func)  # read once per backward entry point, not per backward

@@ -16,6 +16,7 @@ torch.bfloat16
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -32,13 +33,18 @@ __all__ = ["PolicyMode", "PolicyScope", "policy_modes_on_stack"]
 def _names_for(ops: Iterable[str]) -> set[str]:
     """The Python-level names under which each op can reach a TorchFunctionMode:
     its own, its aliases (``__matmul__``) and its overloads (``softmax.int``)."""
-    names = set(ops)
-    names.update(alias for alias, op in OP_ALIASES.items() if op in names)
-    for op in list(names):
-        packet = getattr(torch.ops.aten, op, None) if op.isidentifier() else None
+    return set().union(*(_op_names(op) for op in ops))
+
+
+@functools.cache
+def _op_names(op: str) -> frozenset[str]:
+    # cached: every autocast region with a custom policy builds a mode from these
+    names = {op, *(alias for alias, target in OP_ALIASES.items() if target == op)}
+    for name in list(names):
+        packet = getattr(torch.ops.aten, name, None) if name.isidentifier() else None
         if isinstance(packet, torch._ops.OpOverloadPacket):
-            names.update(f"{op}.{overload}" for overload in packet.overloads())
-    return names
+            names.update(f"{name}.{overload}" for overload in packet.overloads())
+    return frozenset(names)
 
 
 class PolicyMode(TorchFunctionMode):
