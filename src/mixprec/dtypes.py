@@ -15,13 +15,14 @@ torch.bfloat16
 from __future__ import annotations
 
 import enum
+from collections.abc import Collection
 from typing import Any
 
 import torch
 
 from mixprec.nested import map_tensors
 
-__all__ = ["LOW_PRECISION_DTYPES", "Format", "cast_floating", "dtype_name", "parse_dtype"]
+__all__ = ["LOW_PRECISION_DTYPES", "Format", "cast_floating", "cast_module_", "dtype_name", "parse_dtype"]
 
 _ALIASES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
@@ -78,6 +79,49 @@ def cast_floating(value: Any, dtype: torch.dtype, *, include_float64: bool = Fal
         return t
 
     return map_tensors(cast, value)
+
+
+def _cast_tensor_(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    if not t.is_floating_point() or t.dtype == dtype:
+        return False
+    t.data = t.data.to(dtype)
+    if t.grad is not None:
+        t.grad = t.grad.to(dtype)
+    return True
+
+
+def cast_module_(
+    model: torch.nn.Module,
+    dtype: torch.dtype,
+    *,
+    keep: tuple[type[torch.nn.Module], ...] = (),
+    keep_dtype: torch.dtype = torch.float32,
+    only_from: tuple[torch.dtype, ...] | None = None,
+    skip: Collection[int] = (),
+) -> dict[torch.Tensor, torch.Tensor]:
+    """Cast floating parameters and buffers of ``model`` to ``dtype`` in place.
+
+    Modules of the types in ``keep`` (and their buffers) get ``keep_dtype`` instead.
+    With ``only_from``, only tensors of those dtypes are cast; tensors whose ``id`` is in
+    ``skip`` are left as they are (fp32 islands). Parameter objects keep
+    their identity, so optimizers built earlier still hold them; integer buffers are
+    never touched. Returns the fp32 values of the parameters that were cast down
+    (to seed fp32 master weights without a rounding loss).
+    """
+    originals: dict[torch.Tensor, torch.Tensor] = {}
+    seen: set[int] = set()
+    for module in model.modules():
+        target = keep_dtype if keep and isinstance(module, keep) else dtype
+        tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+        for t in tensors:
+            if id(t) in seen or id(t) in skip or (only_from is not None and t.dtype not in only_from):
+                continue
+            seen.add(id(t))
+            down = t.is_floating_point() and torch.finfo(target).bits < torch.finfo(t.dtype).bits
+            if down and isinstance(t, torch.nn.Parameter):
+                originals[t] = t.detach().to(torch.float32, copy=True)
+            _cast_tensor_(t, target)
+    return originals
 
 
 def dtype_name(dtype: torch.dtype) -> str:

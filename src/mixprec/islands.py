@@ -51,7 +51,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.dtypes import LOW_PRECISION_DTYPES, cast_floating
+from mixprec.dtypes import LOW_PRECISION_DTYPES, cast_floating, cast_module_
 from mixprec.nested import first_tensor, map_tensors
 from mixprec.policy import ModuleRule, OpPolicy, as_module_rules
 
@@ -218,7 +218,7 @@ def apply_fp32_islands(
         if not rules or not _matches(name, module, rules):
             continue
         names.append(name)
-        _cast_floating_(module, torch.float32)  # also restores islands a converter cast down
+        cast_module_(module, torch.float32, only_from=LOW_PRECISION_DTYPES)  # also restores islands cast down
         if not isinstance(module, FP32Island):
             module.__class__ = _island_class(type(module))
             marked.append(name)
@@ -275,23 +275,7 @@ def cast_outside_islands(
     """
     if policy is not None and policy.fp32_modules:
         apply_fp32_islands(model, policy, output_dtype=output_dtype)
-    protected = _island_tensor_ids(model)
-    originals: dict[torch.Tensor, torch.Tensor] = {}
-    seen: set[int] = set()
-    for module in model.modules():
-        target = keep_dtype if keep and isinstance(module, keep) else dtype
-        for t in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
-            if id(t) in seen:
-                continue
-            seen.add(id(t))
-            if id(t) in protected or not t.is_floating_point() or t.dtype == target:
-                continue
-            if torch.finfo(target).bits < torch.finfo(t.dtype).bits and isinstance(t, nn.Parameter):
-                originals[t] = t.detach().to(torch.float32, copy=True)
-            t.data = t.data.to(target)  # type: ignore[assignment]
-            if t.grad is not None:
-                t.grad = t.grad.to(target)
-    return originals
+    return cast_module_(model, dtype, keep=keep, keep_dtype=keep_dtype, skip=_island_tensor_ids(model))
 
 
 def _unmark(module: nn.Module) -> bool:
@@ -384,14 +368,6 @@ def _check_fp32_state(module: nn.Module) -> None:
                 "in fp32 when converting the model (skip isinstance(m, FP32Island)), or call "
                 "apply_fp32_islands() after converting, which casts them back"
             )
-
-
-def _cast_floating_(module: nn.Module, dtype: torch.dtype) -> None:
-    for t in [*module.parameters(), *module.buffers()]:
-        if t.is_floating_point() and t.dtype != dtype and t.dtype != torch.float64:
-            t.data = t.data.to(dtype)  # type: ignore[assignment]
-            if t.grad is not None:
-                t.grad = t.grad.to(dtype)
 
 
 def _module_device_type(module: nn.Module) -> str:

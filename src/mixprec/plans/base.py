@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 
-from mixprec.dtypes import dtype_name
+from mixprec.dtypes import cast_module_, dtype_name
 from mixprec.scaling import ConstantLossScaler, DynamicLossScaler, LossScaler, NoOpScaler
 
 if TYPE_CHECKING:
@@ -89,47 +89,6 @@ class ScalingConfig:
         if self.kind == "constant":
             return f"constant {self.init_scale:g}"
         return "none"
-
-
-def _cast_tensor_(t: torch.Tensor, dtype: torch.dtype) -> bool:
-    if not t.is_floating_point() or t.dtype == dtype:
-        return False
-    t.data = t.data.to(dtype)
-    if t.grad is not None:
-        t.grad = t.grad.to(dtype)
-    return True
-
-
-def cast_module_(
-    model: torch.nn.Module,
-    dtype: torch.dtype,
-    *,
-    keep: tuple[type[torch.nn.Module], ...] = (),
-    keep_dtype: torch.dtype = torch.float32,
-    only_from: tuple[torch.dtype, ...] | None = None,
-) -> dict[torch.Tensor, torch.Tensor]:
-    """Cast floating parameters and buffers of ``model`` to ``dtype`` in place.
-
-    Modules of the types in ``keep`` (and their buffers) get ``keep_dtype`` instead.
-    With ``only_from``, only tensors of those dtypes are cast. Parameter objects keep
-    their identity, so optimizers built earlier still hold them; integer buffers are
-    never touched. Returns the fp32 values of the parameters that were cast down
-    (to seed fp32 master weights without a rounding loss).
-    """
-    originals: dict[torch.Tensor, torch.Tensor] = {}
-    seen: set[int] = set()
-    for module in model.modules():
-        target = keep_dtype if keep and isinstance(module, keep) else dtype
-        tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
-        for t in tensors:
-            if id(t) in seen or (only_from is not None and t.dtype not in only_from):
-                continue
-            seen.add(id(t))
-            down = t.is_floating_point() and torch.finfo(target).bits < torch.finfo(t.dtype).bits
-            if down and isinstance(t, torch.nn.Parameter):
-                originals[t] = t.detach().to(torch.float32, copy=True)
-            _cast_tensor_(t, target)
-    return originals
 
 
 @dataclass(frozen=True)
