@@ -164,3 +164,18 @@ def test_op_stats_counting_mode_counts_into_its_stats() -> None:
     assert stats[("add", BF16)] == 1
     torch.ones(2).add(1)  # outside the mode: not counted
     assert stats.calls("add") == 1
+
+
+def test_a_plain_callable_can_be_unregistered_by_itself_or_its_wrapper() -> None:
+    from mixprec.amp import register_op, registered_ops, unregister_op
+
+    def kernel(x):
+        return x + 1
+
+    name = f"{kernel.__module__}.{kernel.__qualname__}"
+    wrapper = register_op(kernel, "fp32")
+    assert name in registered_ops()
+    assert unregister_op(wrapper) and name not in registered_ops()
+    assert not unregister_op(wrapper)  # nothing left to undo
+    register_op(kernel, "low")
+    assert unregister_op(kernel) and name not in registered_ops()

@@ -174,9 +174,18 @@ def register_op(target: Any, precision: Precision | str) -> Any:
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         return _run_with_precision(target, p, args, kwargs)
 
-    name = getattr(target, "__qualname__", None) or getattr(target, "__name__", repr(target))
-    record_registered_op(f"{getattr(target, '__module__', '?')}.{name}", p)
+    _CALLABLES.add(_callable_name(target))
+    record_registered_op(_callable_name(target), p)
     return wrapped
+
+
+# names recorded for plain callables (their wrappers run the precision; the record informs explain())
+_CALLABLES: set[str] = set()
+
+
+def _callable_name(target: Any) -> str:
+    name = getattr(target, "__qualname__", None) or getattr(target, "__name__", repr(target))
+    return f"{getattr(target, '__module__', '?')}.{name}"
 
 
 def _patch_function(cls: type, precision: Precision) -> None:
@@ -200,10 +209,11 @@ def _patch_function(cls: type, precision: Precision) -> None:
 
 
 def unregister_op(target: Any) -> bool:
-    """Undo :func:`register_op` for an autograd Function or a torch.library op.
+    """Undo :func:`register_op` for an autograd Function, a torch.library op, or a plain
+    callable (given itself or the wrapper register_op returned: the record is forgotten;
+    the wrapper keeps its precision, so stop calling it).
 
-    Returns True if something was registered. (A wrapper returned for a plain
-    callable is simply dropped by the caller.)
+    Returns True if something was registered.
     """
     if isinstance(target, type) and target in _PATCHED_FUNCTIONS:
         _, own, _ = _PATCHED_FUNCTIONS.pop(target)
@@ -218,6 +228,12 @@ def unregister_op(target: Any) -> bool:
         _clear_py_kernels(qualname)
         record_registered_op(qualname, None)
         return True
+    if callable(target):
+        name = _callable_name(getattr(target, "__wrapped__", target))
+        if name in _CALLABLES:
+            _CALLABLES.discard(name)
+            record_registered_op(name, None)
+            return True
     return False
 
 
