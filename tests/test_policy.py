@@ -540,3 +540,12 @@ def test_fp32_modules_that_is_not_a_sequence_is_a_type_error_naming_it(value) ->
     )
     with pytest.raises(TypeError, match=re.escape(msg)):
         OpPolicy(fp32_modules=value)
+
+
+def test_explain_prints_as_the_table_at_a_prompt_and_is_a_plain_string_to_code() -> None:
+    from mixprec import OpPolicy, get_plan
+
+    for text in (OpPolicy(fp32_ops=("softmax",)).explain("cpu"), get_plan("bf16-mixed", fp32_ops=("softmax",)).explain()):
+        assert isinstance(text, str) and "\n" in text
+        assert repr(text) == str(text)  # what the REPL shows: the table, not a quoted one-liner
+        assert "softmax" in text

@@ -30,6 +30,7 @@ import re
 from collections.abc import Sequence
 
 __all__ = [
+    "Text",
     "display_name",
     "format_bytes",
     "format_number",
@@ -151,3 +152,20 @@ def format_table(header: Sequence[str], rows: Sequence[Sequence[str]], *, align_
 
     sep = "  ".join("-" * w for w in widths)
     return "\n".join([line(header), sep, *(line(r) for r in rows)])
+
+
+class Text(str):
+    r"""A string that an interactive session shows as the text itself (a table prints as a
+    table when ``explain()`` is typed at a prompt), while code gets an ordinary ``str``.
+
+    >>> Text("a\nb")
+    a
+    b
+    >>> Text("a\nb").splitlines()
+    ['a', 'b']
+    """
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return str(self)

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import torch
 
 from mixprec.dtypes import cast_module_, dtype_name
+from mixprec.formatting import Text
 from mixprec.scaling import ConstantLossScaler, DynamicLossScaler, LossScaler, NoOpScaler
 
 if TYPE_CHECKING:
@@ -167,8 +168,9 @@ class Plan:
             "loss scaling": self.scaling.describe(),
         }
 
-    def explain(self) -> str:
-        """A table of the dtype each tensor class uses under this plan.
+    def explain(self) -> Text:
+        """A table of the dtype each tensor class uses under this plan (at an interactive
+        prompt it prints as the table).
 
         >>> from mixprec import get_plan
         >>> print(get_plan("bf16-master").explain().splitlines()[0])
@@ -180,7 +182,7 @@ class Plan:
         lines += [f"  {k.ljust(width)}  {v}" for k, v in rows.items()]
         if self.policy is not None:
             lines += ["", "op policy:", *("  " + line for line in self.policy.explain().splitlines())]
-        return "\n".join(lines)
+        return Text("\n".join(lines))
 
     def fingerprint(self) -> dict[str, str]:
         """What a checkpoint must agree on to be resumed under this plan."""

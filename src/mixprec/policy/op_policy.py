@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from mixprec.dtypes import LOW_PRECISION_DTYPES, dtype_name, parse_dtype
+from mixprec.formatting import Text
 from mixprec.policy.names import ModuleRule, as_module_rules, as_op_names, normalize_op_name
 from mixprec.policy.registered import registered_ops
 from mixprec.policy.tables import (
@@ -125,8 +126,9 @@ class OpPolicy:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
 
-    def explain(self, device_type: str | None = None) -> str:
-        """The effective tables on ``device_type`` as a text table (custom entries marked).
+    def explain(self, device_type: str | None = None) -> Text:
+        """The effective tables on ``device_type`` as a text table (custom entries marked); at
+        an interactive prompt it prints as the table.
 
         ``device_type`` defaults to "cuda" when CUDA is available, else "cpu".
         """
@@ -176,7 +178,7 @@ class OpPolicy:
             lines.append(f"{a.ljust(w0)} | {b.ljust(w1)} | {wrapped[0]}")
             lines += [indent + more for more in wrapped[1:]]
         lines.append("other ops run in the dtype of their inputs")
-        return "\n".join(lines)
+        return Text("\n".join(lines))
 
 
 def _rule_name(rule: ModuleRule) -> str:
