@@ -318,3 +318,115 @@ def test_kahan_adam_keeps_updates_below_half_an_ulp(compile):
         opt.step()
     total = w.float() + opt.compensation(w).float()
     assert (total - (1 - 2.0**-6)).abs().max().item() < 1e-4
+
+
+# ---------------------------------------------------------------- compile="auto"
+def test_compile_setting_is_checked():
+    w = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"compile must be True .* got 'yes'"):
+        KahanOptimizer(torch.optim.AdamW([w]), compile="yes")  # type: ignore[arg-type]
+    from mixprec import get_plan
+
+    with pytest.raises(TypeError, match=r"optimizer_compile=1 .* expected bool or 'auto'"):
+        get_plan("bf16-kahan", optimizer_compile=1)
+    with pytest.raises(ValueError, match=r"optimizer_compile='always' .* not one of bool or 'auto'"):
+        get_plan("bf16-sr", optimizer_compile="always")
+
+
+def test_auto_compiles_only_whole_steps_of_large_rounding_groups(monkeypatch):
+    import mixprec.optim.compiled as compiled
+
+    monkeypatch.setattr(compiled, "compile_route_available", lambda device, probe=True: True)
+    big = [torch.zeros(compiled.AUTO_COMPILE_NUMEL // 2, dtype=torch.bfloat16) for _ in range(2)]
+    small = big[:1]
+    use = compiled.use_compiled_route
+    assert use("auto", "kahan", big) and use("auto", "stochastic", big)
+    assert not use("auto", "nearest", big)  # torch's fused kernel is already one pass
+    assert not use("auto", "kahan", small)  # compilation would not pay back
+    assert not use("auto", "kahan", big, whole_step=False)  # optimizer-in-backward: per parameter
+    assert not use(False, "kahan", big) and use(True, "nearest", small)
+    monkeypatch.setattr(compiled, "compile_route_available", lambda device, probe=True: False)
+    assert not use("auto", "kahan", big) and use(True, "kahan", big)
+
+
+@pytest.mark.parametrize("wrapper", ["kahan", "sr"])
+def test_auto_falls_back_to_the_eager_fast_path_when_compilation_fails(wrapper, monkeypatch):
+    """A compiler that fails under ``compile="auto"``: one warning, nothing half-stepped
+    (step counts and the noise counter given back), and from then on the eager fast path,
+    bit-identical to ``compile=False``. ``compile=True`` raises instead, state untouched."""
+    import mixprec.optim.compiled as compiled
+
+    calls = []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        raise torch._dynamo.exc.TorchDynamoException("no C++ compiler found")
+
+    monkeypatch.setattr(compiled, "_FAILED", set())
+    monkeypatch.setattr(compiled, "AUTO_COMPILE_NUMEL", 1)
+    monkeypatch.setattr(compiled, "_probe_compiles", lambda device_type: True)
+    monkeypatch.setitem(compiled._COMPILED, "adam", failing)
+
+    def make(compile):
+        groups = _params(5, (torch.bfloat16,))
+        inner = torch.optim.AdamW([{"params": groups[0]}, {"params": groups[1], "lr": 2e-3}], lr=1e-2)
+        return [p for g in groups for p in g], WRAPPERS[wrapper](inner, compile=compile)
+
+    pa, auto = make("auto")
+    pb, eager = make(False)
+    with pytest.warns(RuntimeWarning, match="torch.compile is unavailable on cpu"):
+        _step(pa, auto, 0)
+    _step(pb, eager, 0)
+    for step in (1, 2):
+        _step(pa, auto, step)
+        _step(pb, eager, step)
+    assert len(calls) == 1
+    _assert_same(pa, auto, pb, eager, "auto after a failed compile")
+    if wrapper == "sr":
+        assert auto.rounding_state()["counter"] == eager.rounding_state()["counter"]
+
+    monkeypatch.setattr(compiled, "_FAILED", set())
+    pc, forced = make(False)
+    _step(pc, forced, 0)
+    forced.compile = True
+    before = copy.deepcopy(forced.state_dict())
+    values = [p.detach().clone() for p in pc]
+    _grads(pc, 1)
+    with pytest.raises(torch._dynamo.exc.TorchDynamoException, match="no C\\+\\+ compiler"):
+        forced.step()
+    assert all(torch.equal(p, v) for p, v in zip(pc, values, strict=True))
+    after = forced.state_dict()["state"]
+    for index, state in before["state"].items():
+        assert torch.equal(torch.as_tensor(after[index]["step"]), torch.as_tensor(state["step"]))
+
+
+@pytest.mark.slow
+def test_auto_compiles_a_large_kahan_group_and_matches_eager(monkeypatch):
+    import mixprec.optim.compiled as compiled
+    import mixprec.optim.lowbit as lowbit
+
+    pytest.importorskip("torch._inductor")
+    if not compiled.compile_route_available("cpu"):
+        pytest.skip("torch.compile does not work on this machine")
+    calls = []
+    real = lowbit.compiled_adam_step
+    monkeypatch.setattr(lowbit, "compiled_adam_step", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    def make(compile):
+        w = torch.nn.Parameter(torch.linspace(-1, 1, compiled.AUTO_COMPILE_NUMEL).to(torch.bfloat16))
+        return w, KahanOptimizer(torch.optim.AdamW([w], lr=1e-3, weight_decay=0.1), compile=compile)
+
+    (wa, auto), (wb, eager) = make("auto"), make(False)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        g = torch.randn(wa.shape, generator=gen).to(torch.bfloat16)
+        wa.grad, wb.grad = g.clone(), g.clone()
+        auto.step()
+        eager.step()
+    assert len(calls) == 3
+    # weight + compensation (what Kahan represents) agree to the compensation's rounding
+    # (the compiled loop may contract the fp32 operations differently)
+    total_a = wa.float() + auto.compensation(wa).float()
+    total_b = wb.float() + eager.compensation(wb).float()
+    assert (total_a - total_b).abs().max().item() < 2e-5
+    assert (wa.float() - wb.float()).abs().max().item() <= 2.0**-7  # one bf16 ulp at 1.0

@@ -3,19 +3,151 @@
 Expansion to fp32, the update and the store back (round to nearest, Kahan residual or
 stochastic rounding) fuse into one loop per parameter, so nothing is materialised in
 fp32. Selected with ``compile=True`` on :class:`~mixprec.optim.LowPrecisionOptimizer`
-and its subclasses.
+and its subclasses, or by ``compile="auto"`` (their default) for the Kahan and
+stochastic-rounding stores of large groups, where it is several times faster than the
+eager fast path (see :func:`use_compiled_route`).
 """
 
 from __future__ import annotations
 
+import functools
+import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
+import torch._dynamo.exc
+import torch._inductor.exc
 
 from mixprec.optim.fast import init_adam_state, scalar_value
 
-__all__ = ["compiled_adam_step"]
+__all__ = [
+    "AUTO_COMPILE_NUMEL",
+    "CompileRouteFailed",
+    "CompileSetting",
+    "check_compile_setting",
+    "compile_route_available",
+    "compiled_adam_step",
+    "disable_compiled_route",
+    "use_compiled_route",
+]
+
+#: ``compile`` of the low-precision wrappers: True, False, or "auto" (see :func:`use_compiled_route`)
+CompileSetting = bool | Literal["auto"]
+
+#: "auto" compiles the update of a param group holding at least this many low-precision
+#: elements: below it the eager step takes a few milliseconds, and the one-off compilation
+#: (seconds) would take thousands of steps to pay back.
+AUTO_COMPILE_NUMEL = 1 << 20
+
+_FAILED: set[str] = set()  # device types whose compilation failed in this process
+
+
+def check_compile_setting(value: object, owner: str = "compile") -> CompileSetting:
+    """``value`` if it is True, False or "auto"; otherwise a ValueError naming it."""
+    if value is True or value is False or value == "auto":
+        return value  # type: ignore[return-value]
+    raise ValueError(
+        f"{owner} must be True (always compile the Adam/AdamW update), False (never) or 'auto' "
+        f"(compile Kahan / stochastic-rounding updates of large groups), got {value!r}"
+    )
+
+
+def _probe(x: torch.Tensor) -> torch.Tensor:
+    return (x * 2 + 1).to(torch.bfloat16)
+
+
+@functools.cache
+def _probe_compiles(device_type: str) -> bool:
+    if device_type == "cuda":
+        from torch.utils._triton import has_triton
+
+        if not has_triton():
+            return False
+    try:
+        compiled = torch.compile(_probe, dynamic=False)
+        compiled(torch.ones(8, device=device_type))
+    except Exception as exc:  # any failure means: no working compiler here
+        disable_compiled_route(device_type, exc)
+        return False
+    return True
+
+
+def disable_compiled_route(device: torch.device | str, exc: BaseException) -> None:
+    """Remember (for this process) that compiling failed on ``device``'s type, and warn once."""
+    device_type = torch.device(device).type
+    if device_type in _FAILED:
+        return
+    _FAILED.add(device_type)
+    first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+    warnings.warn(
+        f"torch.compile is unavailable on {device_type} ({type(exc).__name__}: {first_line}); the "
+        "low-precision optimizer uses its eager fast path (same results, slower Kahan and "
+        "stochastic-rounding steps). Pass compile=False to silence this.",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+
+
+def compile_route_available(device: torch.device | str, *, probe: bool = True) -> bool:
+    """Whether the compiled route can run on ``device``'s type in this process.
+
+    The first call per device type compiles a two-op function (a second or two; CUDA
+    also needs triton). A failure warns once and is remembered. ``probe=False`` answers
+    without compiling anything (untried devices count as available): for estimates.
+
+    >>> compile_route_available("meta")
+    False
+    """
+    device_type = torch.device(device).type
+    if device_type not in ("cpu", "cuda") or device_type in _FAILED:
+        return False
+    if torch.compiler.is_compiling() or torch._dynamo.config.disable:
+        return False
+    return _probe_compiles(device_type) if probe else True
+
+
+def use_compiled_route(
+    setting: CompileSetting,
+    rounding: str,
+    params: Sequence[torch.Tensor],
+    *,
+    whole_step: bool = True,
+    probe: bool = True,
+) -> bool:
+    """Whether an Adam/AdamW group of low-precision ``params`` takes the compiled route.
+
+    ``True`` / ``False`` decide. ``"auto"`` compiles when the store is Kahan or stochastic
+    rounding (round-to-nearest already runs torch's one-pass fused kernel), the step
+    updates the whole group (``whole_step``: optimizer-in-backward steps one parameter at
+    a time, which would compile once per layout), the group holds at least
+    :data:`AUTO_COMPILE_NUMEL` elements of plain tensors (not tensor subclasses such as
+    DTensor shards), and :func:`compile_route_available`.
+
+    >>> import torch
+    >>> small = [torch.zeros(10, dtype=torch.bfloat16)]
+    >>> use_compiled_route("auto", "kahan", small), use_compiled_route(True, "kahan", small)
+    (False, True)
+    """
+    if setting != "auto":
+        return bool(setting)
+    if rounding == "nearest" or not whole_step or not params:
+        return False
+    if any(type(p) not in (torch.Tensor, torch.nn.Parameter) for p in params):
+        return False
+    if sum(p.numel() for p in params) < AUTO_COMPILE_NUMEL:
+        return False
+    return compile_route_available(params[0].device, probe=probe)
+
+
+class CompileRouteFailed(RuntimeError):
+    """The compiled route could not compile; ``remaining`` were left unstepped (their
+    step counts restored) for the caller to step another way."""
+
+    def __init__(self, remaining: list[torch.Tensor], cause: BaseException) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.remaining = remaining
+        self.cause = cause
 
 
 def _adam_lists(
@@ -122,7 +254,8 @@ def compiled_adam_step(
         fn = _COMPILED["adam"] = torch.compile(
             _adam_lists, dynamic=False, options={"emulate_precision_casts": True}
         )
-    for step, index in by_step.items():
+    pending = list(by_step.items())
+    for done, (step, index) in enumerate(pending):
         ps = [active[i] for i in index]
         st = [states[i] for i in index]
         device = ps[0].device
@@ -136,11 +269,19 @@ def compiled_adam_step(
                 raise ValueError("stochastic rounding needs the wrapper's noise counter")
             start = counter[0]
             counter[0] = (start + sum(p.numel() for p in ps)) % (1 << 32)
-        fn(
-            ps, [p.grad for p in ps], [s["exp_avg"] for s in st], [s["exp_avg_sq"] for s in st],
-            [s["max_exp_avg_sq"] for s in st] if group["amsgrad"] else [],
-            [comps(p) for p in ps] if (rounding == "kahan" and comps is not None) else [],
-            torch.tensor(start, dtype=torch.int64, device=device), hyper,
-            decoupled=decoupled, amsgrad=bool(group["amsgrad"]), maximize=bool(group["maximize"]),
-            weight_decay=weight_decay != 0, rounding=rounding,
-        )
+        try:
+            fn(
+                ps, [p.grad for p in ps], [s["exp_avg"] for s in st], [s["exp_avg_sq"] for s in st],
+                [s["max_exp_avg_sq"] for s in st] if group["amsgrad"] else [],
+                [comps(p) for p in ps] if (rounding == "kahan" and comps is not None) else [],
+                torch.tensor(start, dtype=torch.int64, device=device), hyper,
+                decoupled=decoupled, amsgrad=bool(group["amsgrad"]), maximize=bool(group["maximize"]),
+                weight_decay=weight_decay != 0, rounding=rounding,
+            )
+        except (torch._dynamo.exc.TorchDynamoException, torch._inductor.exc.InductorError) as exc:
+            # Compilation failed before anything ran: give back this subset and the rest.
+            if rounding == "stochastic" and counter is not None:
+                counter[0] = start
+            left = [i for _, rest in pending[done:] for i in rest]
+            torch._foreach_sub_([steps[i] for i in left], 1.0)
+            raise CompileRouteFailed([active[i] for i in left], exc) from exc

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from mixprec.dtypes import LOW_PRECISION_DTYPES
+from mixprec.optim.compiled import CompileSetting, use_compiled_route
 from mixprec.optim.fast import chunks, default_chunk_numel, fast_kind, fused_available
 
 __all__ = [
@@ -225,7 +226,7 @@ def low_precision_step_transient(
     state_dtype: torch.dtype | None,
     fast: bool,
     fused: bool,
-    compile: bool,
+    compile: CompileSetting,
     chunk_numel: int | None,
     rounding: str,
 ) -> int:
@@ -259,8 +260,8 @@ def low_precision_step_transient(
             continue
         kind = fast_kind(inner, group) if fast else None
         n_low_state = n_state if state_low else 0
-        if kind == "adam" and compile:
-            continue
+        if kind == "adam" and use_compiled_route(compile, rounding, low, probe=False):
+            continue  # one fused loop per parameter: nothing materialised
         if kind is not None:
             in_fused = kind == "adam" and fused and fused_available(low[0].device)
             limit = chunk_numel or default_chunk_numel(low[0].device)

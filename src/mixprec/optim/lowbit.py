@@ -43,7 +43,14 @@ from mixprec.dtypes import LOW_PRECISION_DTYPES, parse_dtype
 from mixprec.optim import footprint
 from mixprec.optim.base import WrappedOptimizer
 from mixprec.optim.checks import check_inner_state_dict, check_state_shapes
-from mixprec.optim.compiled import compiled_adam_step
+from mixprec.optim.compiled import (
+    CompileRouteFailed,
+    CompileSetting,
+    check_compile_setting,
+    compiled_adam_step,
+    disable_compiled_route,
+    use_compiled_route,
+)
 from mixprec.optim.fast import Piece, default_chunk_numel, fast_kind, fast_step, fused_available
 from mixprec.optim.snapshot import ParamSnapshot, became_nonfinite, restore_params, snapshot_params
 
@@ -81,8 +88,13 @@ class LowPrecisionOptimizer(WrappedOptimizer):
         compile: on the fast path, run Adam/AdamW groups through ``torch.compile``
             (:func:`~mixprec.optim.compiled.compiled_adam_step`): expansion, update and store
             fuse into one loop per parameter, nothing is materialised in fp32; the first
-            step compiles (tens of seconds to minutes). Within fp32 rounding of the
-            generic path, like ``fused``.
+            step compiles (seconds to a minute). Within fp32 rounding of the generic
+            path, like ``fused``. ``"auto"`` (the default) compiles the Kahan and
+            stochastic-rounding stores of groups with at least 2**20 low-precision
+            elements when torch.compile works on their device (several times faster
+            than the eager fast path there), and falls back to the eager fast path, with
+            one warning, if compilation fails (see
+            :func:`~mixprec.optim.compiled.use_compiled_route`).
 
     The wrapper never changes a parameter's ``data`` or ``grad`` (DDP's gradient hooks
     and bucket views stay attached): the generic path runs the inner optimizer on fp32
@@ -105,15 +117,15 @@ class LowPrecisionOptimizer(WrappedOptimizer):
         fast: bool = True,
         chunk_numel: int | None = None,
         fused: bool = True,
-        compile: bool = False,
+        compile: CompileSetting = "auto",
     ) -> None:
         super().__init__(optimizer)
         self.state_dtype = None if state_dtype is None else parse_dtype(state_dtype)
-        for name, flag in (("fast", fast), ("fused", fused), ("compile", compile)):
+        self.compile: CompileSetting = check_compile_setting(compile)
+        for name, flag in (("fast", fast), ("fused", fused)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be True or False, got {flag!r}")
         self.fused = fused
-        self.compile = compile
         if chunk_numel is not None and (
             isinstance(chunk_numel, bool) or not isinstance(chunk_numel, int) or chunk_numel < 1
         ):
@@ -188,12 +200,12 @@ class LowPrecisionOptimizer(WrappedOptimizer):
                     continue
                 group["params"] = active
                 kind = fast_kind(self.optimizer, group) if self.fast else None
-                if kind == "adam" and self.compile:
-                    comps, counter = self._compiled_rounding_inputs()
-                    compiled_adam_step(
-                        self.optimizer, group, active, state_dtype=self.state_dtype, rounding=self.rounding,
-                        comps=comps, counter=counter,
-                    )
+                if kind == "adam" and use_compiled_route(
+                    self.compile, self.rounding, active, whole_step=selected is None
+                ):
+                    active = group["params"] = self._compiled_step(group, active)
+                if not active:
+                    pass  # all stepped by the compiled route
                 elif kind is not None:
                     fast_step(
                         self.optimizer, group, active, kind=kind, state_dtype=self.state_dtype,
@@ -209,6 +221,22 @@ class LowPrecisionOptimizer(WrappedOptimizer):
             for group, params in zip(groups, saved, strict=True):
                 group["params"] = params
         return result
+
+    def _compiled_step(self, group: dict[str, Any], active: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+        """The compiled route for ``active``; returns the parameters it left unstepped
+        (none, unless compilation failed under ``compile="auto"``)."""
+        comps, counter = self._compiled_rounding_inputs()
+        try:
+            compiled_adam_step(
+                self.optimizer, group, active, state_dtype=self.state_dtype, rounding=self.rounding,
+                comps=comps, counter=counter,
+            )
+        except CompileRouteFailed as failed:
+            if self.compile is True:
+                raise failed.cause from None
+            disable_compiled_route(active[0].device, failed.cause)
+            return [p for p in active if any(p is q for q in failed.remaining)]
+        return []
 
     def _compiled_rounding_inputs(self) -> tuple[Callable[[torch.Tensor], torch.Tensor] | None, list[int] | None]:
         """(compensation of a parameter, noise counter) the compiled route rounds with; the

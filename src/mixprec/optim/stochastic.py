@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from mixprec.optim.compiled import CompileSetting
 from mixprec.optim.fast import Piece
 from mixprec.optim.lowbit import LowPrecisionOptimizer
 
@@ -62,7 +63,7 @@ class StochasticRoundingOptimizer(LowPrecisionOptimizer):
         fast: bool = True,
         chunk_numel: int | None = None,
         fused: bool = True,
-        compile: bool = False,
+        compile: CompileSetting = "auto",
     ) -> None:
         super().__init__(
             optimizer, state_dtype=state_dtype, fast=fast, chunk_numel=chunk_numel, fused=fused, compile=compile

@@ -10,6 +10,7 @@ import torch
 from mixprec.dtypes import dtype_name
 from mixprec.islands import cast_outside_islands
 from mixprec.optim import KahanOptimizer, StochasticRoundingOptimizer
+from mixprec.optim.compiled import CompileSetting, check_compile_setting
 from mixprec.plans.base import NORM_LAYERS, Plan
 
 __all__ = ["LowBitPlan"]
@@ -20,9 +21,10 @@ class LowBitPlan(Plan):
     """bf16 weights and compute under autocast; the optimizer updates bf16 weights without losing small updates.
 
     ``rounding="kahan"`` keeps a bf16 compensation buffer per weight; ``"stochastic"``
-    rounds updates stochastically. ``optimizer_compile=True`` runs Adam/AdamW updates as
-    one ``torch.compile``d kernel per parameter (about 5x faster steps on CPU after a
-    compilation of seconds to a minute). Optimizer state is kept in ``state_dtype``
+    rounds updates stochastically. Adam/AdamW updates of large param groups (2**20
+    elements or more) run as one ``torch.compile``d loop per parameter where
+    torch.compile works (``optimizer_compile="auto"``; 3-4x faster steps on CPU after a
+    compilation of seconds to a minute); ``True`` compiles every group, ``False`` none. Optimizer state is kept in ``state_dtype``
     (bf16 by default: 10 bytes per parameter for AdamW with Kahan). Norm layers
     (a negligible share of the parameters) stay fp32, so they accept both bf16
     activations and fp32 ones coming from fp32-list ops or fp32 islands.
@@ -31,7 +33,7 @@ class LowBitPlan(Plan):
     rounding: Literal["kahan", "stochastic"] = "kahan"
     state_dtype: torch.dtype = torch.bfloat16
     seed: int = 0
-    optimizer_compile: bool = False
+    optimizer_compile: CompileSetting = "auto"
 
     family: ClassVar[str] = "lowbit"
     supports_optimizer_in_backward: ClassVar[bool] = True
@@ -39,6 +41,7 @@ class LowBitPlan(Plan):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_compile_setting(self.optimizer_compile, "optimizer_compile")
         if self.rounding not in ("kahan", "stochastic"):
             raise ValueError(f"rounding must be 'kahan' or 'stochastic', got {self.rounding!r}")
         if self.rounding == "stochastic" and self.compute_dtype != torch.bfloat16:

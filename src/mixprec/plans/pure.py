@@ -12,6 +12,7 @@ import torch
 from mixprec.dtypes import dtype_name
 from mixprec.islands import cast_outside_islands
 from mixprec.optim import LowPrecisionOptimizer
+from mixprec.optim.compiled import CompileSetting, check_compile_setting
 from mixprec.plans.base import Plan
 
 __all__ = ["PurePlan"]
@@ -28,14 +29,20 @@ class PurePlan(Plan):
     and fp32 for fp16 (fp16 cannot hold Adam's second moment: g² underflows below
     6e-8). The fastest and smallest plan, and the least accurate: updates smaller
     than half a unit in the last place are lost (see "bf16-kahan" for the remedy).
+    ``optimizer_compile``: True runs Adam/AdamW updates through ``torch.compile``; the
+    default "auto" keeps torch's fused kernel, already one pass for this plan.
     """
 
     state_dtype: torch.dtype | None = None
-    optimizer_compile: bool = False
+    optimizer_compile: CompileSetting = "auto"
 
     family: ClassVar[str] = "pure"
     supports_optimizer_in_backward: ClassVar[bool] = True
     summary: ClassVar[str] = "low precision everything, no master weights"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_compile_setting(self.optimizer_compile, "optimizer_compile")
 
     @property
     def weight_dtype(self) -> torch.dtype:
