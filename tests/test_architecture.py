@@ -19,7 +19,7 @@ SRC = pathlib.Path(__file__).resolve().parents[1] / "src"
 
 # Bottom to top. Components on one level are peers: they must not import each other.
 LEVELS: list[tuple[str, tuple[str, ...]]] = [
-    ("foundation", ("mixprec.nested", "mixprec.formatting", "mixprec.process_groups")),
+    ("foundation", ("mixprec.nested", "mixprec.formatting", "mixprec.process_groups", "mixprec.compiling")),
     ("dtypes", ("mixprec.dtypes",)),
     ("formats", ("mixprec.fp8.formats",)),
     ("policy", ("mixprec.policy",)),

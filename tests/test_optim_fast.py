@@ -336,7 +336,7 @@ def test_compile_setting_is_checked():
 def test_auto_compiles_only_whole_steps_of_large_rounding_groups(monkeypatch):
     import mixprec.optim.compiled as compiled
 
-    monkeypatch.setattr(compiled, "compile_route_available", lambda device, probe=True: True)
+    monkeypatch.setattr(compiled, "compile_works", lambda device, probe=True: True)
     big = [torch.zeros(compiled.AUTO_COMPILE_NUMEL // 2, dtype=torch.bfloat16) for _ in range(2)]
     small = big[:1]
     use = compiled.use_compiled_route
@@ -345,7 +345,7 @@ def test_auto_compiles_only_whole_steps_of_large_rounding_groups(monkeypatch):
     assert not use("auto", "kahan", small)  # compilation would not pay back
     assert not use("auto", "kahan", big, whole_step=False)  # optimizer-in-backward: per parameter
     assert not use(False, "kahan", big) and use(True, "nearest", small)
-    monkeypatch.setattr(compiled, "compile_route_available", lambda device, probe=True: False)
+    monkeypatch.setattr(compiled, "compile_works", lambda device, probe=True: False)
     assert not use("auto", "kahan", big) and use(True, "kahan", big)
 
 
@@ -362,9 +362,11 @@ def test_auto_falls_back_to_the_eager_fast_path_when_compilation_fails(wrapper, 
         calls.append(1)
         raise torch._dynamo.exc.TorchDynamoException("no C++ compiler found")
 
-    monkeypatch.setattr(compiled, "_FAILED", set())
+    import mixprec.compiling as compiling
+
+    monkeypatch.setattr(compiling, "_FAILED", set())
     monkeypatch.setattr(compiled, "AUTO_COMPILE_NUMEL", 1)
-    monkeypatch.setattr(compiled, "_probe_compiles", lambda device_type: True)
+    monkeypatch.setattr(compiling, "_probe_compiles", lambda device_type: True)
     monkeypatch.setitem(compiled._COMPILED, "adam", failing)
 
     def make(compile):
@@ -385,7 +387,7 @@ def test_auto_falls_back_to_the_eager_fast_path_when_compilation_fails(wrapper, 
     if wrapper == "sr":
         assert auto.rounding_state()["counter"] == eager.rounding_state()["counter"]
 
-    monkeypatch.setattr(compiled, "_FAILED", set())
+    monkeypatch.setattr(compiling, "_FAILED", set())
     pc, forced = make(False)
     _step(pc, forced, 0)
     forced.compile = True
@@ -406,7 +408,9 @@ def test_auto_compiles_a_large_kahan_group_and_matches_eager(monkeypatch):
     import mixprec.optim.lowbit as lowbit
 
     pytest.importorskip("torch._inductor")
-    if not compiled.compile_route_available("cpu"):
+    from mixprec.compiling import compile_works
+
+    if not compile_works("cpu"):
         pytest.skip("torch.compile does not work on this machine")
     calls = []
     real = lowbit.compiled_adam_step

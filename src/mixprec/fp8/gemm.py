@@ -30,6 +30,8 @@ from collections.abc import Iterator
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
+from mixprec.compiling import call_compiled
+
 __all__ = ["cpu_bf16_gemm_available", "emulated_mm", "native_fp8_available", "scaled_mm", "widen"]
 
 _NATIVE_MULTIPLE = 16  # cuBLASLt fp8: the inner dim and both dims of the second operand
@@ -113,9 +115,11 @@ def _table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 def widen(t: torch.Tensor) -> torch.Tensor:
     """An fp8 tensor as fp32, exactly (other dtypes: ``t.float()``).
 
-    On CPU, torch converts fp8 element by element; a lookup in the 256-entry table of the
-    format's values gives the same numbers (NaN and inf codes included) in about a third
-    of the time. A transposed 2-d view is widened through its contiguous base.
+    On CPU, torch's eager conversion goes element by element; where torch.compile works
+    the conversion runs compiled (vectorised, about 4x faster), elsewhere as a lookup in
+    the 256-entry table of the format's values (about 3x faster). All give the same
+    numbers, NaN and inf codes included. A transposed 2-d view is widened through its
+    contiguous base.
 
     >>> import torch
     >>> q = torch.tensor([[0.5, -448.0], [3.0, 1e-3]]).to(torch.float8_e4m3fn)
@@ -128,8 +132,25 @@ def widen(t: torch.Tensor) -> torch.Tensor:
         return widen(t.t()).t()
     if not t.is_contiguous():
         return t.float()
+    return call_compiled(_to_float, t, what="fp8 widening", eager=_widen_by_table)
+
+
+def _to_float(t: torch.Tensor) -> torch.Tensor:
+    return t.float()
+
+
+def _widen_by_table(t: torch.Tensor) -> torch.Tensor:
     codes = t.view(torch.uint8).reshape(-1).int()
     return torch.index_select(_table(t.dtype, t.device), 0, codes).view(t.shape)
+
+
+def _epilogue(acc: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """``acc * scale (+ bias)`` in fp32, rounded once to ``out_dtype``; ``bias`` comes already
+    in ``out_dtype`` (cast outside: the compiler would fold a cast down and back up away)."""
+    out = acc * scale
+    if bias is not None:
+        out = out + bias
+    return out.to(out_dtype)
 
 
 def emulated_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -186,7 +207,6 @@ def scaled_mm(
         )
         return out if bias is None else out + bias.to(out_dtype)
     acc = emulated_mm(a, b)
-    acc.mul_(inv_scale_a * inv_scale_b)
-    if bias is not None:
-        acc.add_(bias.to(out_dtype))
-    return acc.to(out_dtype)
+    # scale, bias and the cast in one compiled pass on CPU (the same numbers as eager)
+    low_bias = None if bias is None else bias.to(out_dtype)
+    return call_compiled(_epilogue, acc, inv_scale_a * inv_scale_b, low_bias, out_dtype, what="the fp8 GEMM epilogue")

@@ -43,8 +43,8 @@ from torch import nn
 
 from mixprec.dtypes import Format
 from mixprec.fp8.formats import TENSOR_KINDS
-from mixprec.fp8.gemm import native_fp8_available, scaled_mm, widen
-from mixprec.fp8.quantize import Quantized, quantize, quantize_with_stats
+from mixprec.fp8.gemm import native_fp8_available, scaled_mm
+from mixprec.fp8.quantize import Quantized, fused_quantize, quantize, quantize_with_stats
 from mixprec.fp8.recipe import DelayedScaling, Fp8Recipe
 from mixprec.fp8.scaling import record_amax
 
@@ -112,9 +112,11 @@ class _Fp8LinearFunction(torch.autograd.Function):
     ) -> torch.Tensor:
         with _no_autocast(x.device.type):
             x2 = x.reshape(-1, x.shape[-1])
-            qx = layer._quantize(_INPUT, x2, update)
-            qw = layer._quantize(_WEIGHT, weight, update)
-            out = scaled_mm(qx.data, qw.data.t(), qx.inv_scale, qw.inv_scale, out_dtype, bias, native=native)
+            qx, wide_x = layer._quantize(_INPUT, x2, update, wide=not native)
+            qw, wide_w = layer._quantize(_WEIGHT, weight, update, wide=not native)
+            a = qx.data if wide_x is None else wide_x
+            b = qw.data if wide_w is None else wide_w
+            out = scaled_mm(a, b.t(), qx.inv_scale, qw.inv_scale, out_dtype, bias, native=native)
         # The fp8 input is needed only for the weight gradient (a frozen weight needs none).
         ctx.save_for_backward(qx.data if weight.requires_grad else None, qx.inv_scale, qw.data, qw.inv_scale)
         ctx.layer, ctx.native, ctx.update = layer, native, update
@@ -130,9 +132,9 @@ class _Fp8LinearFunction(torch.autograd.Function):
         with _no_autocast(grad_out.device.type):
             g2 = grad_out.reshape(-1, grad_out.shape[-1])
             if need_x or need_w:
-                qg = ctx.layer._quantize(_GRAD, g2, ctx.update)
+                qg, wide_g = ctx.layer._quantize(_GRAD, g2, ctx.update, wide=not ctx.native)
                 # The emulation widens the fp8 gradient once for both GEMMs (exact either way).
-                g_data = qg.data if ctx.native or not (need_x and need_w) else widen(qg.data)
+                g_data = qg.data if wide_g is None else wide_g
                 if need_x:
                     grad_x = scaled_mm(g_data, qw_data, qg.inv_scale, qw_inv, ctx.x_dtype, native=ctx.native)
                     grad_x = grad_x.reshape(*grad_out.shape[:-1], grad_x.shape[-1])
@@ -247,8 +249,15 @@ class Fp8Linear(nn.Linear):
             )
         return available
 
-    def _quantize(self, kind: int, t: torch.Tensor, update: bool) -> Quantized:
-        """Quantise one tensor kind with the recipe's scale; in training, record amax and stats."""
+    def _quantize(
+        self, kind: int, t: torch.Tensor, update: bool, *, wide: bool = False
+    ) -> tuple[Quantized, torch.Tensor | None]:
+        """Quantise one tensor kind with the recipe's scale; in training, record amax and stats.
+
+        ``wide``: also return the fp8 values widened to fp32, for the emulated GEMM (on
+        CPU one compiled kernel quantises, widens and counts: :func:`fused_quantize`);
+        otherwise the second item is None.
+        """
         fmt = self._formats[kind]
         history, prev = self.fp8_amax_history[kind], self.fp8_scale[kind]
         with torch.no_grad():
@@ -256,17 +265,29 @@ class Fp8Linear(nn.Linear):
             amax = _amax(t)
             finite = torch.isfinite(amax)
             scale = self.recipe.select_scale(history, amax, fmt.max, prev)
+            if wide:
+                q, wide_t, fractions = fused_quantize(t, scale, fmt, finite=finite, stats=update and self.track_stats)
+                if not update:
+                    return q, wide_t
+                if fractions is not None:
+                    self.fp8_stats[kind] = fractions
+                self._record(kind, finite, scale, amax)
+                return q, wide_t
             if not update:
-                return quantize(t, scale, fmt, finite=finite)
+                return quantize(t, scale, fmt, finite=finite), None
             if self.track_stats:
                 q, stats = quantize_with_stats(t, scale, fmt, finite=finite)
                 self.fp8_stats[kind] = stats
             else:
                 q = quantize(t, scale, fmt, finite=finite)
-            self.fp8_nonfinite.logical_or_(~finite)
-            self.fp8_scale[kind] = scale
-            record_amax(history, amax)  # a non-finite amax is recorded as 0
-        return q
+            self._record(kind, finite, scale, amax)
+        return q, None
+
+    def _record(self, kind: int, finite: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor) -> None:
+        """A training iteration's bookkeeping for one tensor kind: flag, scale, amax history."""
+        self.fp8_nonfinite.logical_or_(~finite)
+        self.fp8_scale[kind] = scale
+        record_amax(self.fp8_amax_history[kind], amax)  # a non-finite amax is recorded as 0
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         out_dtype = _compute_dtype(input)

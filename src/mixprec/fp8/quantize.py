@@ -22,9 +22,11 @@ from typing import NamedTuple
 
 import torch
 
+from mixprec.compiling import call_compiled
 from mixprec.dtypes import Format
+from mixprec.fp8.gemm import widen
 
-__all__ = ["Quantized", "quantize", "quantize_with_stats"]
+__all__ = ["Quantized", "fused_quantize", "quantize", "quantize_with_stats"]
 
 
 class Quantized(NamedTuple):
@@ -95,3 +97,53 @@ def quantize_with_stats(
     nonzero = nonzero_before.clamp(min=1)
     stats = torch.stack([saturated / max(x.numel(), 1), flushed / nonzero]).float()
     return Quantized(data, scale.reciprocal()), stats
+
+
+def _fused(
+    x: torch.Tensor, scale: torch.Tensor, finite: torch.Tensor, fmt_max: float, dtype: torch.dtype, stats: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """:func:`quantize_with_stats` (or :func:`quantize`) and the fp32 widening, as one kernel."""
+    multiplier = torch.where(finite, scale, torch.full_like(scale, float("nan")))
+    scaled = x.float() * multiplier
+    data = scaled.clamp(-fmt_max, fmt_max).to(dtype)
+    wide = data.float()
+    if not stats:
+        return data, wide, None
+    saturated = (scaled > fmt_max).sum() + (scaled < -fmt_max).sum()
+    nonzero_before = (x != 0).sum()
+    flushed = (wide == 0).sum() - (x.numel() - nonzero_before)
+    fractions = torch.stack([saturated / max(x.numel(), 1), flushed / nonzero_before.clamp(min=1)]).float()
+    return data, wide, fractions
+
+
+def fused_quantize(
+    x: torch.Tensor, scale: torch.Tensor, fmt: Format, *, finite: torch.Tensor, stats: bool
+) -> tuple[Quantized, torch.Tensor, torch.Tensor | None]:
+    """:func:`quantize` (``stats=False``) or :func:`quantize_with_stats`, plus the fp8 values
+    widened to fp32 (what the emulated GEMM multiplies), from one compiled kernel.
+
+    The same codes, widened values and statistics as the eager functions, bit for bit,
+    in about a fifth of the time on CPU (one pass instead of seven). Runs them instead
+    where :func:`mixprec.compiling.call_compiled` does not compile (not a plain CPU
+    tensor, or no working compiler: one warning). Shapes are dynamic: one compilation
+    serves every layer of a format and input dtype.
+
+    >>> import torch
+    >>> x = torch.tensor([[1.0, 3.0, 1000.0, 0.0]])
+    >>> q, wide, s = fused_quantize(x, torch.tensor(1.0), Format.E4M3, finite=torch.tensor(True), stats=True)
+    >>> wide, s
+    (tensor([[  1.,   3., 448.,   0.]]), tensor([0.2500, 0.0000]))
+    """
+    def eager(
+        x: torch.Tensor, scale: torch.Tensor, finite: torch.Tensor, fmt_max: float, dtype: torch.dtype, stats: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        if stats:
+            q, fractions = quantize_with_stats(x, scale, fmt, finite=finite)
+            return q.data, widen(q.data), fractions
+        data = quantize(x, scale, fmt, finite=finite).data
+        return data, widen(data), None
+
+    data, wide, fractions = call_compiled(
+        _fused, x, scale, finite, float(fmt.max), fmt.dtype, stats, what="fp8 quantisation", eager=eager
+    )
+    return Quantized(data, scale.reciprocal()), wide, fractions

@@ -10,8 +10,6 @@ eager fast path (see :func:`use_compiled_route`).
 
 from __future__ import annotations
 
-import functools
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -19,6 +17,7 @@ import torch
 import torch._dynamo.exc
 import torch._inductor.exc
 
+from mixprec.compiling import compile_works, mark_compile_failed
 from mixprec.optim.fast import init_adam_state, scalar_value
 
 __all__ = [
@@ -26,7 +25,6 @@ __all__ = [
     "CompileRouteFailed",
     "CompileSetting",
     "check_compile_setting",
-    "compile_route_available",
     "compiled_adam_step",
     "disable_compiled_route",
     "use_compiled_route",
@@ -40,8 +38,6 @@ CompileSetting = bool | Literal["auto"]
 #: (seconds) would take thousands of steps to pay back.
 AUTO_COMPILE_NUMEL = 1 << 20
 
-_FAILED: set[str] = set()  # device types whose compilation failed in this process
-
 
 def check_compile_setting(value: object, owner: str = "compile") -> CompileSetting:
     """``value`` if it is True, False or "auto"; otherwise a ValueError naming it."""
@@ -53,58 +49,9 @@ def check_compile_setting(value: object, owner: str = "compile") -> CompileSetti
     )
 
 
-def _probe(x: torch.Tensor) -> torch.Tensor:
-    return (x * 2 + 1).to(torch.bfloat16)
-
-
-@functools.cache
-def _probe_compiles(device_type: str) -> bool:
-    if device_type == "cuda":
-        from torch.utils._triton import has_triton
-
-        if not has_triton():
-            return False
-    try:
-        compiled = torch.compile(_probe, dynamic=False)
-        compiled(torch.ones(8, device=device_type))
-    except Exception as exc:  # any failure means: no working compiler here
-        disable_compiled_route(device_type, exc)
-        return False
-    return True
-
-
 def disable_compiled_route(device: torch.device | str, exc: BaseException) -> None:
     """Remember (for this process) that compiling failed on ``device``'s type, and warn once."""
-    device_type = torch.device(device).type
-    if device_type in _FAILED:
-        return
-    _FAILED.add(device_type)
-    first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-    warnings.warn(
-        f"torch.compile is unavailable on {device_type} ({type(exc).__name__}: {first_line}); the "
-        "low-precision optimizer uses its eager fast path (same results, slower Kahan and "
-        "stochastic-rounding steps). Pass compile=False to silence this.",
-        RuntimeWarning,
-        stacklevel=4,
-    )
-
-
-def compile_route_available(device: torch.device | str, *, probe: bool = True) -> bool:
-    """Whether the compiled route can run on ``device``'s type in this process.
-
-    The first call per device type compiles a two-op function (a second or two; CUDA
-    also needs triton). A failure warns once and is remembered. ``probe=False`` answers
-    without compiling anything (untried devices count as available): for estimates.
-
-    >>> compile_route_available("meta")
-    False
-    """
-    device_type = torch.device(device).type
-    if device_type not in ("cpu", "cuda") or device_type in _FAILED:
-        return False
-    if torch.compiler.is_compiling() or torch._dynamo.config.disable:
-        return False
-    return _probe_compiles(device_type) if probe else True
+    mark_compile_failed(device, "the low-precision optimizers' Kahan / stochastic-rounding updates", exc)
 
 
 def use_compiled_route(
@@ -122,7 +69,7 @@ def use_compiled_route(
     updates the whole group (``whole_step``: optimizer-in-backward steps one parameter at
     a time, which would compile once per layout), the group holds at least
     :data:`AUTO_COMPILE_NUMEL` elements of plain tensors (not tensor subclasses such as
-    DTensor shards), and :func:`compile_route_available`.
+    DTensor shards), and :func:`mixprec.compiling.compile_works` on their device.
 
     >>> import torch
     >>> small = [torch.zeros(10, dtype=torch.bfloat16)]
@@ -137,7 +84,7 @@ def use_compiled_route(
         return False
     if sum(p.numel() for p in params) < AUTO_COMPILE_NUMEL:
         return False
-    return compile_route_available(params[0].device, probe=probe)
+    return compile_works(params[0].device, probe=probe)
 
 
 class CompileRouteFailed(RuntimeError):
