@@ -204,9 +204,7 @@ class LowPrecisionOptimizer(WrappedOptimizer):
                     self.compile, self.rounding, active, whole_step=selected is None
                 ):
                     active = group["params"] = self._compiled_step(group, active)
-                if not active:
-                    pass  # all stepped by the compiled route
-                elif kind is not None:
+                if active and kind is not None:
                     fast_step(
                         self.optimizer, group, active, kind=kind, state_dtype=self.state_dtype,
                         expand=self._expand_many, store=self._store_many,
@@ -214,7 +212,7 @@ class LowPrecisionOptimizer(WrappedOptimizer):
                         fused=self.fused and fused_available(active[0].device), plain_store=self.rounding == "nearest",
                     )
                 else:
-                    for p in active:
+                    for p in active:  # none left when the compiled route stepped them all
                         self._step_one(p, group, scratch)
                 group["params"] = []
         finally:
