@@ -45,6 +45,8 @@ from mixprec.integrations import as_mixed_precision, check_framework_session, re
 require_framework("lightning", "lightning", "mixprec.integrations.lightning")
 
 import lightning.pytorch as pl  # noqa: E402
+from lightning.fabric.wrappers import _FabricOptimizer  # noqa: E402
+from lightning.pytorch.core.optimizer import LightningOptimizer  # noqa: E402
 from lightning.pytorch.plugins.precision import Precision  # noqa: E402
 from lightning.pytorch.utilities import GradClipAlgorithmType  # noqa: E402
 
@@ -55,9 +57,6 @@ __all__ = ["MixprecPrecision", "setup"]
 
 def _inner(optimizer: Any) -> Any:
     """The optimizer under Lightning's / Fabric's wrappers."""
-    from lightning.fabric.wrappers import _FabricOptimizer
-    from lightning.pytorch.core.optimizer import LightningOptimizer
-
     while isinstance(optimizer, LightningOptimizer | _FabricOptimizer):
         optimizer = optimizer._optimizer
     return optimizer
