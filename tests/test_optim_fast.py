@@ -434,3 +434,22 @@ def test_auto_compiles_a_large_kahan_group_and_matches_eager(monkeypatch):
     total_b = wb.float() + eager.compensation(wb).float()
     assert (total_a - total_b).abs().max().item() < 2e-5
     assert (wa.float() - wb.float()).abs().max().item() <= 2.0**-7  # one bf16 ulp at 1.0
+
+
+def test_auto_compiles_few_layouts_and_only_uniform_steps():
+    """A changing set of parameters with gradients (a mixture of experts) must not compile
+    again and again: "auto" compiles at most AUTO_MAX_LAYOUTS layouts per wrapper (known
+    ones keep running compiled), and never a group whose parameters have different step
+    counts (the update would split into several layouts)."""
+    from mixprec.optim.compiled import AUTO_MAX_LAYOUTS
+
+    experts = [torch.nn.Parameter(torch.randn(4, i + 1).bfloat16()) for i in range(8)]
+    opt = KahanOptimizer(torch.optim.AdamW(experts, lr=1e-2))
+    group = opt.optimizer.param_groups[0]
+    layouts = [experts[i : i + 2] for i in range(AUTO_MAX_LAYOUTS)]
+    assert all(opt._auto_layout_ok(group, ps) for ps in layouts)
+    assert not opt._auto_layout_ok(group, experts[6:8])  # one layout too many: eager
+    assert opt._auto_layout_ok(group, layouts[0])  # a known layout stays compiled
+    opt.optimizer.state[experts[0]]["step"] = torch.tensor(3.0)
+    opt.optimizer.state[experts[1]]["step"] = torch.tensor(2.0)
+    assert not opt._auto_layout_ok(group, layouts[0])  # mixed step counts: eager

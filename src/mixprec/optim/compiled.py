@@ -22,6 +22,7 @@ from mixprec.optim.fast import init_adam_state, scalar_value
 
 __all__ = [
     "AUTO_COMPILE_NUMEL",
+    "AUTO_MAX_LAYOUTS",
     "CompileRouteFailed",
     "CompileSetting",
     "check_compile_setting",
@@ -37,6 +38,9 @@ CompileSetting = bool | Literal["auto"]
 #: elements: below it the eager step takes a few milliseconds, and the one-off compilation
 #: (seconds) would take thousands of steps to pay back.
 AUTO_COMPILE_NUMEL = 1 << 20
+
+#: "auto" compiles at most this many layouts (shapes, dtypes, options) per optimizer wrapper
+AUTO_MAX_LAYOUTS = 4
 
 
 def check_compile_setting(value: object, owner: str = "compile") -> CompileSetting:
@@ -69,7 +73,10 @@ def use_compiled_route(
     updates the whole group (``whole_step``: optimizer-in-backward steps one parameter at
     a time, which would compile once per layout), the group holds at least
     :data:`AUTO_COMPILE_NUMEL` elements of plain tensors (not tensor subclasses such as
-    DTensor shards), and :func:`mixprec.compiling.compile_works` on their device.
+    DTensor shards), and :func:`mixprec.compiling.compile_works` on their device. The
+    wrapper also requires one step count across the group and compiles at most
+    :data:`AUTO_MAX_LAYOUTS` layouts (a changing set of parameters with gradients, as
+    in a mixture of experts, would otherwise compile again and again).
 
     >>> import torch
     >>> small = [torch.zeros(10, dtype=torch.bfloat16)]

@@ -44,6 +44,7 @@ from mixprec.optim import footprint
 from mixprec.optim.base import WrappedOptimizer
 from mixprec.optim.checks import check_inner_state_dict, check_state_shapes
 from mixprec.optim.compiled import (
+    AUTO_MAX_LAYOUTS,
     CompileRouteFailed,
     CompileSetting,
     check_compile_setting,
@@ -136,6 +137,7 @@ class LowPrecisionOptimizer(WrappedOptimizer):
         self.fast = fast
         self.chunk_numel = chunk_numel
         self._snapshot: ParamSnapshot | None = None
+        self._auto_layouts: set[tuple[Any, ...]] = set()  # what compile="auto" has compiled
         self._nonfinite: torch.Tensor | None = None
 
     def _low_params(self) -> list[torch.nn.Parameter]:
@@ -200,8 +202,10 @@ class LowPrecisionOptimizer(WrappedOptimizer):
                     continue
                 group["params"] = active
                 kind = fast_kind(self.optimizer, group) if self.fast else None
-                if kind == "adam" and use_compiled_route(
-                    self.compile, self.rounding, active, whole_step=selected is None
+                if (
+                    kind == "adam"
+                    and use_compiled_route(self.compile, self.rounding, active, whole_step=selected is None)
+                    and (self.compile is True or self._auto_layout_ok(group, active))
                 ):
                     active = group["params"] = self._compiled_step(group, active)
                 if active and kind is not None:
@@ -219,6 +223,26 @@ class LowPrecisionOptimizer(WrappedOptimizer):
             for group, params in zip(groups, saved, strict=True):
                 group["params"] = params
         return result
+
+    def _auto_layout_ok(self, group: dict[str, Any], active: list[torch.nn.Parameter]) -> bool:
+        """``compile="auto"`` compiles a layout (shapes, dtypes, options) once; every new one
+        would compile again. It takes a step whose parameters share one step count (else
+        the update splits into several layouts) and at most :data:`AUTO_MAX_LAYOUTS` layouts
+        per wrapper: a model whose set of parameters with gradients keeps changing (a
+        mixture of experts) stays on the eager path instead of compiling again and again."""
+        steps = {float(self.optimizer.state[p]["step"]) for p in active if "step" in self.optimizer.state.get(p, {})}
+        if len(steps) > 1:
+            return False
+        key = (
+            tuple((p.shape, p.dtype) for p in active),
+            bool(group["amsgrad"]), bool(group["maximize"]), group["weight_decay"] != 0,
+        )
+        if key in self._auto_layouts:
+            return True
+        if len(self._auto_layouts) >= AUTO_MAX_LAYOUTS:
+            return False
+        self._auto_layouts.add(key)
+        return True
 
     def _compiled_step(self, group: dict[str, Any], active: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
         """The compiled route for ``active``; returns the parameters it left unstepped
