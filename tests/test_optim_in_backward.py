@@ -121,3 +121,27 @@ def test_in_backward_needs_a_lowbit_wrapper():
     in_bwd.remove()
     _loss(model, 0).backward()
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_each_update_in_backward_finds_its_group_without_scanning_every_parameter():
+    """One backward with N parameters must not cost O(N^2): each per-parameter update looks
+    its group up in an index built once (rebuilt only when the groups change), and the
+    results still equal stepping after backward (the test above)."""
+    torch.manual_seed(0)
+    layers = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(60)])
+    cast_module_(layers, torch.bfloat16)
+    params = list(layers.parameters())
+    opt = KahanOptimizer(torch.optim.AdamW([{"params": params[:50]}, {"params": params[50:], "lr": 1e-3}]))
+    in_bwd = InBackwardOptimizer(opt)
+    for _ in range(2):
+        layers(torch.randn(3, 4).bfloat16()).float().sum().backward()
+        assert in_bwd.finish()
+    assert all(p.grad is None for p in params) and all(opt.state[p]["step"] == 2 for p in params)
+    first_index = opt._index
+    layers(torch.randn(3, 4).bfloat16()).float().sum().backward()
+    assert in_bwd.finish() and opt._index is first_index  # not rebuilt while the groups stay the same
+    opt.optimizer.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))]})
+    new = opt.optimizer.param_groups[-1]["params"][0]
+    new.grad = torch.ones_like(new)
+    opt.step_selected({new})  # a new group: found after re-indexing
+    assert opt.state[new]["step"] == 1

@@ -138,6 +138,7 @@ class LowPrecisionOptimizer(WrappedOptimizer):
         self.chunk_numel = chunk_numel
         self._snapshot: ParamSnapshot | None = None
         self._auto_layouts: set[tuple[Any, ...]] = set()  # what compile="auto" has compiled
+        self._index: dict[int, tuple[int, int]] = {}  # id(param) -> (group, position), for step_selected({param})
         self._nonfinite: torch.Tensor | None = None
 
     def _low_params(self) -> list[torch.nn.Parameter]:
@@ -185,7 +186,7 @@ class LowPrecisionOptimizer(WrappedOptimizer):
         guard, no snapshot: :class:`~mixprec.optim.InBackwardOptimizer` keeps its own copies)."""
         groups = self.optimizer.param_groups
         saved = [group["params"] for group in groups]
-        picked = saved if selected is None else [[p for p in params if p in selected] for params in saved]
+        picked = saved if selected is None else self._pick(saved, selected)
         low = [[p for p in params if p.dtype in LOW_PRECISION_DTYPES] for params in picked]
         scratch: dict[tuple[int, torch.device], torch.Tensor] = {}
         result = None
@@ -223,6 +224,22 @@ class LowPrecisionOptimizer(WrappedOptimizer):
             for group, params in zip(groups, saved, strict=True):
                 group["params"] = params
         return result
+
+    def _pick(self, saved: list[list[torch.Tensor]], selected: set[torch.Tensor]) -> list[list[torch.Tensor]]:
+        """``selected`` split by param group, in group order. One parameter (an update in
+        backward, once per parameter per step) is found through a cached index rather than
+        by scanning every group, so a backward costs O(parameters), not O(parameters²)."""
+        if len(selected) != 1:
+            return [[p for p in params if p in selected] for params in saved]
+        (param,) = selected
+        picked: list[list[torch.Tensor]] = [[] for _ in saved]
+        where = self._index.get(id(param))
+        if where is None or not _holds(saved, where, param):  # new or rearranged groups: index again
+            self._index = {id(p): (i, j) for i, params in enumerate(saved) for j, p in enumerate(params)}
+            where = self._index.get(id(param))
+        if where is not None and _holds(saved, where, param):
+            picked[where[0]].append(param)
+        return picked
 
     def _auto_layout_ok(self, group: dict[str, Any], active: list[torch.nn.Parameter]) -> bool:
         """``compile="auto"`` compiles a layout (shapes, dtypes, options) once; every new one
@@ -450,6 +467,11 @@ class LowPrecisionOptimizer(WrappedOptimizer):
             self.optimizer, state_dtype=self.state_dtype, fast=self.fast, fused=self.fused, compile=self.compile,
             chunk_numel=self.chunk_numel, rounding=self.rounding,
         )
+
+def _holds(saved: list[list[torch.Tensor]], where: tuple[int, int], param: torch.Tensor) -> bool:
+    group, position = where
+    return group < len(saved) and position < len(saved[group]) and saved[group][position] is param
+
 
 def _is_param_state(key: Any, value: Any, param: torch.Tensor) -> bool:
     """A per-element state tensor of ``param`` (kept in ``state_dtype``); never the step count."""
