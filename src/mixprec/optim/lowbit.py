@@ -225,14 +225,14 @@ class LowPrecisionOptimizer(WrappedOptimizer):
                 group["params"] = params
         return result
 
-    def _pick(self, saved: list[list[torch.Tensor]], selected: set[torch.Tensor]) -> list[list[torch.Tensor]]:
+    def _pick(self, saved: list[list[Any]], selected: set[torch.Tensor]) -> list[list[Any]]:
         """``selected`` split by param group, in group order. One parameter (an update in
         backward, once per parameter per step) is found through a cached index rather than
         by scanning every group, so a backward costs O(parameters), not O(parameters²)."""
         if len(selected) != 1:
             return [[p for p in params if p in selected] for params in saved]
         (param,) = selected
-        picked: list[list[torch.Tensor]] = [[] for _ in saved]
+        picked: list[list[Any]] = [[] for _ in saved]
         where = self._index.get(id(param))
         if where is None or not _holds(saved, where, param):  # new or rearranged groups: index again
             self._index = {id(p): (i, j) for i, params in enumerate(saved) for j, p in enumerate(params)}
