@@ -389,11 +389,19 @@ def test_auto_falls_back_to_the_eager_fast_path_when_compilation_fails(wrapper, 
 
     monkeypatch.setattr(compiling, "_FAILED", set())
     pc, forced = make(False)
-    _step(pc, forced, 0)
+
+    def every_grad(step):  # one step count across each group: the compiled route's condition
+        _grads(pc, step)
+        for p in pc:
+            if p.grad is None:
+                p.grad = torch.ones_like(p)
+
+    every_grad(0)
+    forced.step()
     forced.compile = True
     before = copy.deepcopy(forced.state_dict())
     values = [p.detach().clone() for p in pc]
-    _grads(pc, 1)
+    every_grad(1)
     with pytest.raises(torch._dynamo.exc.TorchDynamoException, match="no C\\+\\+ compiler"):
         forced.step()
     assert all(torch.equal(p, v) for p, v in zip(pc, values, strict=True))
@@ -440,16 +448,89 @@ def test_auto_compiles_few_layouts_and_only_uniform_steps():
     """A changing set of parameters with gradients (a mixture of experts) must not compile
     again and again: "auto" compiles at most AUTO_MAX_LAYOUTS layouts per wrapper (known
     ones keep running compiled), and never a group whose parameters have different step
-    counts (the update would split into several layouts)."""
+    counts (compile=True neither: its update takes one step count)."""
     from mixprec.optim.compiled import AUTO_MAX_LAYOUTS
 
     experts = [torch.nn.Parameter(torch.randn(4, i + 1).bfloat16()) for i in range(8)]
+    for p in experts:
+        p.grad = torch.zeros_like(p)
     opt = KahanOptimizer(torch.optim.AdamW(experts, lr=1e-2))
     group = opt.optimizer.param_groups[0]
     layouts = [experts[i : i + 2] for i in range(AUTO_MAX_LAYOUTS)]
-    assert all(opt._auto_layout_ok(group, ps) for ps in layouts)
-    assert not opt._auto_layout_ok(group, experts[6:8])  # one layout too many: eager
-    assert opt._auto_layout_ok(group, layouts[0])  # a known layout stays compiled
+    assert all(opt._compiled_layout_ok(group, ps) for ps in layouts)
+    assert not opt._compiled_layout_ok(group, experts[6:8])  # one layout too many: eager
+    assert opt._compiled_layout_ok(group, layouts[0])  # a known layout stays compiled
+    opt.compile = True
+    assert opt._compiled_layout_ok(group, experts[6:8])  # explicit: no per-wrapper budget
     opt.optimizer.state[experts[0]]["step"] = torch.tensor(3.0)
     opt.optimizer.state[experts[1]]["step"] = torch.tensor(2.0)
-    assert not opt._auto_layout_ok(group, layouts[0])  # mixed step counts: eager
+    assert not opt._compiled_layout_ok(group, layouts[0])  # mixed step counts: eager
+
+
+def _experts_run(steps, monkeypatch, *, resume_at=None):
+    """A mixture of experts under StochasticRoundingOptimizer(compile="auto"), the compiled
+    update replaced by its own code run eagerly (same numbers, no compilation time)."""
+    import mixprec.optim.compiled as compiled
+
+    monkeypatch.setattr(compiled, "AUTO_COMPILE_NUMEL", 1)
+    monkeypatch.setattr(compiled, "compile_works", lambda device, probe=True: True)
+    monkeypatch.setattr(compiled, "_LAYOUTS", set())  # each run: a fresh process's budget
+    monkeypatch.setitem(compiled._COMPILED, "adam", compiled._adam_lists)
+
+    def make():
+        torch.manual_seed(0)
+        experts = [torch.nn.Parameter(torch.randn(64, i + 1).bfloat16()) for i in range(12)]
+        return experts, StochasticRoundingOptimizer(torch.optim.AdamW(experts, lr=1e-3), seed=5)
+
+    experts, opt = make()
+    gen = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        if step == resume_at:
+            saved = copy.deepcopy(opt.state_dict())
+            values = [p.detach().clone() for p in experts]
+            experts, opt = make()
+            with torch.no_grad():
+                for p, v in zip(experts, values, strict=True):
+                    p.copy_(v)
+            opt.load_state_dict(saved)
+        pair = step % 6  # six pairs of experts take turns: six layouts, each with one step count
+        for i, p in enumerate(experts):
+            p.grad = torch.randn(p.shape, generator=gen).bfloat16() if i // 2 == pair else None
+        opt.step()
+    return [p.detach().clone() for p in experts]
+
+
+def test_auto_routes_are_checkpointed_so_a_resumed_run_rounds_identically(monkeypatch):
+    uninterrupted = _experts_run(24, monkeypatch)  # pairs 0-3 compiled, 4 and 5 eager
+    resumed = _experts_run(24, monkeypatch, resume_at=8)
+    assert all(torch.equal(a, b) for a, b in zip(uninterrupted, resumed, strict=True))
+
+
+def test_an_interrupt_while_compiling_leaves_nothing_half_counted(monkeypatch):
+    import mixprec.optim.compiled as compiled
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(compiled, "AUTO_COMPILE_NUMEL", 1)
+    monkeypatch.setattr(compiled, "compile_works", lambda device, probe=True: True)
+    monkeypatch.setitem(compiled._COMPILED, "adam", interrupted)
+    w = torch.nn.Parameter(torch.randn(16).bfloat16())
+    opt = StochasticRoundingOptimizer(torch.optim.AdamW([w], lr=1e-2), seed=1)
+    w.grad = torch.ones_like(w)
+    before, counter = w.detach().clone(), opt.rounding_state()["counter"]
+    with pytest.raises(KeyboardInterrupt):
+        opt.step()
+    assert torch.equal(w, before) and float(opt.state[w]["step"]) == 0.0
+    assert opt.rounding_state()["counter"] == counter
+
+
+def test_compiled_sr_noise_of_an_element_does_not_repeat_with_a_short_period():
+    """The noise of one element over 5000 steps: a hash of its position and a seed mixed
+    from the step counter, not of (counter + position) mod 2**32 (which repeats every
+    2**32 / N steps for N elements per step: every 2048 steps for 2**21 elements)."""
+    from mixprec.optim.compiled import _hash16, _seed32
+
+    seeds = torch.tensor([_seed32(c) for c in range(5000)], dtype=torch.int64)
+    noise = _hash16(torch.zeros(5000, dtype=torch.int64) ^ seeds)
+    assert noise.unique().numel() > 4500  # 16 random bits: about 4830 distinct of 5000

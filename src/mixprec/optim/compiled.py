@@ -23,11 +23,14 @@ from mixprec.optim.fast import init_adam_state, scalar_value
 __all__ = [
     "AUTO_COMPILE_NUMEL",
     "AUTO_MAX_LAYOUTS",
+    "PROCESS_MAX_LAYOUTS",
     "CompileRouteFailed",
     "CompileSetting",
     "check_compile_setting",
     "compiled_adam_step",
     "disable_compiled_route",
+    "reserve_layout",
+    "uniform_steps",
     "use_compiled_route",
 ]
 
@@ -41,6 +44,22 @@ AUTO_COMPILE_NUMEL = 1 << 20
 
 #: "auto" compiles at most this many layouts (shapes, dtypes, options) per optimizer wrapper
 AUTO_MAX_LAYOUTS = 4
+
+#: the compiled update compiles at most this many layouts per process (beyond, eager);
+#: dynamo's recompile limit is raised to 64 around the update, so none runs uncompiled
+PROCESS_MAX_LAYOUTS = 48
+_LAYOUTS: set[str] = set()
+
+
+def reserve_layout(key: str) -> bool:
+    """Whether the compiled update may run layout ``key`` in this process (already
+    compiled, or one of the first :data:`PROCESS_MAX_LAYOUTS`)."""
+    if key in _LAYOUTS:
+        return True
+    if len(_LAYOUTS) >= PROCESS_MAX_LAYOUTS:
+        return False
+    _LAYOUTS.add(key)
+    return True
 
 
 def check_compile_setting(value: object, owner: str = "compile") -> CompileSetting:
@@ -95,8 +114,8 @@ def use_compiled_route(
 
 
 class CompileRouteFailed(RuntimeError):
-    """The compiled route could not compile; ``remaining`` were left unstepped (their
-    step counts restored) for the caller to step another way."""
+    """The compiled route could not compile; ``remaining`` (every parameter of the call)
+    were left unstepped, their step counts restored, for the caller to step another way."""
 
     def __init__(self, remaining: list[torch.Tensor], cause: BaseException) -> None:
         super().__init__(f"{type(cause).__name__}: {cause}")
@@ -113,8 +132,9 @@ def _adam_lists(
 
     ``hyper`` holds [lr, beta1, beta2, eps, weight_decay, step_size, bias_correction2_sqrt]
     (a tensor, so new values do not recompile). ``rounding``: "nearest", "kahan" (with
-    ``comps``) or "stochastic": 16 noise bits per element from a counter-based hash of
-    ``counter`` (int64) plus the element's position in the group, computed in the kernel.
+    ``comps``) or "stochastic": 16 noise bits per element from a hash of the element's
+    position in the group XOR ``counter`` (an int64 holding this call's 32-bit seed),
+    computed in the kernel.
     """
     lr, beta1, beta2, eps, wd, step_size, bc2_sqrt = hyper.unbind(0)
     offset = 0
@@ -143,7 +163,7 @@ def _adam_lists(
         exp_avg_sqs[i].copy_(v)
         if rounding == "stochastic":
             index = torch.arange(p.numel(), device=p.device, dtype=torch.int64).view(p.shape)
-            bits = (w.view(torch.int32) + _hash16(index + (counter + offset))) & -65536
+            bits = (w.view(torch.int32) + _hash16((index + offset) ^ counter)) & -65536
             p.copy_(bits.view(torch.float32))
             offset += p.numel()
         else:
@@ -151,6 +171,29 @@ def _adam_lists(
             p.copy_(low)
             if rounding == "kahan":
                 comps[i].copy_(w - low.float())
+
+
+def _seed32(count: int) -> int:
+    """A well-mixed 32-bit seed of a call count (splitmix64's finaliser, top 32 bits)."""
+    z = (count * 0x9E3779B97F4A7C15 + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) >> 32
+
+
+def uniform_steps(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> bool:
+    """Whether every parameter of ``params`` has the same step count (unstepped ones count 0).
+
+    The compiled update takes one count for its bias corrections; a group whose parameters
+    got gradients at different times (a mixture of experts) is stepped eagerly instead.
+    """
+    counts = set()
+    for p in params:
+        step = optimizer.state.get(p, {}).get("step", 0)
+        counts.add(float(step))
+        if len(counts) > 1:
+            return False
+    return True
 
 
 def _hash16(x: torch.Tensor) -> torch.Tensor:
@@ -180,11 +223,16 @@ def compiled_adam_step(
     """Adam/AdamW for the low-precision ``params`` of ``group`` in one ``torch.compile``-d call.
 
     No fp32 copies are materialised: expansion, update and store fuse into one loop per
-    parameter. The first call per group layout compiles (tens of seconds). Results equal
-    the generic path within fp32 rounding (the compiler may reorder and contract the
-    fp32 operations). Stochastic rounding hashes ``counter[0]`` (the wrapper's
-    checkpointed noise counter, advanced here by the number of elements rounded) with
-    each element's position: no random tensor is drawn or stored.
+    parameter. The first call per group layout compiles (seconds to a minute). Results
+    equal the generic path within fp32 rounding (the compiler may reorder and contract
+    the fp32 operations). Every parameter must have the same step count (see
+    :func:`uniform_steps`). Stochastic rounding hashes each element's position with a
+    32-bit seed mixed from ``counter[0]`` (the wrapper's checkpointed count of compiled
+    stochastic steps, advanced by one here): no random tensor is drawn or stored, and
+    no element's noise repeats with a short period.
+
+    A failure (compilation, or an interrupt while compiling) gives the step counts back
+    and changes nothing else; a compilation failure raises :class:`CompileRouteFailed`.
     """
     active = [p for p in params if p.grad is not None]
     if not active:
@@ -193,10 +241,7 @@ def compiled_adam_step(
     init_adam_state(optimizer, group, active, dtype)
     states = [optimizer.state[p] for p in active]
     steps = [s["step"] for s in states]
-    by_step: dict[float, list[int]] = {}
-    torch._foreach_add_(steps, 1.0)
-    for i, s in enumerate(steps):
-        by_step.setdefault(float(s), []).append(i)
+    step = float(steps[0]) + 1
     lr = scalar_value(group["lr"])
     beta1, beta2 = (scalar_value(b) for b in group["betas"])
     eps, weight_decay = float(group["eps"]), float(group["weight_decay"])
@@ -208,34 +253,35 @@ def compiled_adam_step(
         fn = _COMPILED["adam"] = torch.compile(
             _adam_lists, dynamic=False, options={"emulate_precision_casts": True}
         )
-    pending = list(by_step.items())
-    for done, (step, index) in enumerate(pending):
-        ps = [active[i] for i in index]
-        st = [states[i] for i in index]
-        device = ps[0].device
-        hyper = torch.tensor(
-            [lr, beta1, beta2, eps, weight_decay, lr / (1 - beta1**step), (1 - beta2**step) ** 0.5],
-            dtype=torch.float32,
-        ).to(device, non_blocking=True)
-        start = 0
-        if rounding == "stochastic":
-            if counter is None:
-                raise ValueError("stochastic rounding needs the wrapper's noise counter")
-            start = counter[0]
-            counter[0] = (start + sum(p.numel() for p in ps)) % (1 << 32)
-        try:
+    device = active[0].device
+    hyper = torch.tensor(
+        [lr, beta1, beta2, eps, weight_decay, lr / (1 - beta1**step), (1 - beta2**step) ** 0.5],
+        dtype=torch.float32,
+    ).to(device, non_blocking=True)
+    seed = 0
+    if rounding == "stochastic":
+        if counter is None:
+            raise ValueError("stochastic rounding needs the wrapper's noise counter")
+        seed = _seed32(counter[0])
+    torch._foreach_add_(steps, 1.0)
+    try:
+        # dynamo's per-function recompile limit (8 by default) would silently run this
+        # uncompiled past 8 layouts; mixprec bounds its layouts itself (see use_compiled_route)
+        with torch._dynamo.config.patch(recompile_limit=max(torch._dynamo.config.recompile_limit, 64)):
             fn(
-                ps, [p.grad for p in ps], [s["exp_avg"] for s in st], [s["exp_avg_sq"] for s in st],
-                [s["max_exp_avg_sq"] for s in st] if group["amsgrad"] else [],
-                [comps(p) for p in ps] if (rounding == "kahan" and comps is not None) else [],
-                torch.tensor(start, dtype=torch.int64, device=device), hyper,
+                active, [p.grad for p in active], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+                [s["max_exp_avg_sq"] for s in states] if group["amsgrad"] else [],
+                [comps(p) for p in active] if (rounding == "kahan" and comps is not None) else [],
+                torch.tensor(seed, dtype=torch.int64, device=device), hyper,
                 decoupled=decoupled, amsgrad=bool(group["amsgrad"]), maximize=bool(group["maximize"]),
                 weight_decay=weight_decay != 0, rounding=rounding,
             )
-        except (torch._dynamo.exc.TorchDynamoException, torch._inductor.exc.InductorError) as exc:
-            # Compilation failed before anything ran: give back this subset and the rest.
-            if rounding == "stochastic" and counter is not None:
-                counter[0] = start
-            left = [i for _, rest in pending[done:] for i in rest]
-            torch._foreach_sub_([steps[i] for i in left], 1.0)
-            raise CompileRouteFailed([active[i] for i in left], exc) from exc
+    except BaseException as exc:
+        # Nearly always while compiling (seconds, before anything ran; a Ctrl-C lands there
+        # too): give the step counts back so that nothing is half-counted.
+        torch._foreach_sub_(steps, 1.0)
+        if isinstance(exc, torch._dynamo.exc.TorchDynamoException | torch._inductor.exc.InductorError):
+            raise CompileRouteFailed(active, exc) from exc
+        raise
+    if counter is not None and rounding == "stochastic":
+        counter[0] += 1

@@ -50,6 +50,8 @@ from mixprec.optim.compiled import (
     check_compile_setting,
     compiled_adam_step,
     disable_compiled_route,
+    reserve_layout,
+    uniform_steps,
     use_compiled_route,
 )
 from mixprec.optim.fast import Piece, default_chunk_numel, fast_kind, fast_step, fused_available
@@ -137,7 +139,7 @@ class LowPrecisionOptimizer(WrappedOptimizer):
         self.fast = fast
         self.chunk_numel = chunk_numel
         self._snapshot: ParamSnapshot | None = None
-        self._auto_layouts: set[tuple[Any, ...]] = set()  # what compile="auto" has compiled
+        self._compiled_layouts: set[str] = set()  # layouts the compiled route took (checkpointed)
         self._index: dict[int, tuple[int, int]] = {}  # id(param) -> (group, position), for step_selected({param})
         self._nonfinite: torch.Tensor | None = None
 
@@ -206,7 +208,7 @@ class LowPrecisionOptimizer(WrappedOptimizer):
                 if (
                     kind == "adam"
                     and use_compiled_route(self.compile, self.rounding, active, whole_step=selected is None)
-                    and (self.compile is True or self._auto_layout_ok(group, active))
+                    and self._compiled_layout_ok(group, active)
                 ):
                     active = group["params"] = self._compiled_step(group, active)
                 if active and kind is not None:
@@ -241,25 +243,33 @@ class LowPrecisionOptimizer(WrappedOptimizer):
             picked[where[0]].append(param)
         return picked
 
-    def _auto_layout_ok(self, group: dict[str, Any], active: list[torch.nn.Parameter]) -> bool:
-        """``compile="auto"`` compiles a layout (shapes, dtypes, options) once; every new one
-        would compile again. It takes a step whose parameters share one step count (else
-        the update splits into several layouts) and at most :data:`AUTO_MAX_LAYOUTS` layouts
-        per wrapper: a model whose set of parameters with gradients keeps changing (a
-        mixture of experts) stays on the eager path instead of compiling again and again."""
-        steps = {float(self.optimizer.state[p]["step"]) for p in active if "step" in self.optimizer.state.get(p, {})}
-        if len(steps) > 1:
+    def _compiled_layout_ok(self, group: dict[str, Any], active: list[torch.nn.Parameter]) -> bool:
+        """Whether this step of ``active`` may take the compiled route.
+
+        The compiled update takes one step count (a group whose parameters got gradients at
+        different times, as in a mixture of experts, steps eagerly) and compiles once per
+        layout (shapes, dtypes, options). ``compile="auto"`` compiles at most
+        :data:`AUTO_MAX_LAYOUTS` layouts per wrapper: a set of parameters with gradients
+        that keeps changing stays eager instead of compiling again and again. The layouts
+        compiled so far are checkpointed, so a resumed run takes the same routes (and, with
+        stochastic rounding, draws the same noise) as an uninterrupted one. The process
+        also keeps its own budget (:func:`~mixprec.optim.compiled.reserve_layout`).
+        """
+        if not uniform_steps(self.optimizer, active):
             return False
-        key = (
-            tuple((p.shape, p.dtype) for p in active),
+        key = repr((
+            tuple((tuple(p.shape), str(p.dtype), str(p.grad.dtype) if p.grad is not None else "") for p in active),
             bool(group["amsgrad"]), bool(group["maximize"]), group["weight_decay"] != 0,
-        )
-        if key in self._auto_layouts:
+            bool(group.get("decoupled_weight_decay", isinstance(self.optimizer, torch.optim.AdamW))),
+        ))
+        if key not in self._compiled_layouts:
+            if self.compile == "auto" and len(self._compiled_layouts) >= AUTO_MAX_LAYOUTS:
+                return False
+            if not reserve_layout(key):
+                return False
+            self._compiled_layouts.add(key)
             return True
-        if len(self._auto_layouts) >= AUTO_MAX_LAYOUTS:
-            return False
-        self._auto_layouts.add(key)
-        return True
+        return reserve_layout(key)
 
     def _compiled_step(self, group: dict[str, Any], active: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
         """The compiled route for ``active``; returns the parameters it left unstepped
@@ -274,7 +284,7 @@ class LowPrecisionOptimizer(WrappedOptimizer):
             if self.compile is True:
                 raise failed.cause from None
             disable_compiled_route(active[0].device, failed.cause)
-            return [p for p in active if any(p is q for q in failed.remaining)]
+            return active  # nothing was stepped: all go the eager way
         return []
 
     def _compiled_rounding_inputs(self) -> tuple[Callable[[torch.Tensor], torch.Tensor] | None, list[int] | None]:
@@ -389,7 +399,7 @@ class LowPrecisionOptimizer(WrappedOptimizer):
 
     def state_dict(self) -> dict[str, Any]:
         sd = self.optimizer.state_dict()
-        sd[self._STATE_KEY] = self.extra_state()
+        sd[self._STATE_KEY] = {**self.extra_state(), "compiled_layouts": sorted(self._compiled_layouts)}
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -421,6 +431,10 @@ class LowPrecisionOptimizer(WrappedOptimizer):
                     if _is_param_state(key, value, param):
                         live[key] = value.detach().clone().to(param.device)
             self.load_extra_state(extra)
+            layouts = extra.get("compiled_layouts", [])
+            if not isinstance(layouts, list | tuple) or not all(isinstance(k, str) for k in layouts):
+                raise TypeError(f"the state_dict's compiled_layouts must be a list of str, got {layouts!r}")
+            self._compiled_layouts = set(layouts)
         except Exception as exc:
             self.optimizer.state, self.optimizer.param_groups = old_state, old_groups
             self.__dict__.clear()

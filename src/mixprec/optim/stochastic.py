@@ -49,9 +49,11 @@ class StochasticRoundingOptimizer(LowPrecisionOptimizer):
 
     The noise is one ``randint`` per parameter on the generic path and one per chunk on
     the fast path, drawn from the same generator in the same parameter order (on CPU
-    both paths draw identical bits). The compiled route (``compile=True``) instead hashes
-    a checkpointed counter with each element's position inside the kernel (no random
-    tensor at all): the same distribution, other bits.
+    both paths draw identical bits). The compiled route (``compile=True``, or "auto" on
+    large groups) instead hashes each element's position with a seed mixed from a
+    checkpointed step counter inside the kernel (no random tensor at all): the same
+    distribution, other bits. Which route each step took is checkpointed too, so a
+    resumed run rounds exactly as an uninterrupted one.
     """
 
     def __init__(
