@@ -15,6 +15,25 @@ from mixprec.fp8.quantize import fused_quantize
 pytestmark = pytest.mark.skipif(not compile_works("cpu"), reason="torch.compile does not work on this machine")
 
 
+@pytest.fixture(autouse=True)
+def _fresh_compilations(monkeypatch):
+    """Each test compiles its own kernels (nothing left over from other tests' dtypes and
+    formats), so every comparison below is of compiled code against eager code."""
+    import mixprec.compiling as compiling
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(compiling, "_CACHE", {})
+    monkeypatch.setattr(compiling, "_KEYS", {})
+    yield
+    torch._dynamo.reset()
+
+
+def _graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
 def _inputs(dtype: torch.dtype) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     wide_range = torch.randn(64, 96, generator=gen) * torch.logspace(-12, 6, 96)  # saturates and flushes
@@ -30,9 +49,12 @@ def _inputs(dtype: torch.dtype) -> list[torch.Tensor]:
 @pytest.mark.parametrize("scale", [1.0, 0.37, 3.0e4])
 def test_fused_quantize_equals_the_eager_quantiser_bit_for_bit(dtype, fmt, scale):
     s = torch.tensor(scale)
+    graphs = _graphs()
     for x in _inputs(dtype):
         finite = torch.isfinite(x).all()
         q, wide, fractions = fused_quantize(x, s, fmt, finite=finite, stats=True)
+        if x.numel():
+            assert _graphs() > graphs, "the quantiser did not run compiled"
         ref, ref_fractions = quantize_with_stats(x, s, fmt, finite=finite)
         assert q.data.dtype == fmt.dtype and torch.equal(q.data.view(torch.uint8), ref.data.view(torch.uint8))
         assert torch.equal(q.inv_scale, ref.inv_scale)
@@ -47,8 +69,11 @@ def test_fused_quantize_equals_the_eager_quantiser_bit_for_bit(dtype, fmt, scale
 def test_fused_quantize_of_a_non_finite_tensor_is_all_nan(bad):
     x = torch.randn(16, 16).bfloat16()
     x[3, 4] = bad
-    q, wide, _ = fused_quantize(x, torch.tensor(1.0), Format.E4M3, finite=torch.isfinite(x).all(), stats=True)
+    finite = torch.isfinite(x).all()
+    q, wide, _ = fused_quantize(x, torch.tensor(1.0), Format.E4M3, finite=finite, stats=True)
     assert torch.isnan(wide).all() and torch.isnan(q.data.float()).all()
+    eager = quantize(x, torch.tensor(1.0), Format.E4M3, finite=finite)
+    assert torch.equal(q.data.view(torch.uint8), eager.data.view(torch.uint8))  # the same NaN code
 
 
 def test_fused_quantize_falls_back_to_eager_when_compilation_fails(monkeypatch):
@@ -63,7 +88,8 @@ def test_fused_quantize_falls_back_to_eager_when_compilation_fails(monkeypatch):
         raise torch._dynamo.exc.TorchDynamoException("no C++ compiler found")
 
     monkeypatch.setattr(compiling, "_FAILED", set())
-    monkeypatch.setattr(compiling, "_CACHE", {quantize_module._fused: failing, gemm_module._to_float: failing})
+    monkeypatch.setitem(compiling._CACHE, quantize_module._fused, failing)
+    monkeypatch.setitem(compiling._CACHE, gemm_module._to_float, failing)
     x = torch.randn(8, 8) * 100
     with pytest.warns(RuntimeWarning, match="torch.compile is unavailable on cpu"):
         q, wide, fractions = fused_quantize(x, torch.tensor(1.0), Format.E4M3, finite=torch.tensor(True), stats=True)
@@ -99,7 +125,7 @@ def test_compiled_gemm_epilogue_rounds_once_like_the_eager_one(out_dtype, with_b
     from mixprec.compiling import call_compiled
 
     low_bias = None if bias is None else bias.to(out_dtype)
-    got = call_compiled(_epilogue, acc, scale, low_bias, out_dtype, what="test")
+    got = call_compiled(_epilogue, acc, scale, low_bias, out_dtype)
     assert got.dtype == out_dtype and torch.equal(got, eager.to(out_dtype))
 
 
@@ -128,3 +154,33 @@ def test_fp8_linear_is_bit_identical_with_and_without_the_compiled_kernels(autoc
     eager = run()
     for i, (a, b) in enumerate(zip(compiled, eager, strict=True)):
         assert a.dtype == b.dtype and torch.equal(a, b), i
+
+
+def test_many_dtype_and_format_combinations_all_run_compiled_and_the_rest_eagerly(monkeypatch):
+    """More combinations than dynamo's recompile limit (8 per function): each of the first
+    MAX_SPECIALISATIONS compiles (none silently runs uncompiled), later ones run eagerly;
+    all give the eager quantiser's bits."""
+    import sys
+
+    import mixprec.compiling as compiling
+    from mixprec.fp8.gemm import _widen_by_table
+
+    monkeypatch.setattr(compiling, "MAX_SPECIALISATIONS", 10)
+    # the eager fallback's widening by table, so that only the quantiser may compile here
+    monkeypatch.setattr(sys.modules["mixprec.fp8.quantize"], "widen", _widen_by_table)
+    combos = [
+        (dtype, fmt, stats, shape)
+        for dtype in (torch.float32, torch.bfloat16, torch.float16)
+        for fmt in (Format.E4M3, Format.E5M2)
+        for stats in (False, True)
+        for shape in ((7, 5), (1, 9))
+    ]
+    assert len(combos) > 10 > 8
+    for n, (dtype, fmt, stats, shape) in enumerate(combos):
+        x = (torch.randn(shape, generator=torch.Generator().manual_seed(n)) * 300).to(dtype)
+        graphs = _graphs()
+        q, wide, fractions = fused_quantize(x, torch.tensor(0.5), fmt, finite=torch.tensor(True), stats=stats)
+        compiled = _graphs() > graphs
+        assert compiled == (n < 10), (n, compiled)
+        ref = quantize_with_stats(x, torch.tensor(0.5), fmt)[0] if stats else quantize(x, torch.tensor(0.5), fmt)
+        assert torch.equal(q.data.view(torch.uint8), ref.data.view(torch.uint8))

@@ -3,7 +3,9 @@
 mixprec compiles a few small, hot functions of its own (the Kahan / stochastic-rounding
 optimizer update, the fp8 emulation's quantiser) when that is several times faster than
 eager torch. On a machine without a working compiler (no C++ compiler for inductor's CPU
-code, no triton on CUDA) those fall back to eager code with the same results.
+code, no triton on CUDA) those fall back to eager code. ``MIXPREC_COMPILE=0`` in the
+environment turns every automatic compilation off (an optimizer's explicit
+``compile=True`` still compiles).
 
 >>> compile_works("meta")
 False
@@ -12,6 +14,7 @@ False
 from __future__ import annotations
 
 import functools
+import os
 import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -21,11 +24,17 @@ import torch._dynamo
 import torch._dynamo.exc
 import torch._inductor.exc
 
-__all__ = ["call_compiled", "compile_works", "compiles_for", "mark_compile_failed"]
+__all__ = ["MAX_SPECIALISATIONS", "call_compiled", "compile_works", "compiles_for", "mark_compile_failed"]
 
 R = TypeVar("R")
 
+#: what :func:`call_compiled` compiles per function at most (dtypes, ranks, size-0/1 dims,
+#: constants); further combinations run eagerly. Dynamo's own limit is 8 per function,
+#: past which it would run the function uncompiled and slower than the eager code.
+MAX_SPECIALISATIONS = 16
+
 _FAILED: set[str] = set()  # device types on which a compilation failed in this process
+_OFF_VALUES = ("0", "off", "false", "no")
 
 
 def _probe(x: torch.Tensor) -> torch.Tensor:
@@ -42,12 +51,12 @@ def _probe_compiles(device_type: str) -> bool:
     try:
         torch.compile(_probe, dynamic=False)(torch.ones(8, device=device_type))
     except Exception as exc:  # any failure means: no working compiler here
-        mark_compile_failed(device_type, "mixprec's compiled kernels", exc)
+        mark_compile_failed(device_type, exc)
         return False
     return True
 
 
-def mark_compile_failed(device: torch.device | str, what: str, exc: BaseException) -> None:
+def mark_compile_failed(device: torch.device | str, exc: BaseException) -> None:
     """Remember (for this process) that compiling failed on ``device``'s type; warn once."""
     device_type = torch.device(device).type
     if device_type in _FAILED:
@@ -55,8 +64,10 @@ def mark_compile_failed(device: torch.device | str, what: str, exc: BaseExceptio
     _FAILED.add(device_type)
     first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
     warnings.warn(
-        f"torch.compile is unavailable on {device_type} ({type(exc).__name__}: {first_line}); {what} "
-        "run eagerly instead (same results, slower). Pass compile=False (optimizers) to silence this.",
+        f"torch.compile is unavailable on {device_type} ({type(exc).__name__}: {first_line}); mixprec runs "
+        "its compiled kernels eagerly from now on: the fp8 emulation gives identical results, slower; "
+        "Kahan / stochastic-rounding optimizer updates equal the compiled ones within fp32 rounding "
+        "(stochastic rounding with other noise bits). Set MIXPREC_COMPILE=0 to skip compilation altogether.",
         RuntimeWarning,
         stacklevel=3,
     )
@@ -67,14 +78,16 @@ def compile_works(device: torch.device | str, *, probe: bool = True) -> bool:
 
     The first call per device type compiles a two-op function (a second or two; CUDA also
     needs triton); a failure warns once and is remembered. False while torch.compile is
-    tracing (the caller's code is then compiled as part of the user's graph) and when
-    dynamo is disabled. ``probe=False`` answers without compiling anything (an untried
-    device counts as working): for estimates.
+    tracing (the caller's code is then compiled as part of the user's graph), when
+    dynamo is disabled, and with ``MIXPREC_COMPILE=0``. ``probe=False`` answers without
+    compiling anything (an untried device counts as working): for estimates.
     """
+    if torch.compiler.is_compiling():
+        return False
     device_type = torch.device(device).type
     if device_type not in ("cpu", "cuda") or device_type in _FAILED:
         return False
-    if torch.compiler.is_compiling() or torch._dynamo.config.disable:
+    if torch._dynamo.config.disable or os.environ.get("MIXPREC_COMPILE", "1").strip().lower() in _OFF_VALUES:
         return False
     return _probe_compiles(device_type) if probe else True
 
@@ -82,9 +95,10 @@ def compile_works(device: torch.device | str, *, probe: bool = True) -> bool:
 def compiles_for(x: torch.Tensor) -> bool:
     """Whether :func:`call_compiled` compiles for ``x``: a plain CPU tensor (not a fake or
     other subclass tensor; no dispatch mode active, e.g. a memory estimate tracing with
-    fake tensors), where :func:`compile_works`."""
+    fake tensors), outside torch.compile tracing, where :func:`compile_works`."""
     return (
-        type(x) is torch.Tensor
+        not torch.compiler.is_compiling()  # first: the checks below would break the user's graph
+        and type(x) is torch.Tensor
         and x.device.type == "cpu"
         and torch._C._len_torch_dispatch_stack() == 0
         and compile_works(x.device)
@@ -92,25 +106,47 @@ def compiles_for(x: torch.Tensor) -> bool:
 
 
 _CACHE: dict[Callable[..., Any], Callable[..., Any]] = {}
+_KEYS: dict[Callable[..., Any], set[tuple[Any, ...]]] = {}
 
 
-def call_compiled(fn: Callable[..., R], *args: Any, what: str, eager: Callable[..., R] | None = None) -> R:
-    """``fn(*args)`` through ``torch.compile(fn, dynamic=True)`` (compiled once per process:
-    shapes are symbolic, so every layer shares it) when :func:`compiles_for` the first
-    tensor argument; else, and after a failed compilation (one warning, then never
-    again on that device type), ``eager(*args)`` (default: ``fn`` itself, uncompiled).
+def _specialisation(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """What a dynamic-shape compilation specialises on: dtypes, ranks, size-0/1 dims,
+    layout, constants, grad mode."""
+    parts: list[Any] = [torch.is_grad_enabled()]
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            parts.append((a.dtype, a.dim(), tuple(d <= 1 for d in a.shape), a.is_contiguous(), a.requires_grad))
+        elif a is None or isinstance(a, bool | int | float | str | torch.dtype):
+            parts.append(a)
+        else:
+            parts.append(type(a))
+    return tuple(parts)
+
+
+def call_compiled(fn: Callable[..., R], *args: Any, eager: Callable[..., R] | None = None) -> R:
+    """``fn(*args)`` through ``torch.compile(fn, dynamic=True)`` (compiled once per process
+    and combination of dtypes, ranks and constants; shapes are symbolic, so every layer
+    shares it) when :func:`compiles_for` the first tensor argument; else, past
+    :data:`MAX_SPECIALISATIONS` combinations, and after a failed compilation (one
+    warning, then never again on that device type), ``eager(*args)`` (default: ``fn``).
 
     >>> import torch
-    >>> call_compiled(torch.add, torch.ones(2), 1, what="an example")
+    >>> call_compiled(torch.add, torch.ones(2), 1)
     tensor([2., 2.])
     """
     first = next(a for a in args if isinstance(a, torch.Tensor))
     if compiles_for(first):
-        compiled = _CACHE.get(fn)
-        if compiled is None:
-            compiled = _CACHE[fn] = torch.compile(fn, dynamic=True)
-        try:
-            return compiled(*args)  # type: ignore[no-any-return]
-        except (torch._dynamo.exc.TorchDynamoException, torch._inductor.exc.InductorError) as exc:
-            mark_compile_failed(first.device, what, exc)
+        keys = _KEYS.setdefault(fn, set())
+        key = _specialisation(args)
+        if key in keys or len(keys) < MAX_SPECIALISATIONS:
+            keys.add(key)
+            compiled = _CACHE.get(fn)
+            if compiled is None:
+                compiled = _CACHE[fn] = torch.compile(fn, dynamic=True)
+            try:
+                limit = max(torch._dynamo.config.recompile_limit, 4 * MAX_SPECIALISATIONS)
+                with torch._dynamo.config.patch(recompile_limit=limit):
+                    return compiled(*args)  # type: ignore[no-any-return]
+            except (torch._dynamo.exc.TorchDynamoException, torch._inductor.exc.InductorError) as exc:
+                mark_compile_failed(first.device, exc)
     return (fn if eager is None else eager)(*args)

@@ -132,7 +132,7 @@ def widen(t: torch.Tensor) -> torch.Tensor:
         return widen(t.t()).t()
     if not t.is_contiguous():
         return t.float()
-    return call_compiled(_to_float, t, what="fp8 widening", eager=_widen_by_table)
+    return call_compiled(_to_float, t, eager=_widen_by_table)
 
 
 def _to_float(t: torch.Tensor) -> torch.Tensor:
@@ -209,4 +209,4 @@ def scaled_mm(
     acc = emulated_mm(a, b)
     # scale, bias and the cast in one compiled pass on CPU (the same numbers as eager)
     low_bias = None if bias is None else bias.to(out_dtype)
-    return call_compiled(_epilogue, acc, inv_scale_a * inv_scale_b, low_bias, out_dtype, what="the fp8 GEMM epilogue")
+    return call_compiled(_epilogue, acc, inv_scale_a * inv_scale_b, low_bias, out_dtype)

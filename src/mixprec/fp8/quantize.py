@@ -105,7 +105,8 @@ def _fused(
     """:func:`quantize_with_stats` (or :func:`quantize`) and the fp32 widening, as one kernel."""
     multiplier = torch.where(finite, scale, torch.full_like(scale, float("nan")))
     scaled = x.float() * multiplier
-    data = scaled.clamp(-fmt_max, fmt_max).to(dtype)
+    # a non-finite tensor quantises to the NaN code with the sign bit clear, as eagerly
+    data = torch.where(finite, scaled.clamp(-fmt_max, fmt_max), float("nan")).to(dtype)
     wide = data.float()
     if not stats:
         return data, wide, None
@@ -144,6 +145,6 @@ def fused_quantize(
         return data, widen(data), None
 
     data, wide, fractions = call_compiled(
-        _fused, x, scale, finite, float(fmt.max), fmt.dtype, stats, what="fp8 quantisation", eager=eager
+        _fused, x, scale, finite, float(fmt.max), fmt.dtype, stats, eager=eager
     )
     return Quantized(data, scale.reciprocal()), wide, fractions

@@ -74,7 +74,7 @@ def check_compile_setting(value: object, owner: str = "compile") -> CompileSetti
 
 def disable_compiled_route(device: torch.device | str, exc: BaseException) -> None:
     """Remember (for this process) that compiling failed on ``device``'s type, and warn once."""
-    mark_compile_failed(device, "the low-precision optimizers' Kahan / stochastic-rounding updates", exc)
+    mark_compile_failed(device, exc)
 
 
 def use_compiled_route(
