@@ -158,4 +158,4 @@ def test_each_update_in_backward_finds_its_group_through_an_index():
     new = opt.optimizer.param_groups[-1]["params"][0]
     new.grad = torch.ones_like(new)
     opt.step_selected({new})  # a new group: found after re-indexing, stepped with its lr
-    assert opt.state[new]["step"] == 1 and float(new.float().mean()) < -0.4
+    assert opt.state[new]["step"] == 1 and float(new.detach().float().mean()) < -0.4
