@@ -25,6 +25,7 @@ BENCHMARKS: dict[str, tuple[str, list[str]]] = {
     "autocast": ("bench_autocast.py", ["--size", "tiny", "--repeats", "2", "--warmup", "1"]),
     "fp8": ("bench_fp8.py", ["--size", "tiny", "--repeats", "2", "--warmup", "1"]),
     "optim": ("bench_optim.py", ["--size", "tiny", "--repeats", "2", "--inner", "1", "--warmup", "1"]),
+    "state": ("bench_state.py", ["--size", "tiny", "--batch", "4"]),
     "integrations": ("bench_integrations.py", ["--steps", "6", "--warmup", "2", "--rounds", "1"]),
     "distributed": ("bench_distributed.py", ["--size", "tiny", "--steps", "3", "--warmup", "1"]),
     "soak": ("soak.py", ["--steps", "200"]),

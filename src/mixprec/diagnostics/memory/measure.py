@@ -7,7 +7,7 @@ every storage created during the step is counted until it is freed
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -40,6 +40,7 @@ def measure_memory(
     optimizer: OptimizerSpec = "adamw",
     criterion: Any = None,
     warmup_steps: int = 1,
+    session_options: Mapping[str, Any] | None = None,
 ) -> MemoryEstimate:
     """Measure the memory of one training step through :class:`~mixprec.MixedPrecision`.
 
@@ -51,6 +52,8 @@ def measure_memory(
         criterion: the loss function (without one, a fixed projection of the outputs).
         warmup_steps: steps run before the measured one (optimizers create their state
             on the first step).
+        session_options: keyword arguments of :class:`~mixprec.MixedPrecision` besides
+            the plan, e.g. ``{"optimizer_in_backward": True}``.
 
     Storages are accounted live (see the module docs): ``peak`` is the largest sum of
     live bytes during the measured step; ``activations`` is what the forward left
@@ -65,7 +68,7 @@ def measure_memory(
         raise ValueError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
     model = model_factory()
     opt = make_opt(model.parameters())
-    mp = MixedPrecision(plan)
+    mp = MixedPrecision(plan, **dict(session_options or {}))
     if criterion is not None:
         model, opt, crit = mp.prepare(model, opt, criterion=criterion)
     else:
