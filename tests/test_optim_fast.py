@@ -367,7 +367,7 @@ def test_auto_falls_back_to_the_eager_fast_path_when_compilation_fails(wrapper, 
     monkeypatch.setattr(compiling, "_FAILED", set())
     monkeypatch.setattr(compiled, "AUTO_COMPILE_NUMEL", 1)
     monkeypatch.setattr(compiling, "_probe_compiles", lambda device_type: True)
-    monkeypatch.setitem(compiled._COMPILED, "adam", failing)
+    monkeypatch.setitem(compiling._CACHE, compiled._adam_lists, failing)
 
     def make(compile):
         groups = _params(5, (torch.bfloat16,))
@@ -470,12 +470,13 @@ def test_auto_compiles_few_layouts_and_only_uniform_steps():
 def _experts_run(steps, monkeypatch, *, resume_at=None):
     """A mixture of experts under StochasticRoundingOptimizer(compile="auto"), the compiled
     update replaced by its own code run eagerly (same numbers, no compilation time)."""
+    import mixprec.compiling as compiling
     import mixprec.optim.compiled as compiled
 
     monkeypatch.setattr(compiled, "AUTO_COMPILE_NUMEL", 1)
     monkeypatch.setattr(compiled, "compile_works", lambda device, probe=True: True)
     monkeypatch.setattr(compiled, "_LAYOUTS", set())  # each run: a fresh process's budget
-    monkeypatch.setitem(compiled._COMPILED, "adam", compiled._adam_lists)
+    monkeypatch.setitem(compiling._CACHE, compiled._adam_lists, compiled._adam_lists)
 
     def make():
         torch.manual_seed(0)
@@ -507,6 +508,7 @@ def test_auto_routes_are_checkpointed_so_a_resumed_run_rounds_identically(monkey
 
 
 def test_an_interrupt_while_compiling_leaves_nothing_half_counted(monkeypatch):
+    import mixprec.compiling as compiling
     import mixprec.optim.compiled as compiled
 
     def interrupted(*args, **kwargs):
@@ -514,7 +516,7 @@ def test_an_interrupt_while_compiling_leaves_nothing_half_counted(monkeypatch):
 
     monkeypatch.setattr(compiled, "AUTO_COMPILE_NUMEL", 1)
     monkeypatch.setattr(compiled, "compile_works", lambda device, probe=True: True)
-    monkeypatch.setitem(compiled._COMPILED, "adam", interrupted)
+    monkeypatch.setitem(compiling._CACHE, compiled._adam_lists, interrupted)
     w = torch.nn.Parameter(torch.randn(16).bfloat16())
     opt = StochasticRoundingOptimizer(torch.optim.AdamW([w], lr=1e-2), seed=1)
     w.grad = torch.ones_like(w)

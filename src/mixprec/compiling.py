@@ -13,10 +13,11 @@ False
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
@@ -24,7 +25,15 @@ import torch._dynamo
 import torch._dynamo.exc
 import torch._inductor.exc
 
-__all__ = ["MAX_SPECIALISATIONS", "call_compiled", "compile_works", "compiles_for", "mark_compile_failed"]
+__all__ = [
+    "MAX_SPECIALISATIONS",
+    "call_compiled",
+    "compile_works",
+    "compiled",
+    "compiles_for",
+    "mark_compile_failed",
+    "recompile_headroom",
+]
 
 R = TypeVar("R")
 
@@ -106,6 +115,26 @@ def compiles_for(x: torch.Tensor) -> bool:
 
 
 _CACHE: dict[Callable[..., Any], Callable[..., Any]] = {}
+
+
+def compiled(fn: Callable[..., R], *, dynamic: bool, options: dict[str, Any] | None = None) -> Callable[..., R]:
+    """``torch.compile(fn, dynamic=dynamic, options=options)``, made once per process."""
+    out = _CACHE.get(fn)
+    if out is None:
+        out = _CACHE[fn] = torch.compile(fn, dynamic=dynamic, options=options)
+    return out
+
+
+@contextlib.contextmanager
+def recompile_headroom() -> Iterator[None]:
+    """Dynamo's recompile limit raised to 64 per function while inside: past its default
+    of 8 it would run a function uncompiled (slower than mixprec's eager code) without a
+    word. mixprec bounds what it compiles itself (:data:`MAX_SPECIALISATIONS`, the
+    optimizers' layout budgets)."""
+    with torch._dynamo.config.patch(recompile_limit=max(torch._dynamo.config.recompile_limit, 64)):
+        yield
+
+
 _KEYS: dict[Callable[..., Any], set[tuple[Any, ...]]] = {}
 
 
@@ -140,13 +169,9 @@ def call_compiled(fn: Callable[..., R], *args: Any, eager: Callable[..., R] | No
         key = _specialisation(args)
         if key in keys or len(keys) < MAX_SPECIALISATIONS:
             keys.add(key)
-            compiled = _CACHE.get(fn)
-            if compiled is None:
-                compiled = _CACHE[fn] = torch.compile(fn, dynamic=True)
             try:
-                limit = max(torch._dynamo.config.recompile_limit, 4 * MAX_SPECIALISATIONS)
-                with torch._dynamo.config.patch(recompile_limit=limit):
-                    return compiled(*args)  # type: ignore[no-any-return]
+                with recompile_headroom():
+                    return compiled(fn, dynamic=True)(*args)
             except (torch._dynamo.exc.TorchDynamoException, torch._inductor.exc.InductorError) as exc:
                 mark_compile_failed(first.device, exc)
     return (fn if eager is None else eager)(*args)

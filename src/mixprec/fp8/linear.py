@@ -265,29 +265,21 @@ class Fp8Linear(nn.Linear):
             amax = _amax(t)
             finite = torch.isfinite(amax)
             scale = self.recipe.select_scale(history, amax, fmt.max, prev)
+            stats = update and self.track_stats
+            wide_t = fractions = None
             if wide:
-                q, wide_t, fractions = fused_quantize(t, scale, fmt, finite=finite, stats=update and self.track_stats)
-                if not update:
-                    return q, wide_t
-                if fractions is not None:
-                    self.fp8_stats[kind] = fractions
-                self._record(kind, finite, scale, amax)
-                return q, wide_t
-            if not update:
-                return quantize(t, scale, fmt, finite=finite), None
-            if self.track_stats:
-                q, stats = quantize_with_stats(t, scale, fmt, finite=finite)
-                self.fp8_stats[kind] = stats
+                q, wide_t, fractions = fused_quantize(t, scale, fmt, finite=finite, stats=stats)
+            elif stats:
+                q, fractions = quantize_with_stats(t, scale, fmt, finite=finite)
             else:
                 q = quantize(t, scale, fmt, finite=finite)
-            self._record(kind, finite, scale, amax)
-        return q, None
-
-    def _record(self, kind: int, finite: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor) -> None:
-        """A training iteration's bookkeeping for one tensor kind: flag, scale, amax history."""
-        self.fp8_nonfinite.logical_or_(~finite)
-        self.fp8_scale[kind] = scale
-        record_amax(self.fp8_amax_history[kind], amax)  # a non-finite amax is recorded as 0
+            if update:
+                if fractions is not None:
+                    self.fp8_stats[kind] = fractions
+                self.fp8_nonfinite.logical_or_(~finite)
+                self.fp8_scale[kind] = scale
+                record_amax(history, amax)  # a non-finite amax is recorded as 0
+        return q, wide_t
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         out_dtype = _compute_dtype(input)

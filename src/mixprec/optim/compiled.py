@@ -17,7 +17,7 @@ import torch
 import torch._dynamo.exc
 import torch._inductor.exc
 
-from mixprec.compiling import compile_works, mark_compile_failed
+from mixprec.compiling import compile_works, compiled, recompile_headroom
 from mixprec.optim.fast import init_adam_state, scalar_value
 
 __all__ = [
@@ -28,7 +28,6 @@ __all__ = [
     "CompileSetting",
     "check_compile_setting",
     "compiled_adam_step",
-    "disable_compiled_route",
     "reserve_layout",
     "uniform_steps",
     "use_compiled_route",
@@ -72,11 +71,6 @@ def check_compile_setting(value: object, owner: str = "compile") -> CompileSetti
     )
 
 
-def disable_compiled_route(device: torch.device | str, exc: BaseException) -> None:
-    """Remember (for this process) that compiling failed on ``device``'s type, and warn once."""
-    mark_compile_failed(device, exc)
-
-
 def use_compiled_route(
     setting: CompileSetting,
     rounding: str,
@@ -114,12 +108,11 @@ def use_compiled_route(
 
 
 class CompileRouteFailed(RuntimeError):
-    """The compiled route could not compile; ``remaining`` (every parameter of the call)
-    were left unstepped, their step counts restored, for the caller to step another way."""
+    """The compiled route could not compile: no parameter of the call was stepped and
+    their step counts are as before, for the caller to step them another way."""
 
-    def __init__(self, remaining: list[torch.Tensor], cause: BaseException) -> None:
+    def __init__(self, cause: BaseException) -> None:
         super().__init__(f"{type(cause).__name__}: {cause}")
-        self.remaining = remaining
         self.cause = cause
 
 
@@ -207,9 +200,6 @@ def _hash16(x: torch.Tensor) -> torch.Tensor:
     return (x & 0xFFFF).to(torch.int32)
 
 
-_COMPILED: dict[str, Callable[..., None]] = {}
-
-
 def compiled_adam_step(
     optimizer: torch.optim.Optimizer,
     group: dict[str, Any],
@@ -246,13 +236,9 @@ def compiled_adam_step(
     beta1, beta2 = (scalar_value(b) for b in group["betas"])
     eps, weight_decay = float(group["eps"]), float(group["weight_decay"])
     decoupled = bool(group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW)))
-    fn = _COMPILED.get("adam")
-    if fn is None:
-        # emulate_precision_casts: keep the bf16/fp16 rounding of the stored weight when the
-        # Kahan residual reads it back (inductor otherwise folds to(bf16).float() into a no-op)
-        fn = _COMPILED["adam"] = torch.compile(
-            _adam_lists, dynamic=False, options={"emulate_precision_casts": True}
-        )
+    # emulate_precision_casts: keep the bf16/fp16 rounding of the stored weight when the
+    # Kahan residual reads it back (inductor otherwise folds to(bf16).float() into a no-op)
+    fn = compiled(_adam_lists, dynamic=False, options={"emulate_precision_casts": True})
     device = active[0].device
     hyper = torch.tensor(
         [lr, beta1, beta2, eps, weight_decay, lr / (1 - beta1**step), (1 - beta2**step) ** 0.5],
@@ -265,9 +251,7 @@ def compiled_adam_step(
         seed = _seed32(counter[0])
     torch._foreach_add_(steps, 1.0)
     try:
-        # dynamo's per-function recompile limit (8 by default) would silently run this
-        # uncompiled past 8 layouts; mixprec bounds its layouts itself (see use_compiled_route)
-        with torch._dynamo.config.patch(recompile_limit=max(torch._dynamo.config.recompile_limit, 64)):
+        with recompile_headroom():  # past 8 layouts dynamo would run it uncompiled
             fn(
                 active, [p.grad for p in active], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
                 [s["max_exp_avg_sq"] for s in states] if group["amsgrad"] else [],
@@ -281,7 +265,7 @@ def compiled_adam_step(
         # too): give the step counts back so that nothing is half-counted.
         torch._foreach_sub_(steps, 1.0)
         if isinstance(exc, torch._dynamo.exc.TorchDynamoException | torch._inductor.exc.InductorError):
-            raise CompileRouteFailed(active, exc) from exc
+            raise CompileRouteFailed(exc) from exc
         raise
     if counter is not None and rounding == "stochastic":
         counter[0] += 1

@@ -39,6 +39,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from mixprec.compiling import mark_compile_failed
 from mixprec.dtypes import LOW_PRECISION_DTYPES, parse_dtype
 from mixprec.optim import footprint
 from mixprec.optim.base import WrappedOptimizer
@@ -49,7 +50,6 @@ from mixprec.optim.compiled import (
     CompileSetting,
     check_compile_setting,
     compiled_adam_step,
-    disable_compiled_route,
     reserve_layout,
     uniform_steps,
     use_compiled_route,
@@ -283,7 +283,7 @@ class LowPrecisionOptimizer(WrappedOptimizer):
         except CompileRouteFailed as failed:
             if self.compile is True:
                 raise failed.cause from None
-            disable_compiled_route(active[0].device, failed.cause)
+            mark_compile_failed(active[0].device, failed.cause)
             return active  # nothing was stepped: all go the eager way
         return []
 
