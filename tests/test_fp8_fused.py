@@ -184,3 +184,19 @@ def test_many_dtype_and_format_combinations_all_run_compiled_and_the_rest_eagerl
         assert compiled == (n < 10), (n, compiled)
         ref = quantize_with_stats(x, torch.tensor(0.5), fmt)[0] if stats else quantize(x, torch.tensor(0.5), fmt)
         assert torch.equal(q.data.view(torch.uint8), ref.data.view(torch.uint8))
+
+
+def test_mixprec_compile_environment_variable(monkeypatch):
+    """MIXPREC_COMPILE=0 turns the automatic compilation off (the eager quantiser runs, same
+    bits); a value it does not understand is an error naming it and the fix."""
+    monkeypatch.setenv("MIXPREC_COMPILE", "0")
+    assert not compile_works("cpu")
+    x = torch.randn(8, 8) * 100
+    graphs = _graphs()
+    q, wide, _ = fused_quantize(x, torch.tensor(1.0), Format.E4M3, finite=torch.tensor(True), stats=False)
+    assert _graphs() == graphs and torch.equal(wide, widen(quantize(x, torch.tensor(1.0), Format.E4M3).data))
+    monkeypatch.setenv("MIXPREC_COMPILE", "sometimes")
+    with pytest.raises(ValueError, match=r"MIXPREC_COMPILE='sometimes' is not understood: set it to 0"):
+        compile_works("cpu")
+    monkeypatch.setenv("MIXPREC_COMPILE", "1")
+    assert compile_works("cpu")

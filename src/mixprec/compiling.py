@@ -44,6 +44,19 @@ MAX_SPECIALISATIONS = 16
 
 _FAILED: set[str] = set()  # device types on which a compilation failed in this process
 _OFF_VALUES = ("0", "off", "false", "no")
+_ON_VALUES = ("", "1", "on", "true", "yes")
+
+
+def _enabled_by_environment() -> bool:
+    value = os.environ.get("MIXPREC_COMPILE", "1").strip().lower()
+    if value in _OFF_VALUES:
+        return False
+    if value in _ON_VALUES:
+        return True
+    raise ValueError(
+        f"MIXPREC_COMPILE={os.environ['MIXPREC_COMPILE']!r} is not understood: set it to 0 (never compile "
+        "mixprec's kernels automatically) or 1 (the default), or unset it"
+    )
 
 
 def _probe(x: torch.Tensor) -> torch.Tensor:
@@ -96,7 +109,7 @@ def compile_works(device: torch.device | str, *, probe: bool = True) -> bool:
     device_type = torch.device(device).type
     if device_type not in ("cpu", "cuda") or device_type in _FAILED:
         return False
-    if torch._dynamo.config.disable or os.environ.get("MIXPREC_COMPILE", "1").strip().lower() in _OFF_VALUES:
+    if torch._dynamo.config.disable or not _enabled_by_environment():
         return False
     return _probe_compiles(device_type) if probe else True
 
