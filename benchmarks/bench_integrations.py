@@ -6,7 +6,9 @@ framework's own bf16 (``TrainingArguments(bf16=True)``, Lightning ``precision="b
 ``Accelerator(mixed_precision="bf16")``). Runs alternate (mixprec, native, mixprec, ...)
 in ABBA order so machine noise and warm-up effects hit both sides alike; a step is timed from the framework's own hooks
 (batch start to batch end), the first steps of each run are warm-up, and the median
-step time over all rounds is reported with the ratio mixprec / native.
+step time over all rounds is reported with the ratio mixprec / native. Each round's own
+ratio (its mixprec median over its native median) is also kept: their quartiles show how
+far one round moves on this machine, which a single ratio hides.
 
     python benchmarks/bench_integrations.py                    # all three, Markdown table
     python benchmarks/bench_integrations.py --frameworks accelerate --steps 40 --rounds 5
@@ -174,18 +176,25 @@ def main(argv: list[str] | None = None) -> int:
     logging.disable(logging.WARNING)
     print(f"GPT-2 {LAYERS}x{WIDTH}, batch {BATCH}x{SEQ}, CPU, {args.steps} steps x {args.rounds} rounds per side, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads\n")
-    print("| framework | native bf16 | native ms/step | mixprec bf16-mixed ms/step | ratio |")
-    print("|---|---|---:|---:|---:|")
+    print("| framework | native bf16 | native ms/step | mixprec bf16-mixed ms/step | ratio | round ratios: quartiles |")
+    print("|---|---|---:|---:|---:|---:|")
     for name in args.frameworks:
         runner, native = RUNNERS[name]
         ours: list[float] = []
         theirs: list[float] = []
+        pairs: list[float] = []  # each round's mixprec median / native median
         for round_ in range(args.rounds):  # ABBA order: a side that runs first gains or loses nothing
+            medians = {}
             for side in ((True, False) if round_ % 2 == 0 else (False, True)):
-                (ours if side else theirs).extend(runner(side, args.steps)[args.warmup:])
+                times = runner(side, args.steps)[args.warmup:]
+                (ours if side else theirs).extend(times)
+                medians[side] = statistics.median(times)
                 gc.collect()  # the previous run's trainer, model and graphs must not slow the next one
+            pairs.append(medians[True] / medians[False])
         a, b = statistics.median(ours) * 1e3, statistics.median(theirs) * 1e3
-        print(f"| {name} | `{native}` | {b:.1f} | {a:.1f} | {a / b:.3f} |", flush=True)
+        spread = statistics.quantiles(pairs, n=4) if len(pairs) > 1 else [pairs[0]] * 3
+        print(f"| {name} | `{native}` | {b:.1f} | {a:.1f} | {a / b:.3f} | {spread[0]:.3f} / {spread[1]:.3f} / {spread[2]:.3f} |",
+              flush=True)
     return 0
 
 

@@ -35,7 +35,7 @@ What the plugin guarantees:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Generator, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -144,11 +144,9 @@ class MixprecPrecision(Precision):
         return bool(self.mp.last_step_skipped)
 
     # ---------------------------------------------------------- forward
-    @contextlib.contextmanager
-    def forward_context(self) -> Generator[None, None, None]:
+    def forward_context(self) -> contextlib.AbstractContextManager[Any]:  # type: ignore[override]
         # Lightning runs DDP's no_sync itself: the plan's autocast is all the forward needs.
-        with self.mp.plan.autocast(self.mp.device_type):
-            yield
+        return self.mp.plan.autocast(self.mp.device_type)
 
     # --------------------------------------------------------- backward
     def pre_backward(self, tensor: torch.Tensor, module: Any) -> Any:
@@ -178,7 +176,7 @@ class MixprecPrecision(Precision):
         if not isinstance(model, pl.LightningModule) or not model.automatic_optimization:
             return False
         trainer = model._trainer
-        if trainer is None or trainer.world_size > 1:  # DDP's reducer owns .grad
+        if trainer is None or trainer.accumulate_grad_batches == 1 or trainer.world_size > 1:  # DDP's reducer owns .grad
             return False
         return bool(trainer.fit_loop.epoch_loop._should_accumulate())
 
@@ -187,15 +185,15 @@ class MixprecPrecision(Precision):
     def _only(self, optimizer: Any) -> Iterator[Any]:
         """Narrow the MixedPrecision to one optimizer while it steps (manual optimisation)."""
         target = _inner(optimizer)
+        if len(self.mp.optimizers) == 1 and self.mp.optimizers[0] is target:
+            yield target
+            return
         mine = [o for o in self.mp.optimizers if o is target]
         if not mine:
             raise RuntimeError(
                 f"the optimizer {type(target).__name__} was not prepared by mixprec: under Fabric create them with "
                 "mixprec.integrations.lightning.setup(fabric, model, *optimizers)"
             )
-        if len(self.mp.optimizers) == 1:
-            yield mine[0]
-            return
         everything = self.mp.optimizers
         self.mp.optimizers = mine
         try:
@@ -203,13 +201,6 @@ class MixprecPrecision(Precision):
         finally:
             self.mp.optimizers = everything
 
-    def _step(self, optimizer: Any, zero_grad: bool = True) -> StepResult:
-        with self._only(optimizer) as opt:
-            result = self.mp.step(zero_grad=zero_grad)
-            self._skipped[id(opt)] = bool(result.skipped)
-        self._pending = False
-        self.last_result = result
-        return result
 
     def optimizer_step(self, optimizer: Any, model: Any = None, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:  # type: ignore[override]
         if kwargs:
@@ -220,12 +211,15 @@ class MixprecPrecision(Precision):
             return None  # training_step returned None: no backward, nothing to step
         if not self._pending:
             return closure_result  # manual optimisation: step() without a backward since the last step
-        with self._only(optimizer):
+        with self._only(optimizer) as opt:
             self.mp.unscale_()  # true gradients before the hooks and clipping
-        if lightning:
-            self._after_closure(model, optimizer)  # on_before_optimizer_step, then configure_gradient_clipping
-        # Lightning's automatic optimisation clears the gradients itself before the next backward.
-        self._step(optimizer, zero_grad=not (lightning and model.automatic_optimization))
+            if lightning:
+                self._after_closure(model, optimizer)  # on_before_optimizer_step, then configure_gradient_clipping
+            # Lightning's automatic optimisation clears the gradients itself before the next backward.
+            result = self.mp.step(zero_grad=not (lightning and model.automatic_optimization))
+            self._skipped[id(opt)] = bool(result.skipped)
+        self._pending = False
+        self.last_result = result
         return closure_result
 
     # -------------------------------------------------------- clipping

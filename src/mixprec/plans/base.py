@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
@@ -228,20 +227,15 @@ class Plan:
 
         return autocast_backward(self.policy)
 
-    @contextlib.contextmanager
-    def autocast(self, device_type: str = "cpu") -> Iterator[None]:
-        """The context the forward pass runs in."""
+    def autocast(self, device_type: str = "cpu") -> contextlib.AbstractContextManager[Any]:
+        """The context the forward pass runs in (a new context manager per call)."""
         if not self.uses_autocast:
-            yield
-            return
+            return contextlib.nullcontext()
         if self.policy is None:  # no custom op lists: exactly torch.autocast, nothing added
-            with torch.autocast(device_type, dtype=self.compute_dtype):
-                yield
-            return
+            return torch.autocast(device_type, dtype=self.compute_dtype)
         from mixprec.amp import autocast
 
-        with autocast(self.compute_dtype, device_type=device_type, policy=self.policy):
-            yield
+        return autocast(self.compute_dtype, device_type=device_type, policy=self.policy)
 
     def before_unscale(self, model: torch.nn.Module, process_group: Any) -> None:
         """Called by the front door at each step boundary, before gradients are unscaled.

@@ -76,13 +76,15 @@ class FullPrecisionPlan(Plan):
         # The backward GEMMs (two thirds of the work) run under the same TF32 setting.
         return self.autocast(device_type) if self.tf32 else contextlib.nullcontext()
 
-    @contextlib.contextmanager
-    def autocast(self, device_type: str = "cpu") -> Iterator[None]:
-        if not self.tf32:
-            yield
-            return
-        _TF32.enter()  # reference-counted: overlapping regions in several threads restore correctly
-        try:
-            yield
-        finally:
-            _TF32.exit()
+    def autocast(self, device_type: str = "cpu") -> contextlib.AbstractContextManager[Any]:
+        return _tf32_region() if self.tf32 else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _tf32_region() -> Iterator[None]:
+    """TF32 matmuls and convolutions on for the region."""
+    _TF32.enter()  # reference-counted: overlapping regions in several threads restore correctly
+    try:
+        yield
+    finally:
+        _TF32.exit()

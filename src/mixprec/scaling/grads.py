@@ -11,7 +11,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterator
 
 import torch
 
@@ -20,8 +20,15 @@ from mixprec.nested import by_device_dtype
 __all__ = ["grad_tensors", "unscale_and_check"]
 
 
-def grad_tensors(optimizer: torch.optim.Optimizer) -> Iterable[torch.Tensor]:
+def grad_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """The gradient values of every parameter of ``optimizer`` (sparse ones coalesced if low precision)."""
+    grads = [g for group in optimizer.param_groups for p in group["params"] if (g := p.grad) is not None]
+    if not any(g.is_sparse for g in grads):  # the common case, without a Python step per gradient
+        return grads
+    return list(_with_sparse(optimizer))
+
+
+def _with_sparse(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
     for group in optimizer.param_groups:
         for param in group["params"]:
             grad = param.grad
