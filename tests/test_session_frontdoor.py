@@ -381,3 +381,85 @@ def test_buffers_a_framework_replaces_after_prepare_are_still_guarded_and_the_de
     assert mp.device == torch.device("cpu") and mp.device_type == "cpu"
     model.to("meta")
     assert mp.device == torch.device("meta") and mp.device_type == "meta"  # not frozen at prepare()
+
+
+def _count_norm_kernels(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count the total gradient norms the session measures (an optimizer's own checks aside)."""
+    import mixprec.composable
+
+    calls: list[int] = []
+    real = mixprec.composable.total_norm
+    monkeypatch.setattr(mixprec.composable, "total_norm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("plan", ["bf16-mixed", "fp16-mixed", "bf16-master", "bf16-kahan"])
+def test_clipping_then_stepping_reads_the_gradients_once_and_reports_the_norm_before_clipping(plan, monkeypatch):
+    torch.manual_seed(0)
+    model = BNNet()
+    mp = MixedPrecision(plan)
+    model, opt = mp.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01))
+    with mp.autocast():
+        loss = torch.nn.functional.mse_loss(model(torch.randn(16, 8)).float(), torch.randn(16, 4))
+    mp.backward(loss)
+    calls = _count_norm_kernels(monkeypatch)
+    norm = mp.clip_grad_norm_(1e-4)
+    result = mp.step()
+    assert result.stepped and len(calls) == 1
+    assert result.grad_norm == float(norm) > 1e-4  # the norm before clipping, as clip_grad_norm_ returned it
+
+
+def test_a_gradient_changed_after_clipping_is_measured_again_and_skips_the_step(monkeypatch):
+    """The norm clipping measured is reused only while the gradients are the same, unchanged tensors."""
+    for change in ("in place", "replaced"):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 4)
+        mp = MixedPrecision("bf16-mixed")
+        model, opt = mp.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        before = model.weight.detach().clone()
+        mp.backward(model(torch.randn(6, 8)).pow(2).mean())
+        mp.clip_grad_norm_(1.0)
+        if change == "in place":
+            model.weight.grad[0, 0] = float("inf")  # a framework hook after the clipping
+        else:
+            model.weight.grad = torch.full_like(model.weight, float("nan"))
+        calls = _count_norm_kernels(monkeypatch)
+        result = mp.step()
+        monkeypatch.undo()
+        assert result.skip_reason == "overflow" and len(calls) == 1, change
+        assert torch.equal(model.weight.detach(), before), change
+
+
+def test_grad_norm_for_logging_is_the_norm_the_step_decides_on(monkeypatch):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    mp = MixedPrecision("fp16-mixed", scaler=DynamicLossScaler(init_scale=2.0**10))
+    model, opt = mp.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with mp.autocast():
+        mp.backward(model(torch.randn(6, 8)).float().pow(2).mean())
+    calls = _count_norm_kernels(monkeypatch)
+    logged = float(mp.grad_norm())
+    result = mp.step()
+    assert len(calls) == 1 and result.stepped and result.grad_norm == logged
+    # the next step measures its own gradients
+    with mp.autocast():
+        mp.backward(model(torch.randn(6, 8)).float().pow(2).mean())
+    assert mp.step().stepped and len(calls) == 2
+
+
+def test_the_device_is_the_first_parameters_wherever_it_sits_and_follows_replacements():
+    class Holder(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.empty = torch.nn.Sequential()  # no parameters: skipped
+            self.none = None  # a None child
+            self.inner = torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Linear(2, 2))
+            self.register_parameter("absent", None)
+
+    model = Holder()
+    mp = MixedPrecision("bf16-mixed")
+    mp.prepare_model(model)
+    assert mp.device == next(model.parameters()).device == torch.device("cpu")
+    model.inner[1].weight = torch.nn.Parameter(torch.ones(2, 2, device="meta"))  # a framework swaps a parameter
+    assert mp.device == next(model.parameters()).device == torch.device("meta")
+    assert MixedPrecision("bf16-mixed").device is None  # no model yet

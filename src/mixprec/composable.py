@@ -38,6 +38,7 @@ from mixprec.plans import Plan
 from mixprec.scaling import LossScaler
 from mixprec.scaling.grads import grad_tensors
 from mixprec.step import (
+    NormMemo,
     SkipDecision,
     StepResult,
     call_hook,
@@ -78,6 +79,7 @@ class ComposableSteps:
     grad_accum_steps: int
     last_result: StepResult | None
     _decision: SkipDecision
+    _norm_memo: NormMemo
     _micro: int
     _unscaled: bool
     _published: bool
@@ -178,7 +180,16 @@ class ComposableSteps:
     def grad_norm(self) -> torch.Tensor:
         """The true (unscaled) total 2-norm of every optimizer's gradients (unscales first)."""
         self._unscale()
-        return total_norm(self._grads(), self.device)
+        return self._norm(self._grads())
+
+    def _norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """The total norm of ``grads``, measured once a step while they stay unchanged
+        (clipping, logging and the skip decision then read the gradients once)."""
+        norm = self._norm_memo.get(grads)
+        if norm is None:
+            norm = total_norm(grads, None if grads else self.device)  # the device only places an empty total
+            self._norm_memo.remember(grads, norm)
+        return norm
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Unscale, then clip the true gradients to a total norm of ``max_norm``; returns the norm
@@ -188,8 +199,9 @@ class ComposableSteps:
             raise ValueError(f"max_norm must be a positive number, got {max_norm!r}")
         self._unscale()
         grads = self._grads()
-        norm = total_norm(grads, self.device)
+        norm = self._norm(grads)
         clip_(grads, norm, float(max_norm))
+        self._norm_memo.remember(grads, norm)  # the clipped gradients are finite exactly when the norm is
         return norm
 
     def clip_grad_value_(self, clip_value: float) -> None:

@@ -38,12 +38,12 @@ from mixprec.prepare import (
 from mixprec.resume import session_state, validated_scaler_state
 from mixprec.scaling import LossScaler
 from mixprec.step import (
+    NormMemo,
     SkipDecision,
     StepLedger,
     StepResult,
     apply_update,
     clip_,
-    total_norm,
 )
 
 __all__ = ["MixedPrecision", "StepResult"]
@@ -115,6 +115,7 @@ class MixedPrecision(ComposableSteps):
         self.last_result: StepResult | None = None
         self._prepared: PreparedModel | None = None
         self._decision = SkipDecision(process_group)
+        self._norm_memo = NormMemo()
         self._buffers = BufferGuard()
         self._ledger = StepLedger()
         self._micro = 0
@@ -265,7 +266,7 @@ class MixedPrecision(ComposableSteps):
         """Unscale, measure, decide once for all optimizers and ranks, then clip and update."""
         self._unscale()
         grads = self._grads()
-        norm = total_norm(grads, None if grads else self.device)  # the device only places an empty total
+        norm = self._norm(grads)
         reason = self._decision.decide(norm, self.plan.nonfinite_flag(self.model), self.scaler, self.optimizers)  # type: ignore[arg-type]
         if reason is None and self.clip_grad_norm is not None:
             clip_(grads, norm, self.clip_grad_norm)
@@ -297,6 +298,7 @@ class MixedPrecision(ComposableSteps):
 
     def _reset_step(self) -> None:
         self._micro = 0
+        self._norm_memo.forget()
         self._decision.reset()
         self._unscaled = False
         self._published = False

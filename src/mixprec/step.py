@@ -30,7 +30,7 @@ from mixprec.process_groups import all_reduce_max, resolve_group
 from mixprec.scaling import LossScaler
 
 __all__ = [
-    "SkipDecision", "StepLedger", "StepResult", "apply_update", "call_hook", "check_loss", "clip_", "skip_error", "total_norm", "unscale_all", "warn_zero_grads",
+    "NormMemo", "SkipDecision", "StepLedger", "StepResult", "apply_update", "call_hook", "check_loss", "clip_", "skip_error", "total_norm", "unscale_all", "warn_zero_grads",
 ]
 
 
@@ -127,6 +127,48 @@ def total_norm(grads: Sequence[torch.Tensor], device: torch.device | None) -> to
 def _norm_of(grads: list[torch.Tensor]) -> torch.Tensor:
     """The fp32 2-norm of tensors of one device and dtype (one foreach kernel)."""
     return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)), 2.0)
+
+
+class NormMemo:
+    """The total gradient norm measured in this step, for as long as those gradients are unchanged.
+
+    A framework's clipping (``clip_grad_norm_``) or logging (``grad_norm``) measures the
+    gradients; the skip decision then needs the same norm. "Unchanged" means the same
+    tensors with the same version counters: every in-place change bumps a tensor's
+    counter (``torch._foreach_mul_`` of the clipping included, which is why the memo is
+    taken again after clipping); a change made through ``tensor.data`` bypasses the counter
+    and is not seen. The memo holds the gradients until :meth:`forget` (each step's end).
+
+    >>> import torch
+    >>> memo, g = NormMemo(), [torch.full((4,), 2.0)]
+    >>> memo.remember(g, total_norm(g, None)); memo.get(g)
+    tensor(4.)
+    >>> _ = g[0].mul_(0.5)  # an in-place change: the memo no longer holds
+    >>> memo.get(g) is None
+    True
+    """
+
+    def __init__(self) -> None:
+        self._grads: list[torch.Tensor] = []
+        self._versions: list[int] = []
+        self._norm: torch.Tensor | None = None
+
+    def remember(self, grads: Sequence[torch.Tensor], norm: torch.Tensor) -> None:
+        self._grads = list(grads)
+        self._versions = [g._version for g in self._grads]
+        self._norm = norm
+
+    def get(self, grads: Sequence[torch.Tensor]) -> torch.Tensor | None:
+        """The remembered norm if ``grads`` are the very tensors measured, unchanged; else None."""
+        if self._norm is None or len(grads) != len(self._grads):
+            return None
+        for g, seen, version in zip(grads, self._grads, self._versions, strict=True):
+            if g is not seen or g._version != version:
+                return None
+        return self._norm
+
+    def forget(self) -> None:
+        self._grads, self._versions, self._norm = [], [], None
 
 
 def clip_(grads: Sequence[torch.Tensor], norm: torch.Tensor, max_norm: float) -> None:
