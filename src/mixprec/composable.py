@@ -180,15 +180,17 @@ class ComposableSteps:
     def grad_norm(self) -> torch.Tensor:
         """The true (unscaled) total 2-norm of every optimizer's gradients (unscales first)."""
         self._unscale()
-        return self._norm(self._grads())
+        return self._norm(self._grads(), remember=True)
 
-    def _norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+    def _norm(self, grads: list[torch.Tensor], *, remember: bool) -> torch.Tensor:
         """The total norm of ``grads``, measured once a step while they stay unchanged
-        (clipping, logging and the skip decision then read the gradients once)."""
+        (clipping, logging and the skip decision then read the gradients once).
+        ``remember``: keep it for a later reader this step (the skip decision is the last)."""
         norm = self._norm_memo.get(grads)
         if norm is None:
             norm = total_norm(grads, None if grads else self.device)  # the device only places an empty total
-            self._norm_memo.remember(grads, norm)
+            if remember:
+                self._norm_memo.remember(grads, norm)
         return norm
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
@@ -199,7 +201,7 @@ class ComposableSteps:
             raise ValueError(f"max_norm must be a positive number, got {max_norm!r}")
         self._unscale()
         grads = self._grads()
-        norm = self._norm(grads)
+        norm = self._norm(grads, remember=False)
         clip_(grads, norm, float(max_norm))
         self._norm_memo.remember(grads, norm)  # the clipped gradients are finite exactly when the norm is
         return norm

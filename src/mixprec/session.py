@@ -266,7 +266,7 @@ class MixedPrecision(ComposableSteps):
         """Unscale, measure, decide once for all optimizers and ranks, then clip and update."""
         self._unscale()
         grads = self._grads()
-        norm = self._norm(grads)
+        norm = self._norm(grads, remember=False)
         reason = self._decision.decide(norm, self.plan.nonfinite_flag(self.model), self.scaler, self.optimizers)  # type: ignore[arg-type]
         if reason is None and self.clip_grad_norm is not None:
             clip_(grads, norm, self.clip_grad_norm)
