@@ -12,6 +12,12 @@ far one round moves on this machine, which a single ratio hides.
 
     python benchmarks/bench_integrations.py                    # all three, Markdown table
     python benchmarks/bench_integrations.py --frameworks accelerate --steps 40 --rounds 5
+    python benchmarks/bench_integrations.py --frameworks lightning --interleave   # + one-Trainer A/B
+
+Separate runs of the tiny model differ by several percent from one another on this
+machine (each run allocates its model and buffers afresh). ``--interleave`` adds a
+Lightning row measured inside one Trainer whose precision plugin alternates every step
+between mixprec's and Lightning's own, so both sides share the model and its memory.
 """
 
 from __future__ import annotations
@@ -122,6 +128,51 @@ def run_lightning(mixprec: bool, steps: int) -> list[float]:
     return times
 
 
+def run_lightning_interleaved(steps: int) -> tuple[list[float], list[float]]:
+    """One Lightning ``Trainer`` whose precision plugin alternates every step between mixprec's
+    and Lightning's own bf16 (``MixedPrecision("bf16-mixed")``): both sides run on the same
+    model, data and memory, so what separate runs differ by (allocation, layout) cancels.
+    With ``bf16-mixed`` mixprec converts nothing and wraps nothing, so either plugin can
+    take any step. Returns (mixprec step times, native step times)."""
+    import lightning as L
+    from lightning.pytorch.plugins.precision import MixedPrecision as NativeMixedPrecision
+
+    from mixprec.integrations.lightning import MixprecPrecision
+
+    times: dict[bool, list[float]] = {True: [], False: []}
+    ours, native = MixprecPrecision("bf16-mixed"), NativeMixedPrecision("bf16-mixed", "cpu")
+
+    class LM(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = _gpt2()
+
+        def training_step(self, batch, batch_idx):
+            (x,) = batch
+            return self.model(input_ids=x, labels=x).loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+    class Alternate(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.side = batch_idx % 2 == 0
+            trainer.strategy.precision_plugin = ours if self.side else native
+            self.t0 = time.perf_counter()
+
+        def on_train_batch_end(self, *args):
+            times[self.side].append(time.perf_counter() - self.t0)
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[Alternate()],
+                        plugins=[ours])
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(_tokens(steps)), batch_size=BATCH)
+    trainer.fit(LM(), loader)
+    if ours.mp.optimizer_steps != len(times[True]):
+        raise RuntimeError("the mixprec side did not step every one of its batches")
+    return times[True], times[False]
+
+
 # ------------------------------------------------------------------- accelerate
 def run_accelerate(mixprec: bool, steps: int) -> list[float]:
     from accelerate import Accelerator
@@ -165,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="alternating run pairs (default: 3)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--size", default="tiny", choices=list(SIZES), help="model size (default: tiny)")
+    parser.add_argument("--interleave", action="store_true",
+                        help="also time Lightning with the two plugins alternating step by step in one Trainer "
+                             "(--rounds Trainers of 4x --steps steps each)")
     args = parser.parse_args(argv)
     global LAYERS, WIDTH, SEQ
     LAYERS, WIDTH, SEQ = SIZES[args.size]
@@ -195,6 +249,19 @@ def main(argv: list[str] | None = None) -> int:
         spread = statistics.quantiles(pairs, n=4) if len(pairs) > 1 else [pairs[0]] * 3
         print(f"| {name} | `{native}` | {b:.1f} | {a:.1f} | {a / b:.3f} | {spread[0]:.3f} / {spread[1]:.3f} / {spread[2]:.3f} |",
               flush=True)
+    if args.interleave:
+        ours, theirs, pairs = [], [], []
+        for _ in range(args.rounds):
+            mine, native_times = run_lightning_interleaved(4 * args.steps)
+            mine, native_times = mine[args.warmup:], native_times[args.warmup:]
+            ours.extend(mine)
+            theirs.extend(native_times)
+            pairs.append(statistics.median(mine) / statistics.median(native_times))
+            gc.collect()
+        a, b = statistics.median(ours) * 1e3, statistics.median(theirs) * 1e3
+        spread = statistics.quantiles(pairs, n=4) if len(pairs) > 1 else [pairs[0]] * 3
+        print(f"| lightning, alternating steps in one Trainer | `MixedPrecision(\"bf16-mixed\")` | {b:.1f} | {a:.1f} | "
+              f"{a / b:.3f} | {spread[0]:.3f} / {spread[1]:.3f} / {spread[2]:.3f} |", flush=True)
     return 0
 
 
