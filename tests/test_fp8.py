@@ -199,6 +199,7 @@ def test_a_layer_with_the_largest_margin_trains_finite(margin):
 
 def test_e5m2_recipe_quantises_everything_to_e5m2():
     assert (Fp8Format.E5M2.forward, Fp8Format.E5M2.backward) == (Format.E5M2, Format.E5M2)
+    torch.manual_seed(0)  # the layers' weights, whatever ran before
     for recipe in (DelayedScaling(fmt="e5m2", amax_history_len=2), CurrentScaling(fmt="e5m2")):
         assert recipe.fp8_format is Fp8Format.E5M2
         layer = Fp8Linear(16, 16, bias=False, recipe=recipe)
@@ -207,7 +208,9 @@ def test_e5m2_recipe_quantises_everything_to_e5m2():
         y = _iterate(layer, x)
         qx = quantize(x, f32(57344 / 2.0), Format.E5M2).dequantize()
         qw = quantize(layer.weight.detach(), layer.fp8_scale[WEIGHT], Format.E5M2).dequantize()
-        assert torch.allclose(y.detach(), qx @ qw.T, rtol=1e-6, atol=1e-7)
+        # the layer scales after its fp32 sums, the reference before: sums near zero differ by
+        # an ulp of their terms (1.7e-7 seen), so atol is 1e-6 (no miss over 300 seeds)
+        assert torch.allclose(y.detach(), qx @ qw.T, rtol=1e-6, atol=1e-6)
 
 
 def test_recipes_are_frozen_and_formats_are_data():
@@ -278,6 +281,7 @@ def test_first_iteration_scale_with_and_without_amax_init(amax_init, first_scale
 
 
 def test_delayed_scaling_quantises_with_the_previous_scale_and_saturates_a_spike():
+    torch.manual_seed(0)  # the layer's weights, whatever ran before
     layer = Fp8Linear(16, 16, bias=False, recipe=DelayedScaling(amax_history_len=4))
     _iterate(layer, _input_with_amax(1.0))
     spike = torch.full((4, 16), 0.5)
@@ -286,7 +290,7 @@ def test_delayed_scaling_quantises_with_the_previous_scale_and_saturates_a_spike
     y = _iterate(layer, spike)
     expected = quantize(spike, torch.tensor(448.0), Format.E4M3).dequantize()
     w = quantize(layer.weight.detach(), layer.fp8_scale[WEIGHT], Format.E4M3).dequantize()
-    assert torch.allclose(y.detach(), expected @ w.T, rtol=1e-6, atol=1e-7)
+    assert torch.allclose(y.detach(), expected @ w.T, rtol=1e-6, atol=1e-6)  # scaled after vs before the sums
     assert torch.isfinite(y).all()
     s = stats(torch.nn.Sequential(layer))["0"]["input"]
     assert (s["saturation"], s["underflow"], s["scale"], s["amax"]) == (0.25, 0.25, 448.0, 4.0)

@@ -76,6 +76,18 @@ def test_fused_quantize_of_a_non_finite_tensor_is_all_nan(bad):
     assert torch.equal(q.data.view(torch.uint8), eager.data.view(torch.uint8))  # the same NaN code
 
 
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_a_non_finite_tensor_with_zeros_reports_no_underflow_and_no_saturation(bad):
+    """Its zeros become NaN codes with everything else: nothing is flushed (was a negative fraction)."""
+    x = torch.randn(8, 8)
+    x[0, :4] = 0.0
+    x[5, 5] = bad
+    finite = torch.isfinite(x).all()
+    _, eager = quantize_with_stats(x, torch.tensor(1.0), Format.E4M3, finite=finite)
+    _, _, fused = fused_quantize(x, torch.tensor(1.0), Format.E4M3, finite=finite, stats=True)
+    assert torch.equal(eager, torch.zeros(2)) and torch.equal(fused, eager), (eager, fused)
+
+
 def test_fused_quantize_falls_back_to_eager_when_compilation_fails(monkeypatch):
     import sys
 

@@ -93,7 +93,8 @@ def quantize_with_stats(
     # the one-byte codes rather than on the fp32 values.
     zero_after = torch.count_nonzero((data.view(torch.uint8) & 0x7F) == 0)
     nonzero_before = torch.count_nonzero(x)  # one pass, no boolean temporary
-    flushed = zero_after - (x.numel() - nonzero_before)
+    # clamped: a non-finite tensor becomes NaN codes, so its zero inputs are not zero codes
+    flushed = (zero_after - (x.numel() - nonzero_before)).clamp(min=0)
     nonzero = nonzero_before.clamp(min=1)
     stats = torch.stack([saturated / max(x.numel(), 1), flushed / nonzero]).float()
     return Quantized(data, scale.reciprocal()), stats
@@ -112,7 +113,7 @@ def _fused(
         return data, wide, None
     saturated = (scaled > fmt_max).sum() + (scaled < -fmt_max).sum()
     nonzero_before = (x != 0).sum()
-    flushed = (wide == 0).sum() - (x.numel() - nonzero_before)
+    flushed = ((wide == 0).sum() - (x.numel() - nonzero_before)).clamp(min=0)
     fractions = torch.stack([saturated / max(x.numel(), 1), flushed / nonzero_before.clamp(min=1)]).float()
     return data, wide, fractions
 
