@@ -94,12 +94,10 @@ def run_transformers(mixprec: bool, steps: int) -> list[float]:
 
 
 # -------------------------------------------------------------------- lightning
-def run_lightning(mixprec: bool, steps: int) -> list[float]:
+def _fit_lightning(steps: int, callback, **precision) -> None:
+    """Train the model ``steps`` steps with a Lightning ``Trainer`` (``precision``: its
+    ``plugins=`` or ``precision=``), ``callback`` timing the steps."""
     import lightning as L
-
-    from mixprec.integrations.lightning import MixprecPrecision
-
-    times: list[float] = []
 
     class LM(L.LightningModule):
         def __init__(self) -> None:
@@ -113,6 +111,19 @@ def run_lightning(mixprec: bool, steps: int) -> list[float]:
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[callback], **precision)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(_tokens(steps)), batch_size=BATCH)
+    trainer.fit(LM(), loader)
+
+
+def run_lightning(mixprec: bool, steps: int) -> list[float]:
+    import lightning as L
+
+    from mixprec.integrations.lightning import MixprecPrecision
+
+    times: list[float] = []
+
     class Clock(L.Callback):
         def on_train_batch_start(self, *args):
             self.t0 = time.perf_counter()
@@ -121,10 +132,7 @@ def run_lightning(mixprec: bool, steps: int) -> list[float]:
             times.append(time.perf_counter() - self.t0)
 
     precision = {"plugins": [MixprecPrecision("bf16-mixed")]} if mixprec else {"precision": "bf16-mixed"}
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[Clock()], **precision)
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(_tokens(steps)), batch_size=BATCH)
-    trainer.fit(LM(), loader)
+    _fit_lightning(steps, Clock(), **precision)
     return times
 
 
@@ -142,18 +150,6 @@ def run_lightning_interleaved(steps: int) -> tuple[list[float], list[float]]:
     times: dict[bool, list[float]] = {True: [], False: []}
     ours, native = MixprecPrecision("bf16-mixed"), NativeMixedPrecision("bf16-mixed", "cpu")
 
-    class LM(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = _gpt2()
-
-        def training_step(self, batch, batch_idx):
-            (x,) = batch
-            return self.model(input_ids=x, labels=x).loss
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-4)
-
     class Alternate(L.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             self.side = batch_idx % 2 == 0
@@ -163,11 +159,7 @@ def run_lightning_interleaved(steps: int) -> tuple[list[float], list[float]]:
         def on_train_batch_end(self, *args):
             times[self.side].append(time.perf_counter() - self.t0)
 
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[Alternate()],
-                        plugins=[ours])
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(_tokens(steps)), batch_size=BATCH)
-    trainer.fit(LM(), loader)
+    _fit_lightning(steps, Alternate(), plugins=[ours])
     if ours.mp.optimizer_steps != len(times[True]):
         raise RuntimeError("the mixprec side did not step every one of its batches")
     return times[True], times[False]
@@ -208,6 +200,17 @@ RUNNERS: dict[str, tuple[Callable[[bool, int], list[float]], str]] = {
 }
 
 
+def _print_row(name: str, native: str, rounds: list[tuple[list[float], list[float]]]) -> None:
+    """One table row: pooled median step times of (mixprec, native) over all rounds, their
+    ratio, and the quartiles of each round's own ratio."""
+    ours = [t for mine, _ in rounds for t in mine]
+    theirs = [t for _, native_times in rounds for t in native_times]
+    pairs = [statistics.median(mine) / statistics.median(native_times) for mine, native_times in rounds]
+    a, b = statistics.median(ours) * 1e3, statistics.median(theirs) * 1e3
+    q = statistics.quantiles(pairs, n=4) if len(pairs) > 1 else [pairs[0]] * 3
+    print(f"| {name} | {native} | {b:.1f} | {a:.1f} | {a / b:.3f} | {q[0]:.3f} / {q[1]:.3f} / {q[2]:.3f} |", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--frameworks", nargs="+", default=list(RUNNERS), choices=list(RUNNERS))
@@ -234,34 +237,21 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---:|---:|---:|---:|")
     for name in args.frameworks:
         runner, native = RUNNERS[name]
-        ours: list[float] = []
-        theirs: list[float] = []
-        pairs: list[float] = []  # each round's mixprec median / native median
+        rounds = []
         for round_ in range(args.rounds):  # ABBA order: a side that runs first gains or loses nothing
-            medians = {}
+            times = {}
             for side in ((True, False) if round_ % 2 == 0 else (False, True)):
-                times = runner(side, args.steps)[args.warmup:]
-                (ours if side else theirs).extend(times)
-                medians[side] = statistics.median(times)
+                times[side] = runner(side, args.steps)[args.warmup:]
                 gc.collect()  # the previous run's trainer, model and graphs must not slow the next one
-            pairs.append(medians[True] / medians[False])
-        a, b = statistics.median(ours) * 1e3, statistics.median(theirs) * 1e3
-        spread = statistics.quantiles(pairs, n=4) if len(pairs) > 1 else [pairs[0]] * 3
-        print(f"| {name} | `{native}` | {b:.1f} | {a:.1f} | {a / b:.3f} | {spread[0]:.3f} / {spread[1]:.3f} / {spread[2]:.3f} |",
-              flush=True)
+            rounds.append((times[True], times[False]))
+        _print_row(name, f"`{native}`", rounds)
     if args.interleave:
-        ours, theirs, pairs = [], [], []
+        rounds = []
         for _ in range(args.rounds):
-            mine, native_times = run_lightning_interleaved(4 * args.steps)
-            mine, native_times = mine[args.warmup:], native_times[args.warmup:]
-            ours.extend(mine)
-            theirs.extend(native_times)
-            pairs.append(statistics.median(mine) / statistics.median(native_times))
+            mine, theirs = run_lightning_interleaved(4 * args.steps)
+            rounds.append((mine[args.warmup:], theirs[args.warmup:]))
             gc.collect()
-        a, b = statistics.median(ours) * 1e3, statistics.median(theirs) * 1e3
-        spread = statistics.quantiles(pairs, n=4) if len(pairs) > 1 else [pairs[0]] * 3
-        print(f"| lightning, alternating steps in one Trainer | `MixedPrecision(\"bf16-mixed\")` | {b:.1f} | {a:.1f} | "
-              f"{a / b:.3f} | {spread[0]:.3f} / {spread[1]:.3f} / {spread[2]:.3f} |", flush=True)
+        _print_row("lightning, alternating steps in one Trainer", '`MixedPrecision("bf16-mixed")`', rounds)
     return 0
 
 

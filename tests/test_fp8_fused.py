@@ -115,7 +115,9 @@ def test_compiled_widening_equals_the_table_for_every_code(dtype):
     from mixprec.fp8.gemm import _widen_by_table
 
     codes = torch.arange(256, dtype=torch.uint8).repeat(300).reshape(300, 256).view(dtype)
+    graphs = _graphs()
     got, want = widen(codes), _widen_by_table(codes)
+    assert _graphs() > graphs, "the widening did not run compiled"
     assert torch.equal(got.isnan(), want.isnan())
     assert torch.equal(got.nan_to_num(0.0), want.nan_to_num(0.0))
     transposed = widen(codes.t())  # a transposed view widens through its base
@@ -125,7 +127,7 @@ def test_compiled_widening_equals_the_table_for_every_code(dtype):
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32, torch.float16])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_compiled_gemm_epilogue_rounds_once_like_the_eager_one(out_dtype, with_bias):
-    from mixprec.fp8.gemm import _epilogue
+    from mixprec.fp8.gemm import _epilogue, _epilogue_in_place
 
     gen = torch.Generator().manual_seed(1)
     acc = torch.randn(512, 384, generator=gen) * 100
@@ -137,8 +139,12 @@ def test_compiled_gemm_epilogue_rounds_once_like_the_eager_one(out_dtype, with_b
     from mixprec.compiling import call_compiled
 
     low_bias = None if bias is None else bias.to(out_dtype)
+    graphs = _graphs()
     got = call_compiled(_epilogue, acc, scale, low_bias, out_dtype)
+    assert _graphs() > graphs, "the epilogue did not run compiled"
     assert got.dtype == out_dtype and torch.equal(got, eager.to(out_dtype))
+    fallback = _epilogue_in_place(acc.clone(), scale, low_bias, out_dtype)  # what runs where nothing compiles
+    assert torch.equal(fallback, got)
 
 
 @pytest.mark.parametrize("autocast", [False, True])
@@ -161,7 +167,9 @@ def test_fp8_linear_is_bit_identical_with_and_without_the_compiled_kernels(autoc
             out += [layer.fp8_scale.clone(), layer.fp8_amax_history.clone(), layer.fp8_stats.clone()]
         return out
 
+    graphs = _graphs()
     compiled = run()
+    assert _graphs() > graphs, "the fp8 layer ran no compiled kernel"
     monkeypatch.setattr(compiling, "compiles_for", lambda x: False)
     eager = run()
     for i, (a, b) in enumerate(zip(compiled, eager, strict=True)):

@@ -36,6 +36,14 @@ WRAPPERS = {
 }
 
 
+@pytest.fixture(autouse=True)
+def _fresh_layout_budget(monkeypatch):
+    """Each test starts with a new process's budget of compiled layouts (not what earlier tests spent)."""
+    import mixprec.optim.compiled as compiled
+
+    monkeypatch.setattr(compiled, "_LAYOUTS", set())
+
+
 def _params(seed: int, dtypes: tuple[torch.dtype, ...]) -> list[list[torch.nn.Parameter]]:
     gen = torch.Generator().manual_seed(seed)
     groups: list[list[torch.nn.Parameter]] = [[], []]
@@ -465,6 +473,21 @@ def test_auto_compiles_few_layouts_and_only_uniform_steps():
     opt.optimizer.state[experts[0]]["step"] = torch.tensor(3.0)
     opt.optimizer.state[experts[1]]["step"] = torch.tensor(2.0)
     assert not opt._compiled_layout_ok(group, layouts[0])  # mixed step counts: eager
+    opt.optimizer.state[experts[1]]["step"] = torch.tensor(3.0)
+    assert opt._compiled_layout_ok(group, layouts[0])  # equal again: compiled
+
+
+def test_layouts_of_different_roundings_are_counted_apart():
+    """Kahan and stochastic rounding compile different kernels for the same shapes: the
+    process budget counts each (dynamo's raised recompile limit must hold every one)."""
+    import mixprec.optim.compiled as compiled
+
+    params = [torch.nn.Parameter(torch.randn(4, 3).bfloat16())]
+    params[0].grad = torch.zeros_like(params[0])
+    for cls in (KahanOptimizer, StochasticRoundingOptimizer):
+        opt = cls(torch.optim.AdamW(params, lr=1e-2))
+        assert opt._compiled_layout_ok(opt.optimizer.param_groups[0], params)
+    assert len(compiled._LAYOUTS) == 2
 
 
 def _experts_run(steps, monkeypatch, *, resume_at=None):

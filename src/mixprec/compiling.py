@@ -26,6 +26,7 @@ import torch._dynamo.exc
 import torch._inductor.exc
 
 __all__ = [
+    "COMPILE_ERRORS",
     "MAX_SPECIALISATIONS",
     "call_compiled",
     "compile_works",
@@ -41,6 +42,14 @@ R = TypeVar("R")
 #: constants); further combinations run eagerly. Dynamo's own limit is 8 per function,
 #: past which it would run the function uncompiled and slower than the eager code.
 MAX_SPECIALISATIONS = 16
+
+#: what a failed compilation raises (torch before 2.7 has no InductorError: its inductor
+#: failures reach the caller as dynamo's BackendCompilerFailed)
+COMPILE_ERRORS: tuple[type[Exception], ...] = tuple(
+    e for e in (torch._dynamo.exc.TorchDynamoException, getattr(torch._inductor.exc, "InductorError", None)) if e is not None
+)
+# dynamo's recompile limit per function ("cache_size_limit" before torch 2.7)
+_LIMIT = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
 
 _FAILED: set[str] = set()  # device types on which a compilation failed in this process
 _OFF_VALUES = ("0", "off", "false", "no")
@@ -128,10 +137,20 @@ def compiles_for(x: torch.Tensor) -> bool:
 
 
 _CACHE: dict[Callable[..., Any], Callable[..., Any]] = {}
+_SETTINGS: dict[Callable[..., Any], tuple[Any, ...]] = {}
 
 
 def compiled(fn: Callable[..., R], *, dynamic: bool, options: dict[str, Any] | None = None) -> Callable[..., R]:
-    """``torch.compile(fn, dynamic=dynamic, options=options)``, made once per process."""
+    """``torch.compile(fn, dynamic=dynamic, options=options)``, made once per process.
+
+    A function has one compilation: asking for it again with other settings is an error.
+    """
+    settings = (dynamic, tuple(sorted((options or {}).items())))
+    if _SETTINGS.setdefault(fn, settings) != settings:
+        raise ValueError(
+            f"{fn.__qualname__} is compiled with (dynamic, options) = {_SETTINGS[fn]}, not {settings}: "
+            "compile a separate function for other settings"
+        )
     out = _CACHE.get(fn)
     if out is None:
         out = _CACHE[fn] = torch.compile(fn, dynamic=dynamic, options=options)
@@ -144,7 +163,7 @@ def recompile_headroom() -> Iterator[None]:
     of 8 it would run a function uncompiled (slower than mixprec's eager code) without a
     word. mixprec bounds what it compiles itself (:data:`MAX_SPECIALISATIONS`, the
     optimizers' layout budgets)."""
-    with torch._dynamo.config.patch(recompile_limit=max(torch._dynamo.config.recompile_limit, 64)):
+    with torch._dynamo.config.patch(**{_LIMIT: max(getattr(torch._dynamo.config, _LIMIT), 64)}):
         yield
 
 
@@ -180,11 +199,13 @@ def call_compiled(fn: Callable[..., R], *args: Any, eager: Callable[..., R] | No
     if compiles_for(first):
         keys = _KEYS.setdefault(fn, set())
         key = _specialisation(args)
-        if key in keys or len(keys) < MAX_SPECIALISATIONS:
-            keys.add(key)
-            try:
-                with recompile_headroom():
+        try:
+            if key in keys:  # compiled already: no config patch on the hot path
+                return compiled(fn, dynamic=True)(*args)
+            if len(keys) < MAX_SPECIALISATIONS:
+                keys.add(key)
+                with recompile_headroom():  # this call compiles
                     return compiled(fn, dynamic=True)(*args)
-            except (torch._dynamo.exc.TorchDynamoException, torch._inductor.exc.InductorError) as exc:
-                mark_compile_failed(first.device, exc)
+        except COMPILE_ERRORS as exc:
+            mark_compile_failed(first.device, exc)
     return (fn if eager is None else eager)(*args)

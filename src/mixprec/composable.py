@@ -152,8 +152,6 @@ class ComposableSteps:
         self._ddp = value
 
     def _grads(self) -> list[torch.Tensor]:
-        if len(self.optimizers) == 1:
-            return grad_tensors(self.optimizers[0])
         return [g for opt in self.optimizers for g in grad_tensors(opt)]
 
     def unscale_(self) -> None:

@@ -148,10 +148,12 @@ class NormMemo:
     True
     """
 
+    _grads: list[torch.Tensor]
+    _versions: list[int]
+    _norm: torch.Tensor | None
+
     def __init__(self) -> None:
-        self._grads: list[torch.Tensor] = []
-        self._versions: list[int] = []
-        self._norm: torch.Tensor | None = None
+        self.forget()
 
     def remember(self, grads: Sequence[torch.Tensor], norm: torch.Tensor) -> None:
         self._grads = list(grads)
@@ -202,11 +204,11 @@ class SkipDecision:
     def record_loss(self, loss: torch.Tensor) -> None:
         """Keep a micro-batch's loss value to check it at the decision (a copy of one element,
         so the caller's tensor is neither kept alive nor read after it changes; no host read)."""
-        self._losses.append(loss.detach().clone())
+        self._losses.append(loss.detach().reshape(()).clone())
 
     def loss_was_nonfinite(self) -> bool:
         """Whether a loss of this step was inf/NaN (a host read)."""
-        return bool(self._losses) and not bool(torch.isfinite(torch.stack([t.float().reshape(()) for t in self._losses])).all())
+        return bool(self._losses) and not bool(torch.isfinite(torch.stack([t.float() for t in self._losses])).all())
 
     def decide(
         self,
@@ -217,28 +219,22 @@ class SkipDecision:
     ) -> str | None:
         """The skip reason (None: step). ``scaler`` has unscaled ``optimizers`` without syncing;
         it learns the decision, so its ``update()`` needs no further synchronisation."""
+        device = norm.device
+        zero = torch.zeros((), device=device)
+        losses = [t.to(device, torch.float32).reshape(()) for t in self._losses] or [zero]
+        norm = norm.detach().to(device, torch.float32).reshape(())
+        plan = zero if plan_flag is None else plan_flag.to(device, torch.float32).reshape(())
         scaling = scaler is not None and scaler.is_enabled()
-        found = scaler.sync_found_inf(optimizers) if scaling else None  # type: ignore[union-attr]
+        found = scaler.sync_found_inf(optimizers).to(device, torch.float32) if scaling else zero  # type: ignore[union-attr]
         if resolve_group(self.process_group) is None:
             # One process: read the raw values once and judge them on the host.
-            n = len(self._losses)
-            extra = [f for f in (plan_flag, found) if f is not None]
-            values = _host_values([*self._losses, norm, *extra], norm.device)
-            loss_values, self.norm, flag_values = values[:n], values[n], iter(values[n + 1:])
-            plan_bad = next(flag_values) if plan_flag is not None else 0.0
-            found_inf = next(flag_values) if found is not None else 0.0
+            *loss_values, self.norm, plan_bad, found_inf = torch.stack([*losses, norm, plan, found]).tolist()
             nonfinite_loss = not all(math.isfinite(v) for v in loss_values)
             grads_bad = found_inf > 0
             overflow = grads_bad or not math.isfinite(self.norm)
             agreed = found  # the scaler's own combined flag: already what every optimizer agreed
         else:
             # Several ranks: one MAX all-reduce of the flags, then one read of them and this rank's norm.
-            device = norm.device
-            zero = torch.zeros((), device=device)
-            losses = [t.to(device, torch.float32).reshape(()) for t in self._losses] or [zero]
-            norm = norm.detach().to(device, torch.float32).reshape(())
-            plan = zero if plan_flag is None else plan_flag.to(device, torch.float32).reshape(())
-            found = zero if found is None else found.to(device, torch.float32).reshape(())
             flags = torch.stack([
                 (~torch.isfinite(torch.stack(losses))).any().float(), (~torch.isfinite(norm)).float(), plan, found,
             ])
@@ -247,7 +243,7 @@ class SkipDecision:
             grads_bad = found_inf > 0
             overflow = grads_bad or norm_bad > 0
             agreed = flags[3]
-        if scaling and agreed is not None:
+        if scaling:
             # the scaler counts inf/NaN gradients (its backoff); a norm that overflows fp32 on finite
             # gradients skips the step but is not the scale's doing
             scaler.decided(optimizers, agreed, grads_bad)  # type: ignore[union-attr]
@@ -259,11 +255,6 @@ class SkipDecision:
 
     def reset(self) -> None:
         self._losses = []
-
-
-def _host_values(tensors: Sequence[torch.Tensor], device: torch.device) -> list[float]:
-    """The values of one-element ``tensors`` as floats, read in one go (one host read)."""
-    return torch.stack([t.detach().to(device, torch.float32).reshape(()) for t in tensors]).tolist()
 
 
 def _step_nonfinite(opt: torch.optim.Optimizer) -> torch.Tensor | None:

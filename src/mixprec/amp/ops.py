@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import torch
 
 from mixprec.amp.casting import cast_call, device_type_of, run_in, target_dtype
-from mixprec.policy import Precision, record_registered_op
+from mixprec.policy import Precision, record_registered_op, registered_ops
 
 __all__ = ["custom_op_precision", "register_op", "unregister_op"]
 
@@ -174,13 +174,8 @@ def register_op(target: Any, precision: Precision | str) -> Any:
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         return _run_with_precision(target, p, args, kwargs)
 
-    _CALLABLES.add(_callable_name(target))
-    record_registered_op(_callable_name(target), p)
+    record_registered_op(_callable_name(target), p)  # the wrapper runs the precision; the record informs explain()
     return wrapped
-
-
-# names recorded for plain callables (their wrappers run the precision; the record informs explain())
-_CALLABLES: set[str] = set()
 
 
 def _callable_name(target: Any) -> str:
@@ -230,8 +225,7 @@ def unregister_op(target: Any) -> bool:
         return True
     if callable(target):
         name = _callable_name(getattr(target, "__wrapped__", target))
-        if name in _CALLABLES:
-            _CALLABLES.discard(name)
+        if name in registered_ops():
             record_registered_op(name, None)
             return True
     return False

@@ -61,13 +61,12 @@ def prepare_copy(model: nn.Module, plan: str | Plan, criterion: Any = None) -> P
 
 def keep_fp32_islands(model: nn.Module) -> None:
     """Keep fp32 islands in fp32 after a plan cast the whole model down."""
+    from mixprec.dtypes import LOW_PRECISION_DTYPES, cast_module_
     from mixprec.islands import is_fp32_island
 
     for module in model.modules():
         if is_fp32_island(module):
-            for t in [*module.parameters(), *module.buffers()]:
-                if t.is_floating_point() and t.dtype in (torch.float16, torch.bfloat16):
-                    t.data = t.data.to(torch.float32)
+            cast_module_(module, torch.float32, only_from=LOW_PRECISION_DTYPES)
 
 
 def split_batch(batch: Any, criterion: Any) -> tuple[tuple[Any, ...], dict[str, Any], Any]:

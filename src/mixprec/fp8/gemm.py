@@ -153,6 +153,15 @@ def _epilogue(acc: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
     return out.to(out_dtype)
 
 
+def _epilogue_in_place(acc: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """:func:`_epilogue` eagerly, scaling ``acc`` (the GEMM's own temporary) in place: no
+    second fp32 m x n tensor where nothing compiles (memory estimates trace this path)."""
+    acc.mul_(scale)
+    if bias is not None:
+        acc.add_(bias)
+    return acc.to(out_dtype)
+
+
 def emulated_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` for fp8 ``a`` and ``b`` with fp32 accumulation and an fp32 result.
 
@@ -209,4 +218,4 @@ def scaled_mm(
     acc = emulated_mm(a, b)
     # scale, bias and the cast in one compiled pass on CPU (the same numbers as eager)
     low_bias = None if bias is None else bias.to(out_dtype)
-    return call_compiled(_epilogue, acc, inv_scale_a * inv_scale_b, low_bias, out_dtype)
+    return call_compiled(_epilogue, acc, inv_scale_a * inv_scale_b, low_bias, out_dtype, eager=_epilogue_in_place)

@@ -201,7 +201,6 @@ class MixprecPrecision(Precision):
         finally:
             self.mp.optimizers = everything
 
-
     def optimizer_step(self, optimizer: Any, model: Any = None, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:  # type: ignore[override]
         if kwargs:
             raise ValueError(f"mixprec steps the optimizer itself; optimizer.step() arguments {sorted(kwargs)} are not supported")

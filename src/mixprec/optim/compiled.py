@@ -14,24 +14,17 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
-import torch._dynamo.exc
-import torch._inductor.exc
 
-from mixprec.compiling import compile_works, compiled, recompile_headroom
+from mixprec.compiling import COMPILE_ERRORS, compile_works, compiled, recompile_headroom
 from mixprec.optim.fast import init_adam_state, scalar_value
 
 __all__ = [
     "AUTO_COMPILE_NUMEL",
     "AUTO_MAX_LAYOUTS",
-    "PROCESS_MAX_LAYOUTS",
-    "CompileRouteFailed",
     "CompileSetting",
     "check_compile_setting",
-    "compiled_adam_step",
-    "reserve_layout",
-    "uniform_steps",
     "use_compiled_route",
-]
+]  # the rest (compiled_adam_step, its layout budget and step-count check) is the wrappers' plumbing
 
 #: ``compile`` of the low-precision wrappers: True, False, or "auto" (see :func:`use_compiled_route`)
 CompileSetting = bool | Literal["auto"]
@@ -180,13 +173,12 @@ def uniform_steps(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tenso
     The compiled update takes one count for its bias corrections; a group whose parameters
     got gradients at different times (a mixture of experts) is stepped eagerly instead.
     """
-    counts = set()
-    for p in params:
-        step = optimizer.state.get(p, {}).get("step", 0)
-        counts.add(float(step))
-        if len(counts) > 1:
-            return False
-    return True
+    steps = [state.get("step", 0) if (state := optimizer.state.get(p)) else 0 for p in params]
+    tensors = [s for s in steps if isinstance(s, torch.Tensor)]
+    if tensors and len(tensors) == len(steps):
+        counts = torch.stack(tensors)  # one comparison, not a host read per parameter
+        return bool((counts == counts[0]).all())
+    return len({float(s) for s in steps}) <= 1
 
 
 def _hash16(x: torch.Tensor) -> torch.Tensor:
@@ -264,7 +256,7 @@ def compiled_adam_step(
         # Nearly always while compiling (seconds, before anything ran; a Ctrl-C lands there
         # too): give the step counts back so that nothing is half-counted.
         torch._foreach_sub_(steps, 1.0)
-        if isinstance(exc, torch._dynamo.exc.TorchDynamoException | torch._inductor.exc.InductorError):
+        if isinstance(exc, COMPILE_ERRORS):
             raise CompileRouteFailed(exc) from exc
         raise
     if counter is not None and rounding == "stochastic":

@@ -97,7 +97,9 @@ class LowPrecisionOptimizer(WrappedOptimizer):
             elements when torch.compile works on their device (several times faster
             than the eager fast path there), and falls back to the eager fast path, with
             one warning, if compilation fails (see
-            :func:`~mixprec.optim.compiled.use_compiled_route`).
+            :func:`~mixprec.optim.compiled.use_compiled_route`). Even with ``True`` a group
+            steps eagerly when its parameters have different step counts (the compiled
+            update takes one) or once the process has compiled 48 layouts.
 
     The wrapper never changes a parameter's ``data`` or ``grad`` (DDP's gradient hooks
     and bucket views stay attached): the generic path runs the inner optimizer on fp32
@@ -140,6 +142,7 @@ class LowPrecisionOptimizer(WrappedOptimizer):
         self.chunk_numel = chunk_numel
         self._snapshot: ParamSnapshot | None = None
         self._compiled_layouts: set[str] = set()  # layouts the compiled route took (checkpointed)
+        self._layout_keys: dict[tuple[Any, ...], str] = {}  # (param ids, grad dtypes, options) -> layout
         self._index: dict[int, tuple[int, int]] = {}  # id(param) -> (group, position), for step_selected({param})
         self._nonfinite: torch.Tensor | None = None
 
@@ -257,11 +260,20 @@ class LowPrecisionOptimizer(WrappedOptimizer):
         """
         if not uniform_steps(self.optimizer, active):
             return False
-        key = repr((
-            tuple((tuple(p.shape), str(p.dtype), str(p.grad.dtype) if p.grad is not None else "") for p in active),
+        options = (
             bool(group["amsgrad"]), bool(group["maximize"]), group["weight_decay"] != 0,
             bool(group.get("decoupled_weight_decay", isinstance(self.optimizer, torch.optim.AdamW))),
-        ))
+        )
+        # the layout of the same parameters with the same options is worked out once
+        ident = (tuple(map(id, active)), tuple(p.grad.dtype for p in active if p.grad is not None), options)
+        key = self._layout_keys.get(ident)
+        if key is None:
+            if len(self._layout_keys) >= 64:  # parameter sets that keep changing (experts)
+                self._layout_keys.clear()
+            key = self._layout_keys[ident] = repr((
+                tuple((tuple(p.shape), str(p.dtype), str(p.grad.dtype) if p.grad is not None else "") for p in active),
+                *options, self.rounding, str(self.state_dtype), active[0].device.type,
+            ))
         if key not in self._compiled_layouts:
             if self.compile == "auto" and len(self._compiled_layouts) >= AUTO_MAX_LAYOUTS:
                 return False
