@@ -559,3 +559,33 @@ def test_compiled_sr_noise_of_an_element_does_not_repeat_with_a_short_period():
     seeds = torch.tensor([_seed32(c) for c in range(5000)], dtype=torch.int64)
     noise = _hash16(torch.zeros(5000, dtype=torch.int64) ^ seeds)
     assert noise.unique().numel() > 4500  # 16 random bits: about 4830 distinct of 5000
+
+
+def test_compiled_sr_update_draws_its_noise_from_the_advancing_counter(monkeypatch):
+    """Through the update itself (run eagerly in place of its compiled form): each compiled
+    step advances the wrapper's counter by one, the same counter rounds the same way, and
+    another counter rounds differently; the rounding is unbiased over many counters."""
+    import mixprec.compiling as compiling
+    import mixprec.optim.compiled as compiled
+
+    monkeypatch.setattr(compiled, "AUTO_COMPILE_NUMEL", 1)
+    monkeypatch.setattr(compiled, "compile_works", lambda device, probe=True: True)
+    monkeypatch.setitem(compiling._CACHE, compiled._adam_lists, compiled._adam_lists)
+
+    def one_step(counter: int) -> tuple[torch.Tensor, int]:
+        w = torch.nn.Parameter(torch.ones(4096).bfloat16())
+        adam = StochasticRoundingOptimizer(torch.optim.Adam([w], lr=1e-3), seed=3)
+        state = adam.rounding_state()
+        adam.load_rounding_state({**state, "counter": counter})
+        w.grad = torch.full_like(w, -1.0)  # Adam's first step moves every weight up by lr
+        adam.step()
+        return w.detach().float(), adam.rounding_state()["counter"]
+
+    a, after = one_step(10)
+    assert after == 11  # one compiled stochastic step, one count
+    b, _ = one_step(10)
+    c, _ = one_step(11)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    # 1 + 1e-3 lies between the bf16 neighbours 1 and 1 + 2**-7: rounded up with p = 0.128
+    up = torch.stack([one_step(k)[0] for k in range(20, 28)]).gt(1.0).float().mean().item()
+    assert abs(up - 1e-3 / 2**-7) < 0.02, up
