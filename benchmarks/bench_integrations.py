@@ -136,23 +136,27 @@ def run_lightning(mixprec: bool, steps: int) -> list[float]:
     return times
 
 
-def run_lightning_interleaved(steps: int) -> tuple[list[float], list[float]]:
+def run_lightning_interleaved(steps: int, parity: int = 0, control: bool = False) -> tuple[list[float], list[float]]:
     """One Lightning ``Trainer`` whose precision plugin alternates every step between mixprec's
     and Lightning's own bf16 (``MixedPrecision("bf16-mixed")``): both sides run on the same
     model, data and memory, so what separate runs differ by (allocation, layout) cancels.
     With ``bf16-mixed`` mixprec converts nothing and wraps nothing, so either plugin can
-    take any step. Returns (mixprec step times, native step times)."""
+    take any step. mixprec takes the batches whose index has this ``parity`` (callers
+    alternate it: a side that always ran the even steps would keep whatever those cost).
+    ``control``: both sides run Lightning's own plugin (two instances), which measures what
+    the alternation itself leaves in the ratio. Returns (mixprec step times, native step times)."""
     import lightning as L
     from lightning.pytorch.plugins.precision import MixedPrecision as NativeMixedPrecision
 
     from mixprec.integrations.lightning import MixprecPrecision
 
     times: dict[bool, list[float]] = {True: [], False: []}
-    ours, native = MixprecPrecision("bf16-mixed"), NativeMixedPrecision("bf16-mixed", "cpu")
+    ours = NativeMixedPrecision("bf16-mixed", "cpu") if control else MixprecPrecision("bf16-mixed")
+    native = NativeMixedPrecision("bf16-mixed", "cpu")
 
     class Alternate(L.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            self.side = batch_idx % 2 == 0
+            self.side = batch_idx % 2 == parity
             trainer.strategy.precision_plugin = ours if self.side else native
             self.t0 = time.perf_counter()
 
@@ -160,7 +164,7 @@ def run_lightning_interleaved(steps: int) -> tuple[list[float], list[float]]:
             times[self.side].append(time.perf_counter() - self.t0)
 
     _fit_lightning(steps, Alternate(), plugins=[ours])
-    if ours.mp.optimizer_steps != len(times[True]):
+    if not control and ours.mp.optimizer_steps != len(times[True]):
         raise RuntimeError("the mixprec side did not step every one of its batches")
     return times[True], times[False]
 
@@ -222,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--interleave", action="store_true",
                         help="also time Lightning with the two plugins alternating step by step in one Trainer "
                              "(--rounds Trainers of 4x --steps steps each)")
+    parser.add_argument("--control", action="store_true",
+                        help="with --interleave: also a row alternating Lightning's own plugin with itself "
+                             "(what the method leaves in a ratio; ideally 1.000)")
     args = parser.parse_args(argv)
     global LAYERS, WIDTH, SEQ
     LAYERS, WIDTH, SEQ = SIZES[args.size]
@@ -246,12 +253,16 @@ def main(argv: list[str] | None = None) -> int:
             rounds.append((times[True], times[False]))
         _print_row(name, f"`{native}`", rounds)
     if args.interleave:
-        rounds = []
-        for _ in range(args.rounds):
-            mine, theirs = run_lightning_interleaved(4 * args.steps)
-            rounds.append((mine[args.warmup:], theirs[args.warmup:]))
-            gc.collect()
-        _print_row("lightning, alternating steps in one Trainer", '`MixedPrecision("bf16-mixed")`', rounds)
+        rows = [("lightning, alternating steps in one Trainer", False)]
+        if args.control:
+            rows.append(("control: Lightning's own plugin alternating with itself", True))
+        for title, control in rows:
+            rounds = []
+            for round_ in range(args.rounds):
+                mine, theirs = run_lightning_interleaved(4 * args.steps, parity=round_ % 2, control=control)
+                rounds.append((mine[args.warmup:], theirs[args.warmup:]))
+                gc.collect()
+            _print_row(title, '`MixedPrecision("bf16-mixed")`', rounds)
     return 0
 
 

@@ -462,4 +462,26 @@ def test_the_device_is_the_first_parameters_wherever_it_sits_and_follows_replace
     assert mp.device == next(model.parameters()).device == torch.device("cpu")
     model.inner[1].weight = torch.nn.Parameter(torch.ones(2, 2, device="meta"))  # a framework swaps a parameter
     assert mp.device == next(model.parameters()).device == torch.device("meta")
+    model.inner = torch.nn.Sequential(torch.nn.Linear(2, 2, device="meta").to_empty(device="cpu"))  # ... or a module
+    assert mp.device == next(model.parameters()).device == torch.device("cpu")
+    model.to("meta")  # moved in place: the parameter objects stay, their device follows
+    assert mp.device == torch.device("meta")
+    del model.inner[0].weight  # the first parameter gone: the next one answers
+    assert mp.device == next(model.parameters()).device
     assert MixedPrecision("bf16-mixed").device is None  # no model yet
+
+
+def test_the_device_lookup_walks_the_model_once_while_nothing_changes(monkeypatch):
+    import mixprec.composable as composable
+
+    walks = []
+    walk = composable._first_parameter
+    monkeypatch.setattr(composable, "_first_parameter", lambda m: walks.append(m) or walk(m))
+    model = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(2, 2)), torch.nn.Linear(2, 2))
+    mp = MixedPrecision("bf16-mixed")
+    mp.prepare_model(model)
+    for _ in range(3):
+        assert mp.device == torch.device("cpu")
+    assert walks.count(model) == 1  # (the walk recurses through the same function)
+    model[0][0] = torch.nn.Linear(2, 2)
+    assert mp.device == torch.device("cpu") and walks.count(model) == 2

@@ -51,16 +51,41 @@ from mixprec.step import (
 __all__ = ["ComposableSteps"]
 
 
-def _first_parameter(module: torch.nn.Module) -> torch.nn.Parameter | None:
-    """``next(iter(module.parameters()), None)`` without building the module walk: the
-    device is read several times a step, and the walk costs ~20 us on a small model."""
-    for p in module._parameters.values():
+def _first_parameter(module: torch.nn.Module) -> list[tuple[dict[str, Any], str, Any]] | None:
+    """Where ``next(iter(module.parameters()), None)`` sits: the (dict, key, value) links from
+    ``module`` down to it (``_modules`` entries, then one ``_parameters`` entry), or None."""
+    for name, p in module._parameters.items():
         if p is not None:
-            return p
-    for child in module._modules.values():
-        if child is not None and (p := _first_parameter(child)) is not None:
-            return p
+            return [(module._parameters, name, p)]
+    for name, child in module._modules.items():
+        if child is not None and (below := _first_parameter(child)) is not None:
+            return [(module._modules, name, child), *below]
     return None
+
+
+class FirstParameter:
+    """The model's first parameter, found once and then checked with a few dict lookups.
+
+    The device is read a few times a step, and a walk down the module tree costs ~30 us
+    once a backward has left the caches cold. The parameter found stays the answer while
+    every link from the model down to it still holds (``model.to()`` keeps the parameter
+    objects); a framework that replaces it or a module above it makes the next read walk again.
+    """
+
+    def __init__(self) -> None:
+        self._model: torch.nn.Module | None = None
+        self._links: list[tuple[dict[str, Any], str, Any]] | None = None
+
+    def of(self, model: torch.nn.Module) -> torch.nn.Parameter | None:
+        links = self._links
+        if model is self._model and links is not None:
+            for d, k, v in links:
+                if d.get(k) is not v:
+                    break
+            else:
+                return links[-1][2]
+        self._model, self._links = model, _first_parameter(model)
+        return None if self._links is None else self._links[-1][2]
 
 
 class ComposableSteps:
@@ -84,6 +109,7 @@ class ComposableSteps:
     _unscaled: bool
     _published: bool
     _ddp: bool
+    _first: FirstParameter
 
     @property
     def device(self) -> torch.device | None:
@@ -91,12 +117,13 @@ class ComposableSteps:
         move the model after :meth:`~mixprec.MixedPrecision.prepare` (Lightning, Accelerate)."""
         if self._device is not None or self.model is None:
             return self._device
-        first = _first_parameter(self.model)
+        first = self._first.of(self.model)
         return None if first is None else first.device
 
     @property
     def device_type(self) -> str:
-        return (self.device or torch.device("cpu")).type
+        device = self.device
+        return "cpu" if device is None else device.type
 
     def is_accumulating(self) -> bool:
         """True when the next backward() is not at an accumulation boundary."""

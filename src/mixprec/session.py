@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from mixprec.buffers import BufferGuard
-from mixprec.composable import ComposableSteps
+from mixprec.composable import ComposableSteps, FirstParameter
 from mixprec.optim import InBackwardOptimizer
 from mixprec.options import check_in_backward, check_ready, check_session_options
 from mixprec.plans import Plan, get_plan
@@ -105,6 +105,7 @@ class MixedPrecision(ComposableSteps):
         self.process_group = process_group
         self.scaler: LossScaler = scaler if scaler is not None else self.plan.make_scaler(process_group)
         self._device = None if device is None else torch.device(device)
+        self._first = FirstParameter()
         self.compile = compile
         self.trace_overflow = trace_overflow
         self.optimizer_in_backward = optimizer_in_backward

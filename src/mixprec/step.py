@@ -107,6 +107,9 @@ def unscale_all(
         scaler.unscale_(opt, sync=False)
 
 
+_DEVICE_INDEX = torch.Tensor.get_device  # -1 on the CPU, the index elsewhere
+
+
 def total_norm(grads: Sequence[torch.Tensor], device: torch.device | None) -> torch.Tensor:
     """The total 2-norm of ``grads`` in fp32: one foreach norm per (device, dtype) group.
 
@@ -115,8 +118,10 @@ def total_norm(grads: Sequence[torch.Tensor], device: torch.device | None) -> to
     """
     if not grads:
         return torch.zeros((), device=device)
-    if len({(type(g), g.dtype, g.device) for g in grads}) == 1 and type(grads[0]) is torch.Tensor:
-        return _norm_of(list(grads))  # the common case: one kernel, one pass over the list
+    # the common case, plain tensors on one device: one foreach kernel, whatever their dtypes
+    # (the checks loop in C; CUDA devices of one index but two types would fail loudly in the kernel)
+    if len(set(map(type, grads))) == 1 and type(grads[0]) is torch.Tensor and len(set(map(_DEVICE_INDEX, grads))) == 1:
+        return _norm_of(list(grads))
     if has_dtensor(grads):
         return total_grad_norm(list(grads))
     groups = by_device_dtype(grads)
@@ -125,7 +130,7 @@ def total_norm(grads: Sequence[torch.Tensor], device: torch.device | None) -> to
 
 
 def _norm_of(grads: list[torch.Tensor]) -> torch.Tensor:
-    """The fp32 2-norm of tensors of one device and dtype (one foreach kernel)."""
+    """The fp32 2-norm of tensors on one device (one foreach kernel; mixed dtypes are fine)."""
     return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)), 2.0)
 
 
@@ -202,9 +207,11 @@ class SkipDecision:
         self.norm: float | None = None  # the gradient norm the last decision read
 
     def record_loss(self, loss: torch.Tensor) -> None:
-        """Keep a micro-batch's loss value to check it at the decision (a copy of one element,
-        so the caller's tensor is neither kept alive nor read after it changes; no host read)."""
-        self._losses.append(loss.detach().reshape(()).clone())
+        """Keep a micro-batch's loss value to check it at the decision (an fp32 copy of its one
+        element, so the caller's tensor is neither kept alive nor read after it changes; no host read)."""
+        kept = loss.detach()
+        kept = kept.clone() if kept.dtype == torch.float32 else kept.to(torch.float32)  # widening is exact
+        self._losses.append(kept if kept.dim() == 0 else kept.reshape(()))
 
     def loss_was_nonfinite(self) -> bool:
         """Whether a loss of this step was inf/NaN (a host read)."""
@@ -220,13 +227,21 @@ class SkipDecision:
         """The skip reason (None: step). ``scaler`` has unscaled ``optimizers`` without syncing;
         it learns the decision, so its ``update()`` needs no further synchronisation."""
         device = norm.device
-        zero = torch.zeros((), device=device)
-        losses = [t.to(device, torch.float32).reshape(()) for t in self._losses] or [zero]
-        norm = norm.detach().to(device, torch.float32).reshape(())
-        plan = zero if plan_flag is None else plan_flag.to(device, torch.float32).reshape(())
+        norm = _fp32_scalar(norm.detach() if norm.requires_grad else norm, device)
         scaling = scaler is not None and scaler.is_enabled()
+        single = resolve_group(self.process_group) is None
+        if single and plan_flag is None and not scaling:
+            # One process, nothing but the losses and the norm to judge (bf16 and fp32 plans):
+            # one small stack, one host read.
+            *loss_values, self.norm = torch.stack([*(_fp32_scalar(t, device) for t in self._losses), norm]).tolist()
+            if not all(math.isfinite(v) for v in loss_values):
+                return "nonfinite_loss"
+            return None if math.isfinite(self.norm) else "overflow"
+        zero = torch.zeros((), device=device)
+        losses = [_fp32_scalar(t, device) for t in self._losses] or [zero]
+        plan = zero if plan_flag is None else _fp32_scalar(plan_flag, device)
         found = scaler.sync_found_inf(optimizers).to(device, torch.float32) if scaling else zero  # type: ignore[union-attr]
-        if resolve_group(self.process_group) is None:
+        if single:
             # One process: read the raw values once and judge them on the host.
             *loss_values, self.norm, plan_bad, found_inf = torch.stack([*losses, norm, plan, found]).tolist()
             nonfinite_loss = not all(math.isfinite(v) for v in loss_values)
@@ -255,6 +270,13 @@ class SkipDecision:
 
     def reset(self) -> None:
         self._losses = []
+
+
+def _fp32_scalar(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` as a 0-dim fp32 tensor on ``device`` (no kernel where it already is one)."""
+    if t.dtype != torch.float32 or t.device != device:
+        t = t.to(device, torch.float32)
+    return t if t.dim() == 0 else t.reshape(())
 
 
 def _step_nonfinite(opt: torch.optim.Optimizer) -> torch.Tensor | None:

@@ -210,16 +210,23 @@ class MixprecPrecision(Precision):
             return None  # training_step returned None: no backward, nothing to step
         if not self._pending:
             return closure_result  # manual optimisation: step() without a backward since the last step
-        with self._only(optimizer) as opt:
-            self.mp.unscale_()  # true gradients before the hooks and clipping
-            if lightning:
-                self._after_closure(model, optimizer)  # on_before_optimizer_step, then configure_gradient_clipping
-            # Lightning's automatic optimisation clears the gradients itself before the next backward.
-            result = self.mp.step(zero_grad=not (lightning and model.automatic_optimization))
-            self._skipped[id(opt)] = bool(result.skipped)
+        target = _inner(optimizer)
+        if len(self.mp.optimizers) == 1 and self.mp.optimizers[0] is target:  # nothing to narrow
+            result = self._step(model, optimizer, lightning)
+        else:
+            with self._only(optimizer):
+                result = self._step(model, optimizer, lightning)
+        self._skipped[id(target)] = result.skipped
         self._pending = False
         self.last_result = result
         return closure_result
+
+    def _step(self, model: Any, optimizer: Any, lightning: bool) -> StepResult:
+        self.mp.unscale_()  # true gradients before the hooks and clipping
+        if lightning:
+            self._after_closure(model, optimizer)  # on_before_optimizer_step, then configure_gradient_clipping
+        # Lightning's automatic optimisation clears the gradients itself before the next backward.
+        return self.mp.step(zero_grad=not (lightning and model.automatic_optimization))
 
     # -------------------------------------------------------- clipping
     def unscale_gradients(self, optimizer: Any) -> None:

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterator
 
 import torch
@@ -19,11 +20,13 @@ from mixprec.nested import by_device_dtype
 
 __all__ = ["grad_tensors", "unscale_and_check"]
 
+_IS_SPARSE = operator.attrgetter("is_sparse")
+
 
 def grad_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """The gradient values of every parameter of ``optimizer`` (sparse ones coalesced if low precision)."""
     grads = [g for group in optimizer.param_groups for p in group["params"] if (g := p.grad) is not None]
-    if not any(g.is_sparse for g in grads):  # the common case, without a Python step per gradient
+    if not any(map(_IS_SPARSE, grads)):  # the common case, without a Python step per gradient
         return grads
     return list(_with_sparse(optimizer))
 
