@@ -50,6 +50,8 @@ from mixprec.step import (
 
 __all__ = ["ComposableSteps"]
 
+_NO_CONTEXT = contextlib.nullcontext()  # stateless: one instance serves every backward
+
 
 def _first_parameter(module: torch.nn.Module) -> list[tuple[dict[str, Any], str, Any]] | None:
     """Where ``next(iter(module.parameters()), None)`` sits: the (dict, key, value) links from
@@ -151,7 +153,10 @@ class ComposableSteps:
     def backward_context(self) -> contextlib.AbstractContextManager[Any]:
         """The context a backward runs in (the plan's): a custom op policy also holds where
         backward recomputes the forward (activation checkpointing); tf32 stays on."""
-        return self.plan.backward_context(self.device_type)
+        plan = self.plan
+        if plan.policy is None and type(plan).backward_context is Plan.backward_context:
+            return _NO_CONTEXT  # what the base plan returns without a policy, without looking up the device
+        return plan.backward_context(self.device_type)
 
     def micro_batch_done(self, boundary: bool | None = None) -> None:
         """Count one finished backward; between accumulation boundaries, let the optimizer
@@ -194,9 +199,9 @@ class ComposableSteps:
             self._published = True
 
     def _unscale(self) -> None:
-        check_ready(self.model, self.optimizers, "unscale_()")
-        if self._unscaled:
+        if self._unscaled:  # (checked when it was set)
             return
+        check_ready(self.model, self.optimizers, "unscale_()")
         if self._micro == 0:
             raise RuntimeError("unscale_() called before any backward(); call mp.backward(loss) first")
         unscale_all(self.plan, self.model, self.optimizers, self.scaler, self.process_group)  # type: ignore[arg-type]

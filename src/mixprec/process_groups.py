@@ -19,9 +19,12 @@ import torch.distributed as dist
 __all__ = ["all_reduce_max", "is_distributed", "rank", "resolve_group", "world_size"]
 
 
+_AVAILABLE = dist.is_available()  # fixed by how torch was built
+
+
 def is_distributed() -> bool:
     """True when torch.distributed is initialised with more than one rank."""
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    return _AVAILABLE and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def resolve_group(process_group: Any = None) -> Any:

@@ -290,9 +290,12 @@ def apply_update(optimizers: Sequence[torch.optim.Optimizer], process_group: Any
     The decision is made and gradients are unscaled, so each optimizer steps directly.
     Returns ``"nonfinite_weights"`` when the update was undone, else None.
     """
+    refusals = []
     for opt in optimizers:
         opt.step()
-    refusals = [f for opt in optimizers if (f := _step_nonfinite(opt)) is not None]
+        check = getattr(opt, "step_nonfinite", None)  # wrappers whose update can refuse inf weights
+        if check is not None and (flag := check()) is not None:
+            refusals.append(flag)
     if not refusals:
         return None
     refused = torch.stack([f.reshape(()).float().to(refusals[0].device) for f in refusals]).amax()
@@ -324,8 +327,9 @@ class StepLedger:
         overflow: Any = None,
     ) -> StepResult:
         """Count a decided step; raise after ``max_consecutive_skips`` skips in a row."""
-        if reason is None or (reason == "overflow" and scaler.is_enabled()):
-            if scaler.is_enabled():
+        enabled = scaler.is_enabled()
+        if reason is None or (reason == "overflow" and enabled):
+            if enabled:
                 scaler.update()  # an overflow backs the scale off
         else:
             scaler.skip()  # scaling cannot fix a forward overflow: keep the scale
@@ -336,11 +340,12 @@ class StepLedger:
             self.consecutive_skips += 1
         if reason is not None and self.consecutive_skips >= max_consecutive_skips:
             raise skip_error(reason, self.consecutive_skips, grad_norm, scaler.get_scale())
-        if reason is None and grad_norm == 0.0 and scaler.is_enabled() and not self._warned_zero_grads:
+        scale = scaler.get_scale()
+        if reason is None and grad_norm == 0.0 and enabled and not self._warned_zero_grads:
             self._warned_zero_grads = True
-            warn_zero_grads(scaler.get_scale())
+            warn_zero_grads(scale)
         return StepResult(
-            stepped=reason is None, skipped=reason is not None, scale=scaler.get_scale(), grad_norm=grad_norm,
+            stepped=reason is None, skipped=reason is not None, scale=scale, grad_norm=grad_norm,
             skip_reason=reason, optimizer_steps=self.optimizer_steps, overflow=overflow,
         )
 
