@@ -142,7 +142,7 @@ def run_lightning_interleaved(steps: int, parity: int = 0, control: bool = False
     model, data and memory, so what separate runs differ by (allocation, layout) cancels.
     With ``bf16-mixed`` mixprec converts nothing and wraps nothing, so either plugin can
     take any step. mixprec takes the batches whose index has this ``parity`` (callers
-    alternate it: a side that always ran the even steps would keep whatever those cost).
+    run both: a side that always ran the even steps would keep whatever those cost).
     ``control``: both sides run Lightning's own plugin (two instances), which measures what
     the alternation itself leaves in the ratio. Returns (mixprec step times, native step times)."""
     import lightning as L
@@ -225,11 +225,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", default="tiny", choices=list(SIZES), help="model size (default: tiny)")
     parser.add_argument("--interleave", action="store_true",
                         help="also time Lightning with the two plugins alternating step by step in one Trainer "
-                             "(--rounds Trainers of 4x --steps steps each)")
+                             "(per round two Trainers of 2x --steps steps: mixprec on the even steps, then the odd)")
     parser.add_argument("--control", action="store_true",
                         help="with --interleave: also a row alternating Lightning's own plugin with itself "
                              "(what the method leaves in a ratio; ideally 1.000)")
     args = parser.parse_args(argv)
+    if args.control and not args.interleave:
+        parser.error("--control adds a row to --interleave; pass both")
     global LAYERS, WIDTH, SEQ
     LAYERS, WIDTH, SEQ = SIZES[args.size]
     if args.threads:
@@ -258,10 +260,14 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(("control: Lightning's own plugin alternating with itself", True))
         for title, control in rows:
             rounds = []
-            for round_ in range(args.rounds):
-                mine, theirs = run_lightning_interleaved(4 * args.steps, parity=round_ % 2, control=control)
-                rounds.append((mine[args.warmup:], theirs[args.warmup:]))
-                gc.collect()
+            for _ in range(args.rounds):
+                both: tuple[list[float], list[float]] = ([], [])
+                for parity in (0, 1):  # mixprec on the even steps, then on the odd ones
+                    mine, theirs = run_lightning_interleaved(2 * args.steps, parity=parity, control=control)
+                    both[0].extend(mine[args.warmup:])
+                    both[1].extend(theirs[args.warmup:])
+                    gc.collect()
+                rounds.append(both)
             _print_row(title, '`MixedPrecision("bf16-mixed")`', rounds)
     return 0
 

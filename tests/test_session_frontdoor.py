@@ -466,8 +466,10 @@ def test_the_device_is_the_first_parameters_wherever_it_sits_and_follows_replace
     assert mp.device == next(model.parameters()).device == torch.device("cpu")
     model.to("meta")  # moved in place: the parameter objects stay, their device follows
     assert mp.device == torch.device("meta")
+    model.inner[0].bias = torch.nn.Parameter(torch.ones(2))  # the second parameter on another device
+    assert mp.device == torch.device("meta")  # the first one still answers
     del model.inner[0].weight  # the first parameter gone: the next one answers
-    assert mp.device == next(model.parameters()).device
+    assert mp.device == next(model.parameters()).device == torch.device("cpu")
     assert MixedPrecision("bf16-mixed").device is None  # no model yet
 
 

@@ -72,6 +72,8 @@ class FirstParameter:
     once a backward has left the caches cold. The parameter found stays the answer while
     every link from the model down to it still holds (``model.to()`` keeps the parameter
     objects); a framework that replaces it or a module above it makes the next read walk again.
+    A parameter added after it was found, earlier in ``parameters()`` order, is not seen: it
+    matters only if it sits on another device than the rest of the model.
     """
 
     def __init__(self) -> None:

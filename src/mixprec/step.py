@@ -16,6 +16,7 @@ non-finite low-precision weight checks once more, after the update).
 from __future__ import annotations
 
 import math
+import operator
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -108,6 +109,7 @@ def unscale_all(
 
 
 _DEVICE_INDEX = torch.Tensor.get_device  # -1 on the CPU, the index elsewhere
+_DTYPE = operator.attrgetter("dtype")
 
 
 def total_norm(grads: Sequence[torch.Tensor], device: torch.device | None) -> torch.Tensor:
@@ -118,9 +120,15 @@ def total_norm(grads: Sequence[torch.Tensor], device: torch.device | None) -> to
     """
     if not grads:
         return torch.zeros((), device=device)
-    # the common case, plain tensors on one device: one foreach kernel, whatever their dtypes
-    # (the checks loop in C; CUDA devices of one index but two types would fail loudly in the kernel)
-    if len(set(map(type, grads))) == 1 and type(grads[0]) is torch.Tensor and len(set(map(_DEVICE_INDEX, grads))) == 1:
+    # the common case, plain tensors of one dtype on one device: one foreach kernel (CUDA's fused
+    # norm needs one dtype). The checks loop in C; devices of one index but two types (cuda:0
+    # and xpu:0) would fail loudly in the kernel.
+    if (
+        len(set(map(type, grads))) == 1
+        and type(grads[0]) is torch.Tensor
+        and len(set(map(_DTYPE, grads))) == 1
+        and len(set(map(_DEVICE_INDEX, grads))) == 1
+    ):
         return _norm_of(list(grads))
     if has_dtensor(grads):
         return total_grad_norm(list(grads))
@@ -130,7 +138,7 @@ def total_norm(grads: Sequence[torch.Tensor], device: torch.device | None) -> to
 
 
 def _norm_of(grads: list[torch.Tensor]) -> torch.Tensor:
-    """The fp32 2-norm of tensors on one device (one foreach kernel; mixed dtypes are fine)."""
+    """The fp32 2-norm of tensors of one device and dtype (one foreach kernel)."""
     return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)), 2.0)
 
 
