@@ -50,9 +50,6 @@ from mixprec.step import (
 
 __all__ = ["ComposableSteps"]
 
-_NO_CONTEXT = contextlib.nullcontext()  # stateless: one instance serves every backward
-
-
 def _first_parameter(module: torch.nn.Module) -> list[tuple[dict[str, Any], str, Any]] | None:
     """Where ``next(iter(module.parameters()), None)`` sits: the (dict, key, value) links from
     ``module`` down to it (``_modules`` entries, then one ``_parameters`` entry), or None."""
@@ -155,10 +152,7 @@ class ComposableSteps:
     def backward_context(self) -> contextlib.AbstractContextManager[Any]:
         """The context a backward runs in (the plan's): a custom op policy also holds where
         backward recomputes the forward (activation checkpointing); tf32 stays on."""
-        plan = self.plan
-        if plan.policy is None and type(plan).backward_context is Plan.backward_context:
-            return _NO_CONTEXT  # what the base plan returns without a policy, without looking up the device
-        return plan.backward_context(self.device_type)
+        return self.plan.backward_context(self.device_type)
 
     def micro_batch_done(self, boundary: bool | None = None) -> None:
         """Count one finished backward; between accumulation boundaries, let the optimizer

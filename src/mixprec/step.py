@@ -236,40 +236,38 @@ class SkipDecision:
         it learns the decision, so its ``update()`` needs no further synchronisation."""
         device = norm.device
         norm = _fp32_scalar(norm.detach() if norm.requires_grad else norm, device)
+        losses = [_fp32_scalar(t, device) for t in self._losses]
+        plan = None if plan_flag is None else _fp32_scalar(plan_flag, device)
         scaling = scaler is not None and scaler.is_enabled()
+        found = scaler.sync_found_inf(optimizers).to(device, torch.float32) if scaling else None  # type: ignore[union-attr]
         single = resolve_group(self.process_group) is None
-        if single and plan_flag is None and not scaling:
-            # One process, nothing but the losses and the norm to judge (bf16 and fp32 plans):
-            # one small stack, one host read.
-            *loss_values, self.norm = torch.stack([*(_fp32_scalar(t, device) for t in self._losses), norm]).tolist()
-            if not all(math.isfinite(v) for v in loss_values):
-                return "nonfinite_loss"
-            return None if math.isfinite(self.norm) else "overflow"
-        zero = torch.zeros((), device=device)
-        losses = [_fp32_scalar(t, device) for t in self._losses] or [zero]
-        plan = zero if plan_flag is None else _fp32_scalar(plan_flag, device)
-        found = scaler.sync_found_inf(optimizers).to(device, torch.float32) if scaling else zero  # type: ignore[union-attr]
         if single:
-            # One process: read the raw values once and judge them on the host.
-            *loss_values, self.norm, plan_bad, found_inf = torch.stack([*losses, norm, plan, found]).tolist()
-            nonfinite_loss = not all(math.isfinite(v) for v in loss_values)
+            # One process: read the values there are (bf16 and fp32 plans: the losses and the
+            # norm) with one stack and one host read, and judge them on the host.
+            values = torch.stack([*losses, norm, *(f for f in (plan, found) if f is not None)]).tolist()
+            n = len(losses)
+            self.norm, rest = values[n], iter(values[n + 1:])
+            plan_bad = next(rest) if plan is not None else 0.0
+            found_inf = next(rest) if found is not None else 0.0
+            nonfinite_loss = not all(math.isfinite(v) for v in values[:n])
             grads_bad = found_inf > 0
             overflow = grads_bad or not math.isfinite(self.norm)
-            agreed = found  # the scaler's own combined flag: already what every optimizer agreed
         else:
             # Several ranks: one MAX all-reduce of the flags, then one read of them and this rank's norm.
+            zero = torch.zeros((), device=device)
             flags = torch.stack([
-                (~torch.isfinite(torch.stack(losses))).any().float(), (~torch.isfinite(norm)).float(), plan, found,
+                (~torch.isfinite(torch.stack(losses or [zero]))).any().float(), (~torch.isfinite(norm)).float(),
+                zero if plan is None else plan, zero if found is None else found,
             ])
             all_reduce_max(flags, self.process_group)
             nonfinite_loss, norm_bad, plan_bad, found_inf, self.norm = torch.cat([flags, norm.reshape(1)]).tolist()
             grads_bad = found_inf > 0
             overflow = grads_bad or norm_bad > 0
-            agreed = flags[3]
-        if scaling:
+        if found is not None:  # a scaling scaler: it unscaled the optimizers
             # the scaler counts inf/NaN gradients (its backoff); a norm that overflows fp32 on finite
             # gradients skips the step but is not the scale's doing
-            scaler.decided(optimizers, agreed, grads_bad)  # type: ignore[union-attr]
+            # what every optimizer (one process: the scaler's own combined flag) and rank agreed
+            scaler.decided(optimizers, found if single else flags[3], grads_bad)  # type: ignore[union-attr]
         if nonfinite_loss:
             return "nonfinite_loss"
         if overflow:
@@ -301,8 +299,7 @@ def apply_update(optimizers: Sequence[torch.optim.Optimizer], process_group: Any
     refusals = []
     for opt in optimizers:
         opt.step()
-        check = getattr(opt, "step_nonfinite", None)  # wrappers whose update can refuse inf weights
-        if check is not None and (flag := check()) is not None:
+        if (flag := _step_nonfinite(opt)) is not None:
             refusals.append(flag)
     if not refusals:
         return None

@@ -181,19 +181,22 @@ class MixprecPrecision(Precision):
         return bool(trainer.fit_loop.epoch_loop._should_accumulate())
 
     # ------------------------------------------------------------- step
-    @contextlib.contextmanager
-    def _only(self, optimizer: Any) -> Iterator[Any]:
-        """Narrow the MixedPrecision to one optimizer while it steps (manual optimisation)."""
+    def _only(self, optimizer: Any) -> contextlib.AbstractContextManager[Any]:
+        """Narrow the MixedPrecision to one optimizer while it steps (manual optimisation);
+        the context gives the optimizer under Lightning's / Fabric's wrappers."""
         target = _inner(optimizer)
         if len(self.mp.optimizers) == 1 and self.mp.optimizers[0] is target:
-            yield target
-            return
+            return contextlib.nullcontext(target)  # nothing to narrow
         mine = [o for o in self.mp.optimizers if o is target]
         if not mine:
             raise RuntimeError(
                 f"the optimizer {type(target).__name__} was not prepared by mixprec: under Fabric create them with "
                 "mixprec.integrations.lightning.setup(fabric, model, *optimizers)"
             )
+        return self._narrowed(mine)
+
+    @contextlib.contextmanager
+    def _narrowed(self, mine: list[Any]) -> Iterator[Any]:
         everything = self.mp.optimizers
         self.mp.optimizers = mine
         try:
@@ -210,23 +213,16 @@ class MixprecPrecision(Precision):
             return None  # training_step returned None: no backward, nothing to step
         if not self._pending:
             return closure_result  # manual optimisation: step() without a backward since the last step
-        target = _inner(optimizer)
-        if len(self.mp.optimizers) == 1 and self.mp.optimizers[0] is target:  # nothing to narrow
-            result = self._step(model, optimizer, lightning)
-        else:
-            with self._only(optimizer):
-                result = self._step(model, optimizer, lightning)
+        with self._only(optimizer) as target:
+            self.mp.unscale_()  # true gradients before the hooks and clipping
+            if lightning:
+                self._after_closure(model, optimizer)  # on_before_optimizer_step, then configure_gradient_clipping
+            # Lightning's automatic optimisation clears the gradients itself before the next backward.
+            result = self.mp.step(zero_grad=not (lightning and model.automatic_optimization))
         self._skipped[id(target)] = result.skipped
         self._pending = False
         self.last_result = result
         return closure_result
-
-    def _step(self, model: Any, optimizer: Any, lightning: bool) -> StepResult:
-        self.mp.unscale_()  # true gradients before the hooks and clipping
-        if lightning:
-            self._after_closure(model, optimizer)  # on_before_optimizer_step, then configure_gradient_clipping
-        # Lightning's automatic optimisation clears the gradients itself before the next backward.
-        return self.mp.step(zero_grad=not (lightning and model.automatic_optimization))
 
     # -------------------------------------------------------- clipping
     def unscale_gradients(self, optimizer: Any) -> None:
