@@ -13,11 +13,15 @@ far one round moves on this machine, which a single ratio hides.
     python benchmarks/bench_integrations.py                    # all three, Markdown table
     python benchmarks/bench_integrations.py --frameworks accelerate --steps 40 --rounds 5
     python benchmarks/bench_integrations.py --frameworks lightning --interleave   # + one-Trainer A/B
+    python benchmarks/bench_integrations.py --frameworks lightning --interleave --control --floor
 
 Separate runs of the tiny model differ by several percent from one another on this
 machine (each run allocates its model and buffers afresh). ``--interleave`` adds a
 Lightning row measured inside one Trainer whose precision plugin alternates every step
 between mixprec's and Lightning's own, so both sides share the model and its memory.
+``--control`` alternates Lightning's own plugin with itself; ``--floor`` alternates it with
+two minimal hand-written plugins (a loss check; a loss check and one gradient norm), which
+show what any step that can be skipped costs before library code runs.
 """
 
 from __future__ import annotations
@@ -136,22 +140,64 @@ def run_lightning(mixprec: bool, steps: int) -> list[float]:
     return times
 
 
-def run_lightning_interleaved(steps: int, parity: int = 0, control: bool = False) -> tuple[list[float], list[float]]:
+def _floor_plugins() -> dict[str, type]:
+    """Two Lightning precision plugins written by hand for this benchmark: Lightning's own bf16
+    plus the least a step that can be skipped must do. They bound what any integration costs.
+
+    ``loss``: copy the loss at backward, read it once before the step, step if it is finite
+    (no gradient check). ``norm``: the same with one fp32 norm over every gradient read
+    together with the loss: the inf/NaN check mixprec makes, nothing else of mixprec's.
+    """
+    import math
+
+    from lightning.pytorch.plugins.precision import MixedPrecision as NativeMixedPrecision
+
+    class LossCheck(NativeMixedPrecision):
+        def backward(self, tensor, model, *args, **kwargs):
+            self.loss = tensor.detach().clone()
+            super().backward(tensor, model, *args, **kwargs)
+
+        def values(self, optimizer) -> list[float]:
+            return [self.loss.item()]
+
+        def optimizer_step(self, optimizer, model=None, closure=None, **kwargs):
+            result = self._wrap_closure(model, optimizer, closure)  # closure, then clipping and hooks
+            if all(map(math.isfinite, self.values(optimizer))):
+                optimizer.step()
+            return result
+
+    class NormCheck(LossCheck):
+        def values(self, optimizer) -> list[float]:
+            grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+            norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)), 2.0)
+            return torch.stack([self.loss, norm]).tolist()
+
+    return {"loss": LossCheck, "norm": NormCheck}
+
+
+def run_lightning_interleaved(steps: int, parity: int = 0, side: str = "mixprec") -> tuple[list[float], list[float]]:
     """One Lightning ``Trainer`` whose precision plugin alternates every step between mixprec's
     and Lightning's own bf16 (``MixedPrecision("bf16-mixed")``): both sides run on the same
     model, data and memory, so what separate runs differ by (allocation, layout) cancels.
     With ``bf16-mixed`` mixprec converts nothing and wraps nothing, so either plugin can
     take any step. mixprec takes the batches whose index has this ``parity`` (callers
     run both: a side that always ran the even steps would keep whatever those cost).
-    ``control``: both sides run Lightning's own plugin (two instances), which measures what
-    the alternation itself leaves in the ratio. Returns (mixprec step times, native step times)."""
+    ``side`` is what alternates with Lightning's own plugin: ``"mixprec"``; ``"control"``,
+    a second instance of Lightning's own plugin (what the alternation itself leaves in the
+    ratio); ``"loss"`` or ``"norm"``, a plugin of :func:`_floor_plugins`.
+    Returns (that side's step times, native step times)."""
     import lightning as L
     from lightning.pytorch.plugins.precision import MixedPrecision as NativeMixedPrecision
 
     from mixprec.integrations.lightning import MixprecPrecision
 
     times: dict[bool, list[float]] = {True: [], False: []}
-    ours = NativeMixedPrecision("bf16-mixed", "cpu") if control else MixprecPrecision("bf16-mixed")
+    if side == "mixprec":
+        ours = MixprecPrecision("bf16-mixed")
+    elif side == "control":
+        ours = NativeMixedPrecision("bf16-mixed", "cpu")
+    else:
+        ours = _floor_plugins()[side]("bf16-mixed", "cpu")
     native = NativeMixedPrecision("bf16-mixed", "cpu")
 
     class Alternate(L.Callback):
@@ -164,7 +210,7 @@ def run_lightning_interleaved(steps: int, parity: int = 0, control: bool = False
             times[self.side].append(time.perf_counter() - self.t0)
 
     _fit_lightning(steps, Alternate(), plugins=[ours])
-    if not control and ours.mp.optimizer_steps != len(times[True]):
+    if side == "mixprec" and ours.mp.optimizer_steps != len(times[True]):
         raise RuntimeError("the mixprec side did not step every one of its batches")
     return times[True], times[False]
 
@@ -229,9 +275,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--control", action="store_true",
                         help="with --interleave: also a row alternating Lightning's own plugin with itself "
                              "(what the method leaves in a ratio; ideally 1.000)")
+    parser.add_argument("--floor", action="store_true",
+                        help="with --interleave: also rows for two hand-written minimal plugins (Lightning's bf16 "
+                             "plus a loss check; plus a loss check and one gradient norm): what a skippable step costs at least")
     args = parser.parse_args(argv)
-    if args.control and not args.interleave:
-        parser.error("--control adds a row to --interleave; pass both")
+    if (args.control or args.floor) and not args.interleave:
+        parser.error("--control and --floor add rows to --interleave; pass it too")
     global LAYERS, WIDTH, SEQ
     LAYERS, WIDTH, SEQ = SIZES[args.size]
     if args.threads:
@@ -255,15 +304,18 @@ def main(argv: list[str] | None = None) -> int:
             rounds.append((times[True], times[False]))
         _print_row(name, f"`{native}`", rounds)
     if args.interleave:
-        rows = [("lightning, alternating steps in one Trainer", False)]
+        rows = [("lightning, alternating steps in one Trainer", "mixprec")]
         if args.control:
-            rows.append(("control: Lightning's own plugin alternating with itself", True))
-        for title, control in rows:
+            rows.append(("control: Lightning's own plugin alternating with itself", "control"))
+        if args.floor:
+            rows.append(("floor: Lightning's own plugin + a loss check (hand-written)", "loss"))
+            rows.append(("floor: Lightning's own plugin + a loss check + one gradient norm (hand-written)", "norm"))
+        for title, side in rows:
             rounds = []
             for _ in range(args.rounds):
                 both: tuple[list[float], list[float]] = ([], [])
                 for parity in (0, 1):  # mixprec on the even steps, then on the odd ones
-                    mine, theirs = run_lightning_interleaved(2 * args.steps, parity=parity, control=control)
+                    mine, theirs = run_lightning_interleaved(2 * args.steps, parity=parity, side=side)
                     both[0].extend(mine[args.warmup:])
                     both[1].extend(theirs[args.warmup:])
                     gc.collect()
