@@ -280,3 +280,24 @@ def test_measure_memory_takes_session_options_and_in_backward_holds_no_gradients
     )
     assert normal.bytes["grads"] > 0 and in_bwd.bytes["grads"] == 0
     assert in_bwd.per_param()["total"] == pytest.approx(normal.per_param()["total"] - 2, abs=0.1)
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [
+        ({"plan": "bf16-mixed"}, ValueError, r"session_options names the plan \('bf16-mixed'\).*plan argument"),
+        ([("grad_accum_steps", 2)], TypeError, r"session_options must be a dict.*got list"),
+    ],
+)
+def test_measure_memory_refuses_unusable_session_options_before_building_anything(options, error, message):
+    """The plan belongs in ``plan=`` and the options in a mapping: either mistake is named,
+    with the fix, before the model factory runs."""
+    built = []
+
+    def factory():
+        built.append(1)
+        return _mlp()
+
+    with pytest.raises(error, match=message):
+        measure_memory(factory, "fp32", lambda: torch.randn(16, 32), session_options=options)
+    assert built == []

@@ -66,9 +66,10 @@ def measure_memory(
     make_opt = optimizer_factory(optimizer)
     if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
         raise ValueError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
+    options = _session_options(session_options)
     model = model_factory()
     opt = make_opt(model.parameters())
-    mp = MixedPrecision(plan, **dict(session_options or {}))
+    mp = MixedPrecision(plan, **options)
     if criterion is not None:
         model, opt, crit = mp.prepare(model, opt, criterion=criterion)
     else:
@@ -108,3 +109,20 @@ def measure_memory(
     by_class = {**state, "grads": grads, "grad_accumulation": grad_accumulation, "activations": activations}
     n = sum(p.numel() for p in unique_tensors(model.parameters()))
     return MemoryEstimate(plan.name, "measured", by_class, int(live.peak), n)
+
+
+def _session_options(options: Any) -> dict[str, Any]:
+    """``session_options`` as keyword arguments, refused before anything is built if unusable."""
+    if options is None:
+        return {}
+    if not isinstance(options, Mapping):
+        raise TypeError(
+            f"session_options must be a dict of MixedPrecision keyword arguments, got {type(options).__name__}; "
+            'e.g. session_options={"optimizer_in_backward": True}'
+        )
+    if "plan" in options:
+        raise ValueError(
+            f"session_options names the plan ({options['plan']!r}); pass it as measure_memory's plan "
+            "argument instead and keep session_options for the other MixedPrecision arguments"
+        )
+    return dict(options)
