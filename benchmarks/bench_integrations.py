@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
             rounds = []
             for _ in range(args.rounds):
                 both: tuple[list[float], list[float]] = ([], [])
-                for parity in (0, 1):  # mixprec on the even steps, then on the odd ones
+                for parity in (0, 1):  # the measured side on the even steps, then on the odd ones
                     mine, theirs = run_lightning_interleaved(2 * args.steps, parity=parity, side=side)
                     both[0].extend(mine[args.warmup:])
                     both[1].extend(theirs[args.warmup:])
