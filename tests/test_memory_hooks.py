@@ -287,6 +287,7 @@ def test_measure_memory_takes_session_options_and_in_backward_holds_no_gradients
     [
         ({"plan": "bf16-mixed"}, ValueError, r"session_options names the plan \('bf16-mixed'\).*plan argument"),
         ([("grad_accum_steps", 2)], TypeError, r"session_options must be a dict.*got list"),
+        ({"grad_accum_steps": 0}, ValueError, r"grad_accum_steps.*0"),
     ],
 )
 def test_measure_memory_refuses_unusable_session_options_before_building_anything(options, error, message):

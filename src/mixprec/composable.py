@@ -50,6 +50,7 @@ from mixprec.step import (
 
 __all__ = ["ComposableSteps"]
 
+
 def _first_parameter(module: torch.nn.Module) -> list[tuple[dict[str, Any], str, Any]] | None:
     """Where ``next(iter(module.parameters()), None)`` sits: the (dict, key, value) links from
     ``module`` down to it (``_modules`` entries, then one ``_parameters`` entry), or None."""

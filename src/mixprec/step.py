@@ -217,13 +217,11 @@ class SkipDecision:
     def record_loss(self, loss: torch.Tensor) -> None:
         """Keep a micro-batch's loss value to check it at the decision (an fp32 copy of its one
         element, so the caller's tensor is neither kept alive nor read after it changes; no host read)."""
-        kept = loss.detach()
-        kept = kept.clone() if kept.dtype == torch.float32 else kept.to(torch.float32)  # widening is exact
-        self._losses.append(kept if kept.dim() == 0 else kept.reshape(()))
+        self._losses.append(loss.detach().to(torch.float32, copy=True).reshape(()))
 
     def loss_was_nonfinite(self) -> bool:
         """Whether a loss of this step was inf/NaN (a host read)."""
-        return bool(self._losses) and not bool(torch.isfinite(torch.stack([t.float() for t in self._losses])).all())
+        return bool(self._losses) and not bool(torch.isfinite(torch.stack(self._losses)).all())
 
     def decide(
         self,
@@ -303,7 +301,7 @@ def apply_update(optimizers: Sequence[torch.optim.Optimizer], process_group: Any
             refusals.append(flag)
     if not refusals:
         return None
-    refused = torch.stack([f.reshape(()).float().to(refusals[0].device) for f in refusals]).amax()
+    refused = torch.stack([_fp32_scalar(f, refusals[0].device) for f in refusals]).amax()
     if not bool(all_reduce_max(refused, process_group)):
         return None
     for opt in optimizers:

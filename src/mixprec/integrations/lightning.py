@@ -187,20 +187,19 @@ class MixprecPrecision(Precision):
         target = _inner(optimizer)
         if len(self.mp.optimizers) == 1 and self.mp.optimizers[0] is target:
             return contextlib.nullcontext(target)  # nothing to narrow
-        mine = [o for o in self.mp.optimizers if o is target]
-        if not mine:
+        if not any(o is target for o in self.mp.optimizers):
             raise RuntimeError(
                 f"the optimizer {type(target).__name__} was not prepared by mixprec: under Fabric create them with "
                 "mixprec.integrations.lightning.setup(fabric, model, *optimizers)"
             )
-        return self._narrowed(mine)
+        return self._narrowed(target)
 
     @contextlib.contextmanager
-    def _narrowed(self, mine: list[Any]) -> Iterator[Any]:
+    def _narrowed(self, target: Any) -> Iterator[Any]:
         everything = self.mp.optimizers
-        self.mp.optimizers = mine
+        self.mp.optimizers = [target]
         try:
-            yield mine[0]
+            yield target
         finally:
             self.mp.optimizers = everything
 

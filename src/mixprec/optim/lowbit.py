@@ -264,8 +264,12 @@ class LowPrecisionOptimizer(WrappedOptimizer):
             bool(group["amsgrad"]), bool(group["maximize"]), group["weight_decay"] != 0,
             bool(group.get("decoupled_weight_decay", isinstance(self.optimizer, torch.optim.AdamW))),
         )
-        # the layout of the same parameters with the same options is worked out once
-        ident = (tuple(map(id, active)), tuple(p.grad.dtype for p in active if p.grad is not None), options)
+        # the layout of the same parameters with the same options is worked out once; a parameter
+        # keeps its shape (its optimizer state has it) but a cast or a move changes dtype or device
+        ident = (
+            tuple(map(id, active)), tuple(p.dtype for p in active), tuple(p.grad.dtype for p in active if p.grad is not None),
+            active[0].device, options,
+        )
         key = self._layout_keys.get(ident)
         if key is None:
             if len(self._layout_keys) >= 64:  # parameter sets that keep changing (experts)

@@ -66,10 +66,9 @@ def measure_memory(
     make_opt = optimizer_factory(optimizer)
     if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
         raise ValueError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
-    options = _session_options(session_options)
+    mp = MixedPrecision(plan, **_session_options(session_options))  # every option checked before a model is built
     model = model_factory()
     opt = make_opt(model.parameters())
-    mp = MixedPrecision(plan, **options)
     if criterion is not None:
         model, opt, crit = mp.prepare(model, opt, criterion=criterion)
     else:
