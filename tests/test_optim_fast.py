@@ -9,6 +9,7 @@ state_dict round trips between the two paths.
 
 from __future__ import annotations
 
+import ast
 import copy
 import re
 
@@ -490,9 +491,11 @@ def test_layouts_of_different_roundings_are_counted_apart():
     assert len(compiled._LAYOUTS) == 2
 
 
-def _experts_run(steps, monkeypatch, *, resume_at=None):
+def _experts_run(steps, monkeypatch, *, resume_at=None, saved_by_0_1_0=False):
     """A mixture of experts under StochasticRoundingOptimizer(compile="auto"), the compiled
-    update replaced by its own code run eagerly (same numbers, no compilation time)."""
+    update replaced by its own code run eagerly (same numbers, no compilation time).
+    ``saved_by_0_1_0``: the checkpoint's layout keys are rewritten as mixprec 0.1.0 wrote
+    them (the layout and four options only)."""
     import mixprec.compiling as compiling
     import mixprec.optim.compiled as compiled
 
@@ -511,6 +514,10 @@ def _experts_run(steps, monkeypatch, *, resume_at=None):
     for step in range(steps):
         if step == resume_at:
             saved = copy.deepcopy(opt.state_dict())
+            if saved_by_0_1_0:
+                extra = saved[opt._STATE_KEY]
+                extra["compiled_layouts"] = [repr(ast.literal_eval(k)[:5]) for k in extra["compiled_layouts"]]
+                assert extra["compiled_layouts"]
             values = [p.detach().clone() for p in experts]
             experts, opt = make()
             with torch.no_grad():
@@ -527,6 +534,15 @@ def _experts_run(steps, monkeypatch, *, resume_at=None):
 def test_auto_routes_are_checkpointed_so_a_resumed_run_rounds_identically(monkeypatch):
     uninterrupted = _experts_run(24, monkeypatch)  # pairs 0-3 compiled, 4 and 5 eager
     resumed = _experts_run(24, monkeypatch, resume_at=8)
+    assert all(torch.equal(a, b) for a, b in zip(uninterrupted, resumed, strict=True))
+
+
+def test_layout_keys_saved_by_0_1_0_resume_the_same_routes(monkeypatch):
+    """Keys without the rounding, state dtype and device type (mixprec 0.1.0) are upgraded
+    on load: without that the four old keys fill the "auto" budget and every layout runs
+    eagerly after the resume, with other rounding noise."""
+    uninterrupted = _experts_run(24, monkeypatch)
+    resumed = _experts_run(24, monkeypatch, resume_at=8, saved_by_0_1_0=True)
     assert all(torch.equal(a, b) for a, b in zip(uninterrupted, resumed, strict=True))
 
 

@@ -34,6 +34,7 @@ The rounding variants live in :mod:`mixprec.optim.kahan` and :mod:`mixprec.optim
 
 from __future__ import annotations
 
+import ast
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
@@ -404,6 +405,20 @@ class LowPrecisionOptimizer(WrappedOptimizer):
         """Restore what :meth:`rounding_state` returned."""
 
     # ------------------------------------------------------------------------ checkpoints
+    def _upgraded_layout(self, key: str, params: list[torch.nn.Parameter]) -> str:
+        """A layout key as :meth:`_compiled_layout_ok` writes it now. mixprec 0.1.0 saved
+        ``(layout, *4 options)`` without the rounding, state dtype and device type, which
+        are this wrapper's own: they are appended, so a run resumed from such a checkpoint
+        takes the routes it took before."""
+        try:
+            parts = ast.literal_eval(key)
+        except (ValueError, SyntaxError, MemoryError, RecursionError):
+            return key  # not a key this wrapper wrote: it matches no layout, as before
+        if not isinstance(parts, tuple) or len(parts) != 5:
+            return key
+        device_type = params[0].device.type if params else "cpu"
+        return repr((*parts, self.rounding, str(self.state_dtype), device_type))
+
     def extra_state(self) -> dict[str, Any]:
         """This wrapper's own state besides the inner optimizer's (compensation buffers,
         rounding noise): what :meth:`state_dict` stores under its own key."""
@@ -450,7 +465,7 @@ class LowPrecisionOptimizer(WrappedOptimizer):
             layouts = extra.get("compiled_layouts", [])
             if not isinstance(layouts, list | tuple) or not all(isinstance(k, str) for k in layouts):
                 raise TypeError(f"the state_dict's compiled_layouts must be a list of str, got {layouts!r}")
-            self._compiled_layouts = set(layouts)
+            self._compiled_layouts = {self._upgraded_layout(key, params) for key in layouts}
         except Exception as exc:
             self.optimizer.state, self.optimizer.param_groups = old_state, old_groups
             self.__dict__.clear()
