@@ -220,3 +220,21 @@ def test_mixprec_compile_environment_variable(monkeypatch):
         compile_works("cpu")
     monkeypatch.setenv("MIXPREC_COMPILE", "1")
     assert compile_works("cpu")
+
+
+@pytest.mark.parametrize("build", ["session", "optimizer"])
+def test_a_bad_mixprec_compile_is_refused_when_built_not_mid_training(monkeypatch, build):
+    """MIXPREC_COMPILE is otherwise read at the first compilation (the first Kahan step, the
+    first fp8 forward): MixedPrecision and an optimizer with compile="auto" refuse it when built."""
+    import mixprec
+    from mixprec.optim import KahanOptimizer
+
+    monkeypatch.setenv("MIXPREC_COMPILE", "sometimes")
+    with pytest.raises(ValueError, match=r"MIXPREC_COMPILE='sometimes' is not understood: set it to 0"):
+        if build == "session":
+            mixprec.MixedPrecision("bf16-mixed")
+        else:
+            model = torch.nn.Linear(4, 4).to(torch.bfloat16)
+            KahanOptimizer(torch.optim.AdamW(model.parameters()), compile="auto")
+    monkeypatch.setenv("MIXPREC_COMPILE", "0")
+    mixprec.MixedPrecision("bf16-mixed")

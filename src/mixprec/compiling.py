@@ -29,6 +29,7 @@ __all__ = [
     "COMPILE_ERRORS",
     "MAX_SPECIALISATIONS",
     "call_compiled",
+    "check_environment",
     "compile_works",
     "compiled",
     "compiles_for",
@@ -57,6 +58,8 @@ _ON_VALUES = ("", "1", "on", "true", "yes")
 
 
 def _enabled_by_environment() -> bool:
+    """Whether ``MIXPREC_COMPILE`` allows automatic compilation; a value it does not
+    understand is an error naming it and the fix."""
     value = os.environ.get("MIXPREC_COMPILE", "1").strip().lower()
     if value in _OFF_VALUES:
         return False
@@ -66,6 +69,16 @@ def _enabled_by_environment() -> bool:
         f"MIXPREC_COMPILE={os.environ['MIXPREC_COMPILE']!r} is not understood: set it to 0 (never compile "
         "mixprec's kernels automatically) or 1 (the default), or unset it"
     )
+
+
+def check_environment() -> None:
+    """Refuse a ``MIXPREC_COMPILE`` value that is not understood, now rather than at the
+    first compilation (mid-training). :class:`~mixprec.MixedPrecision` and the low-precision
+    optimizers call it when they are built.
+
+    >>> check_environment()  # MIXPREC_COMPILE unset, 0/1, off/on, false/true or no/yes
+    """
+    _enabled_by_environment()
 
 
 def _probe(x: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from mixprec.buffers import BufferGuard
+from mixprec.compiling import check_environment
 from mixprec.composable import ComposableSteps, FirstParameter
 from mixprec.optim import InBackwardOptimizer
 from mixprec.options import check_in_backward, check_ready, check_session_options
@@ -99,6 +100,7 @@ class MixedPrecision(ComposableSteps):
             grad_accum_steps, clip_grad_norm, max_consecutive_skips, scaler,
             {"compile": compile, "trace_overflow": trace_overflow, "optimizer_in_backward": optimizer_in_backward},
         )
+        check_environment()  # MIXPREC_COMPILE is read at the first compilation: refuse a bad value now
         self.grad_accum_steps = grad_accum_steps
         self.clip_grad_norm = None if clip_grad_norm is None else float(clip_grad_norm)
         self.max_consecutive_skips = max_consecutive_skips

@@ -15,7 +15,13 @@ from typing import Any, Literal
 
 import torch
 
-from mixprec.compiling import COMPILE_ERRORS, compile_works, compiled, recompile_headroom
+from mixprec.compiling import (
+    COMPILE_ERRORS,
+    check_environment,
+    compile_works,
+    compiled,
+    recompile_headroom,
+)
 from mixprec.optim.fast import init_adam_state, scalar_value
 
 __all__ = [
@@ -55,7 +61,10 @@ def reserve_layout(key: str) -> bool:
 
 
 def check_compile_setting(value: object, owner: str = "compile") -> CompileSetting:
-    """``value`` if it is True, False or "auto"; otherwise a ValueError naming it."""
+    """``value`` if it is True, False or "auto"; otherwise a ValueError naming it. With
+    "auto", a ``MIXPREC_COMPILE`` value that is not understood is refused now too."""
+    if isinstance(value, str) and value == "auto":
+        check_environment()
     if value is True or value is False or value == "auto":
         return value  # type: ignore[return-value]
     raise ValueError(
