@@ -225,16 +225,23 @@ def test_mixprec_compile_environment_variable(monkeypatch):
 @pytest.mark.parametrize("build", ["session", "optimizer"])
 def test_a_bad_mixprec_compile_is_refused_when_built_not_mid_training(monkeypatch, build):
     """MIXPREC_COMPILE is otherwise read at the first compilation (the first Kahan step, the
-    first fp8 forward): MixedPrecision and an optimizer with compile="auto" refuse it when built."""
+    first fp8 forward): MixedPrecision and a Kahan / stochastic-rounding optimizer with
+    compile="auto" refuse it when built. Where it cannot matter (compile=True/False, a
+    round-to-nearest store, which "auto" never compiles, a plan looked up) nothing refuses it."""
     import mixprec
-    from mixprec.optim import KahanOptimizer
+    from mixprec.optim import KahanOptimizer, LowPrecisionOptimizer
 
+    model = torch.nn.Linear(4, 4).to(torch.bfloat16)
     monkeypatch.setenv("MIXPREC_COMPILE", "sometimes")
     with pytest.raises(ValueError, match=r"MIXPREC_COMPILE='sometimes' is not understood: set it to 0"):
         if build == "session":
             mixprec.MixedPrecision("bf16-mixed")
         else:
-            model = torch.nn.Linear(4, 4).to(torch.bfloat16)
             KahanOptimizer(torch.optim.AdamW(model.parameters()), compile="auto")
+    for compile in (True, False):
+        KahanOptimizer(torch.optim.AdamW(model.parameters()), compile=compile)
+    LowPrecisionOptimizer(torch.optim.AdamW(model.parameters()), compile="auto")
+    assert mixprec.get_plan("bf16-kahan").explain()
     monkeypatch.setenv("MIXPREC_COMPILE", "0")
-    mixprec.MixedPrecision("bf16-mixed")
+    mixprec.MixedPrecision("bf16-kahan")
+    KahanOptimizer(torch.optim.AdamW(model.parameters()), compile="auto")

@@ -546,6 +546,20 @@ def test_layout_keys_saved_by_0_1_0_resume_the_same_routes(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(uninterrupted, resumed, strict=True))
 
 
+def test_layout_keys_that_are_not_old_keys_load_unchanged():
+    """Keys that are no tuple of five (malformed, unhashable literals, current keys) are
+    kept as they are: they match no layout, and never fail the load."""
+    from mixprec.optim import StochasticRoundingOptimizer
+
+    model = torch.nn.Linear(4, 4).to(torch.bfloat16)
+    opt = StochasticRoundingOptimizer(torch.optim.AdamW(model.parameters()), compile="auto")
+    saved = opt.state_dict()
+    keys = ["{[1]}", "not python", "(1, 2)", repr(("layout", 1, 2, 3, 4, "stochastic", "torch.bfloat16", "cpu"))]
+    saved[opt._STATE_KEY]["compiled_layouts"] = keys
+    opt.load_state_dict(saved)
+    assert opt._compiled_layouts == set(keys)
+
+
 def test_an_interrupt_while_compiling_leaves_nothing_half_counted(monkeypatch):
     import mixprec.compiling as compiling
     import mixprec.optim.compiled as compiled

@@ -17,7 +17,6 @@ import torch
 
 from mixprec.compiling import (
     COMPILE_ERRORS,
-    check_environment,
     compile_works,
     compiled,
     recompile_headroom,
@@ -61,10 +60,7 @@ def reserve_layout(key: str) -> bool:
 
 
 def check_compile_setting(value: object, owner: str = "compile") -> CompileSetting:
-    """``value`` if it is True, False or "auto"; otherwise a ValueError naming it. With
-    "auto", a ``MIXPREC_COMPILE`` value that is not understood is refused now too."""
-    if isinstance(value, str) and value == "auto":
-        check_environment()
+    """``value`` if it is True, False or "auto"; otherwise a ValueError naming it."""
     if value is True or value is False or value == "auto":
         return value  # type: ignore[return-value]
     raise ValueError(

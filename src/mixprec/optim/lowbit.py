@@ -40,7 +40,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from mixprec.compiling import mark_compile_failed
+from mixprec.compiling import check_environment, mark_compile_failed
 from mixprec.dtypes import LOW_PRECISION_DTYPES, parse_dtype
 from mixprec.optim import footprint
 from mixprec.optim.base import WrappedOptimizer
@@ -128,6 +128,8 @@ class LowPrecisionOptimizer(WrappedOptimizer):
         super().__init__(optimizer)
         self.state_dtype = None if state_dtype is None else parse_dtype(state_dtype)
         self.compile: CompileSetting = check_compile_setting(compile)
+        if self.compile == "auto" and self.rounding != "nearest":
+            check_environment()  # read at the first compiled step otherwise, mid-training
         for name, flag in (("fast", fast), ("fused", fused)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be True or False, got {flag!r}")
@@ -406,18 +408,22 @@ class LowPrecisionOptimizer(WrappedOptimizer):
 
     # ------------------------------------------------------------------------ checkpoints
     def _upgraded_layout(self, key: str, params: list[torch.nn.Parameter]) -> str:
-        """A layout key as :meth:`_compiled_layout_ok` writes it now. mixprec 0.1.0 saved
-        ``(layout, *4 options)`` without the rounding, state dtype and device type, which
-        are this wrapper's own: they are appended, so a run resumed from such a checkpoint
-        takes the routes it took before."""
+        """A layout key as :meth:`_compiled_layout_ok` writes it now. Earlier builds of
+        mixprec 0.1.0 saved ``(layout, *4 options)`` without the rounding, state dtype and
+        device type, which are this wrapper's own: they are appended, so a run resumed from
+        such a checkpoint takes the routes it took before. The old key does not say its
+        device: with parameters on several device types it is kept as it is (it matches no
+        layout, as before)."""
         try:
             parts = ast.literal_eval(key)
-        except (ValueError, SyntaxError, MemoryError, RecursionError):
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
             return key  # not a key this wrapper wrote: it matches no layout, as before
         if not isinstance(parts, tuple) or len(parts) != 5:
             return key
-        device_type = params[0].device.type if params else "cpu"
-        return repr((*parts, self.rounding, str(self.state_dtype), device_type))
+        device_types = {p.device.type for p in params}
+        if len(device_types) != 1:
+            return key
+        return repr((*parts, self.rounding, str(self.state_dtype), device_types.pop()))
 
     def extra_state(self) -> dict[str, Any]:
         """This wrapper's own state besides the inner optimizer's (compensation buffers,
