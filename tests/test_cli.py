@@ -99,6 +99,33 @@ def test_demo_writes_table_report_and_plots(tmp_path: Path, capsys: pytest.Captu
         assert 0.0 <= p["eval_accuracies"][-1] <= 1.0
         assert p["state_bytes_per_param"]["total"] > 0
     assert data["plans"][0]["speedup_vs_fp32"] == 1.0
+    # a CPU without bf16 instructions is named in the output and the report, never silently
+    from mixprec.fp8 import cpu_bf16_gemm_available
+
+    assert data["environment"]["cpu_bf16"] is cpu_bf16_gemm_available() and data["settings"]["device"] == "cpu"
+    warned = not cpu_bf16_gemm_available()
+    assert ("has no bf16 instructions" in stdout) is warned and ("has no bf16 instructions" in report) is warned
+
+
+@pytest.mark.parametrize(
+    ("cpu_bf16", "device", "plans", "warned"),
+    [
+        (False, "cpu", ["fp32", "bf16-mixed"], True),
+        (False, "cpu", ["fp32", "torch-autocast"], True),
+        (False, "cpu", ["fp32", "fp16-mixed"], False),  # no bf16 row
+        (True, "cpu", ["fp32", "bf16-kahan"], False),
+        (False, "cuda", ["fp32", "bf16-mixed"], False),
+        (None, "cpu", ["fp32", "bf16-mixed"], False),  # a report from before the fact was recorded
+    ],
+)
+def test_bf16_speed_note(cpu_bf16: bool | None, device: str, plans: list[str], warned: bool) -> None:
+    from mixprec.cli.report import bf16_speed_note
+
+    environment = {} if cpu_bf16 is None else {"cpu_bf16": cpu_bf16}
+    note = bf16_speed_note(environment, {"device": device}, plans)
+    assert (note is not None) is warned
+    if note is not None:
+        assert "AVX512-BF16 or AMX" in note
 
 
 def test_demo_is_deterministic_and_adds_fp32(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

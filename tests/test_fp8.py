@@ -954,13 +954,40 @@ def test_emulated_gemm_restores_the_math_mode_and_uses_bf16_where_available():
     assert torch.backends.mkldnn.matmul.fp32_precision == before
     if cpu_bf16_gemm_available():
         # The mode is real: on values that are not bf16 it rounds them (so it is in effect
-        # in the GEMM above, where the fp8 operands are exact bf16 values).
+        # in the GEMM above, where the fp8 operands are exact bf16 values). On x86 CPUs
+        # without bf16 instructions oneDNN leaves fp32 GEMMs in fp32.
         x, y = torch.randn(64, 64, generator=gen(3)), torch.randn(64, 64, generator=gen(4))
         with _bf16_math():
             rounded = x @ y
         assert not torch.allclose(rounded, x @ y, rtol=1e-5, atol=1e-5)
         exact = x.bfloat16().double() @ y.bfloat16().double()
         assert torch.allclose(rounded.double(), exact, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("machine", "avx512_bf16", "amx", "expected"),
+    [
+        ("x86_64", False, False, False),  # plain AVX512: oneDNN converts in software, slower than fp32
+        ("x86_64", True, False, True),
+        ("AMD64", False, True, True),
+        ("aarch64", False, False, True),  # not x86: oneDNN's own check decides
+    ],
+)
+def test_bf16_gemms_count_as_available_only_with_bf16_instructions(monkeypatch, machine, avx512_bf16, amx, expected):
+    import platform
+
+    from mixprec.fp8.gemm import cpu_bf16_gemm_available
+
+    if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        pytest.skip("oneDNN has no bf16 on this build or CPU")
+    monkeypatch.setattr(platform, "machine", lambda: machine)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx, raising=False)
+    cpu_bf16_gemm_available.cache_clear()
+    try:
+        assert cpu_bf16_gemm_available() is expected
+    finally:
+        cpu_bf16_gemm_available.cache_clear()
 
 
 @pytest.mark.parametrize("fmts", [("e4m3", "e4m3"), ("e5m2", "e4m3"), ("e5m2", "e5m2")])

@@ -38,7 +38,7 @@ from mixprec.cli.common import (
 )
 from mixprec.cli.harness import FP32, DemoRun, train_side_by_side
 from mixprec.cli.plots import PLOTS
-from mixprec.cli.report import demo_table, write_demo_report
+from mixprec.cli.report import bf16_speed_note, demo_table, write_demo_report
 
 __all__ = ["COMMAND", "DEFAULT_PLANS", "DEFAULT_STEPS", "REPORT_FILES", "fp16_scaling_runs", "publish_report"]
 
@@ -170,6 +170,9 @@ def _run(args: argparse.Namespace) -> int:
     )
     paths = publish_report(result, out, command_line(args.argv), plots=not args.no_plots)
     print(demo_table(result))
+    note = bf16_speed_note(result.environment, result.settings, [h.plan for h in result.histories])
+    if note is not None:
+        print(f"\n{note}")
     print(f"\nwall time {time.perf_counter() - start:.1f} s; report: {paths[0]}"
           + ("" if args.no_plots else f" (+ {len(paths) - 2} plots)"))
     return 0

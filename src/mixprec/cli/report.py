@@ -9,6 +9,9 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
+
+import torch
 
 from mixprec.cli.harness import TORCH_AUTOCAST, BenchResult, DemoResult
 from mixprec.cli.plots import plot_demo
@@ -16,10 +19,32 @@ from mixprec.formatting import format_bytes, format_number, format_ratio, markdo
 
 __all__ = [
     "bench_markdown",
+    "bf16_speed_note",
     "demo_markdown",
     "demo_table",
     "write_demo_report",
 ]
+
+
+def bf16_speed_note(environment: dict[str, Any], settings: dict[str, Any], plans: Sequence[str]) -> str | None:
+    """A warning for reports whose bf16 rows ran on a CPU without bf16 instructions
+    (AVX512-BF16 or AMX): there bf16 matmuls are slower than fp32, so those step times
+    say nothing of the plans' speed where bf16 is native. ``None`` when it does not apply
+    (another device, a CPU with them, no bf16 plan, a report from before this was recorded)."""
+    if settings.get("device", "cpu") != "cpu" or environment.get("cpu_bf16", True):
+        return None
+    from mixprec.plans import get_plan
+
+    def bf16(plan: str) -> bool:
+        return plan == TORCH_AUTOCAST or get_plan(plan).compute_dtype == torch.bfloat16
+
+    if not any(bf16(p) for p in plans):
+        return None
+    return (
+        "Note: this CPU has no bf16 instructions (AVX512-BF16 or AMX), so its bf16 matmuls run slower than "
+        "fp32 ones and the bf16 step times here are not the plans' speed on CPUs that have them or on GPUs. "
+        "Memory, state bytes, losses and accuracy do not depend on it."
+    )
 
 # -------------------------------------------------------------------- demo
 
@@ -80,6 +105,9 @@ def demo_markdown(result: DemoResult, command: str, plots: Sequence[str] = ()) -
         f"torch {env['torch']}, mixprec {env['mixprec']}).",
         "",
     ]
+    note = bf16_speed_note(env, s, [h.plan for h in result.histories])
+    if note is not None:
+        lines += [note, ""]
     titles = {"loss.png": "Loss", "accuracy.png": "Held-out accuracy", "loss_scale.png": "Loss scale",
               "step_time.png": "Step time"}
     for name in plots:
@@ -152,4 +180,7 @@ def bench_markdown(result: BenchResult, command: str | None = None) -> str:
             "`mixprec.diagnostics.memory.estimate_memory` peaks at the row's batch and twice it (an estimate; "
             "allocator overhead not included)."
         )
+    note = bf16_speed_note(env, s, [r.plan for r in result.rows])
+    if note is not None:
+        lines += ["", note]
     return "\n".join(lines) + "\n"

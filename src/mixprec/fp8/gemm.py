@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import platform
 from collections.abc import Iterator
 
 import torch
@@ -70,7 +71,11 @@ def _native_shapes_ok(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 @functools.cache
 def cpu_bf16_gemm_available() -> bool:
-    """Whether fp32 GEMMs on this CPU can run in oneDNN's bf16 math mode (AVX512-BF16 / AMX).
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX on x86), so fp32
+    GEMMs can run in oneDNN's bf16 math mode faster than in fp32.
+
+    oneDNN also accepts bf16 on x86 CPUs with plain AVX512, where it converts in software
+    and runs slower than fp32: those answer False. Elsewhere (ARM) oneDNN's own check decides.
 
     >>> isinstance(cpu_bf16_gemm_available(), bool)
     True
@@ -80,9 +85,14 @@ def cpu_bf16_gemm_available() -> bool:
         return False
     checker = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
     try:
-        return bool(checker()) if checker is not None else False
+        if checker is None or not checker():
+            return False
     except RuntimeError:
         return False
+    if platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86"):
+        native = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+        return any(bool(check()) for check in native if check is not None)
+    return True
 
 
 @contextlib.contextmanager

@@ -144,6 +144,7 @@ def train_side_by_side(
             histories.append(PlanHistory(plan=entry, explain=explain))
         runners.append(runner)
     task = runners[0].task
+    device_type = runners[0].device_type
     bs = batch_size or task.default_batch_size
     ebs = eval_batch_size or task.eval_batch_size
     eval_inputs, eval_targets = task.eval_batch(ebs)
@@ -197,6 +198,7 @@ def train_side_by_side(
     for entry, h in zip(plans, histories, strict=True):
         h.peak_memory_bytes = measure_peak(workload, entry[1] if isinstance(entry, tuple) else entry, bs, seed)
     settings = {"steps": steps, "batch_size": bs, "lr": lr, "seed": seed, "eval_every": every,
-                "eval_batch_size": ebs, "optimizer": "AdamW", "plans": [h.label for h in histories]}
+                "eval_batch_size": ebs, "optimizer": "AdamW", "plans": [h.label for h in histories],
+                "device": device_type}
     return DemoResult(workload=workload.name, histories=histories, settings=settings,
                       environment=environment(), chance=task.chance, wall_s=time.perf_counter() - start)

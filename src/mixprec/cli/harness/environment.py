@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from mixprec.fp8.gemm import cpu_bf16_gemm_available
+
 __all__ = ["environment"]
 
 
@@ -21,6 +23,7 @@ def environment() -> dict[str, Any]:
         "machine": platform.machine(),
         "processor": _cpu_name(),
         "cpu_capability": _cpu_capability(),
+        "cpu_bf16": cpu_bf16_gemm_available(),
         "threads": torch.get_num_threads(),
     }
 
