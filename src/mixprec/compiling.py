@@ -73,8 +73,8 @@ def _enabled_by_environment() -> bool:
 
 def check_environment() -> None:
     """Refuse a ``MIXPREC_COMPILE`` value that is not understood, now rather than at the
-    first compilation (mid-training). :class:`~mixprec.MixedPrecision` and the low-precision
-    optimizers call it when they are built.
+    first compilation (mid-training). :class:`~mixprec.MixedPrecision` and the Kahan /
+    stochastic-rounding optimizers with ``compile="auto"`` call it when they are built.
 
     >>> check_environment()  # MIXPREC_COMPILE unset, 0/1, off/on, false/true or no/yes
     """

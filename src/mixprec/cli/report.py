@@ -46,6 +46,7 @@ def bf16_speed_note(environment: dict[str, Any], settings: dict[str, Any], plans
         "Memory, state bytes, losses and accuracy do not depend on it."
     )
 
+
 # -------------------------------------------------------------------- demo
 
 def _cell(value: float | None, spec: str) -> str:

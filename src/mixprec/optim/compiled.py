@@ -15,12 +15,7 @@ from typing import Any, Literal
 
 import torch
 
-from mixprec.compiling import (
-    COMPILE_ERRORS,
-    compile_works,
-    compiled,
-    recompile_headroom,
-)
+from mixprec.compiling import COMPILE_ERRORS, compile_works, compiled, recompile_headroom
 from mixprec.optim.fast import init_adam_state, scalar_value
 
 __all__ = [
