@@ -116,6 +116,7 @@ def test_demo_writes_table_report_and_plots(tmp_path: Path, capsys: pytest.Captu
         (True, "cpu", ["fp32", "bf16-kahan"], False),
         (False, "cuda", ["fp32", "bf16-mixed"], False),
         (None, "cpu", ["fp32", "bf16-mixed"], False),  # a report from before the fact was recorded
+        (False, "cpu", ["fp32", "my-own-plan"], False),  # a Plan built outside the registry: no crash
     ],
 )
 def test_bf16_speed_note(cpu_bf16: bool | None, device: str, plans: list[str], warned: bool) -> None:

@@ -560,6 +560,20 @@ def test_layout_keys_that_are_not_old_keys_load_unchanged():
     assert opt._compiled_layouts == set(keys)
 
 
+def test_old_layout_keys_of_parameters_on_several_device_types_are_kept_as_they_are():
+    """An old key does not say its device: with one device type it is upgraded to it, with
+    several it is left alone rather than guessed."""
+    from mixprec.optim import StochasticRoundingOptimizer
+
+    cpu = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))
+    meta = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16, device="meta"))
+    opt = StochasticRoundingOptimizer(torch.optim.AdamW([cpu]), compile="auto")
+    old = repr(((((4,), "torch.bfloat16", "torch.bfloat16"),), 1, 2, 3, 4))
+    assert opt._upgraded_layout(old, [cpu]) == repr((*ast.literal_eval(old), "stochastic", "torch.bfloat16", "cpu"))
+    assert opt._upgraded_layout(old, [meta]).endswith("'meta')")
+    assert opt._upgraded_layout(old, [cpu, meta]) == old
+
+
 def test_an_interrupt_while_compiling_leaves_nothing_half_counted(monkeypatch):
     import mixprec.compiling as compiling
     import mixprec.optim.compiled as compiled

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from mixprec.cli.harness import TORCH_AUTOCAST, BenchResult, DemoResult
+from mixprec.cli.harness import TORCH_AUTOCAST, BenchResult, DemoResult, plan_compute_dtype
 from mixprec.cli.plots import plot_demo
 from mixprec.formatting import format_bytes, format_number, format_ratio, markdown_table, plural
 
@@ -33,10 +33,12 @@ def bf16_speed_note(environment: dict[str, Any], settings: dict[str, Any], plans
     (another device, a CPU with them, no bf16 plan, a report from before this was recorded)."""
     if settings.get("device", "cpu") != "cpu" or environment.get("cpu_bf16", True):
         return None
-    from mixprec.plans import get_plan
 
     def bf16(plan: str) -> bool:
-        return plan == TORCH_AUTOCAST or get_plan(plan).compute_dtype == torch.bfloat16
+        try:
+            return plan_compute_dtype(plan) == torch.bfloat16
+        except ValueError:  # a demo run of a Plan built outside the registry: its name says nothing
+            return False
 
     if not any(bf16(p) for p in plans):
         return None

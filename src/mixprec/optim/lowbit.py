@@ -279,7 +279,7 @@ class LowPrecisionOptimizer(WrappedOptimizer):
                 self._layout_keys.clear()
             key = self._layout_keys[ident] = repr((
                 tuple((tuple(p.shape), str(p.dtype), str(p.grad.dtype) if p.grad is not None else "") for p in active),
-                *options, self.rounding, str(self.state_dtype), active[0].device.type,
+                *options, *self._layout_key_suffix(active[0].device.type),
             ))
         if key not in self._compiled_layouts:
             if self.compile == "auto" and len(self._compiled_layouts) >= AUTO_MAX_LAYOUTS:
@@ -423,7 +423,11 @@ class LowPrecisionOptimizer(WrappedOptimizer):
         device_types = {p.device.type for p in params}
         if len(device_types) != 1:
             return key
-        return repr((*parts, self.rounding, str(self.state_dtype), device_types.pop()))
+        return repr((*parts, *self._layout_key_suffix(device_types.pop())))
+
+    def _layout_key_suffix(self, device_type: str) -> tuple[str, str, str]:
+        """What a layout key holds of this wrapper and the device after the layout and options."""
+        return self.rounding, str(self.state_dtype), device_type
 
     def extra_state(self) -> dict[str, Any]:
         """This wrapper's own state besides the inner optimizer's (compensation buffers,

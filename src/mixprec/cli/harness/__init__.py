@@ -40,6 +40,7 @@ from mixprec.cli.harness.rows import (
     Row,
     default_plans,
     is_fp16_plan,
+    plan_compute_dtype,
     plan_label,
     plan_rows,
 )
@@ -66,6 +67,7 @@ __all__ = [
     "is_fp16_plan",
     "max_batch_for",
     "measure_peak",
+    "plan_compute_dtype",
     "plan_label",
     "plan_rows",
     "run_bench",

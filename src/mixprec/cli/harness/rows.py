@@ -16,7 +16,8 @@ import torch
 
 from mixprec.plans import PLANS, get_plan, resolve_plan_name
 
-__all__ = ["FP32", "TORCH_AUTOCAST", "Row", "default_plans", "is_fp16_plan", "plan_label", "plan_rows"]
+__all__ = ["FP32", "TORCH_AUTOCAST", "Row", "default_plans", "is_fp16_plan", "plan_compute_dtype", "plan_label",
+           "plan_rows"]
 
 FP32 = "fp32"
 TORCH_AUTOCAST = "torch-autocast"
@@ -25,11 +26,14 @@ TORCH_AUTOCAST = "torch-autocast"
 _BF16_AUTOCAST_LABEL = "torch.autocast (bf16)"
 
 
+def plan_compute_dtype(plan: str) -> torch.dtype:
+    """The dtype a row computes in (the plain torch.autocast loop: bf16)."""
+    return torch.bfloat16 if plan == TORCH_AUTOCAST else get_plan(plan).compute_dtype
+
+
 def is_fp16_plan(plan: str) -> bool:
     """True for plans that compute in fp16 (no fast path on most CPUs)."""
-    if plan == TORCH_AUTOCAST:
-        return False
-    return get_plan(plan).compute_dtype == torch.float16
+    return plan_compute_dtype(plan) == torch.float16
 
 
 def default_plans(device_type: str = "cpu", *, include_fp16: bool = False) -> list[str]:
