@@ -21,6 +21,7 @@ SRC = pathlib.Path(__file__).resolve().parents[1] / "src"
 LEVELS: list[tuple[str, tuple[str, ...]]] = [
     ("foundation", ("mixprec.nested", "mixprec.formatting", "mixprec.process_groups", "mixprec.compiling")),
     ("dtypes", ("mixprec.dtypes",)),
+    ("hardware", ("mixprec.hardware",)),
     ("formats", ("mixprec.fp8.formats",)),
     ("policy", ("mixprec.policy",)),
     ("autocast", ("mixprec.amp",)),

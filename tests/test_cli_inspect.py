@@ -41,10 +41,14 @@ def test_inspect_tiny_cnn_writes_table_report_and_plot(tmp_path: Path, capsys: p
                  "--threads", "1", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "plan bf16-mixed vs fp32" in text
-    assert "Modules by error (worst 5 of" in text
+    assert "Modules by error (worst 5 of 29)" in text
     assert "| module" in text and "fwd own err" in text and "grad dB" in text
-    assert "Conv2d" in text and "stem.0.0" in text
-    assert "Headroom (tightest 5 of" in text and "fp16 gradient underflow at loss scale 65536" in text
+    # Which five modules rank worst depends on the CPU's bf16 kernels (oneDNN accumulates
+    # differently with and without bf16 instructions): only the count and the order are fixed.
+    ranked = text.split("Modules by error", 1)[1].split("\n\n", 1)[0].splitlines()[3:]
+    assert len(ranked) == 5 and all(row.startswith("| ") for row in ranked)
+    assert "Conv2d" in text  # the tiny CNN's error sits in its convolutions, whichever rank first
+    assert "Headroom (tightest 5 of 29)" in text and "fp16 gradient underflow at loss scale 65536" in text
     report = (out / "report.md").read_text(encoding="utf-8")
     assert report.startswith("# mixprec inspect")
     assert "Conv2d" in report and "![SQNR per module](sqnr.png)" in report

@@ -973,21 +973,52 @@ def test_emulated_gemm_restores_the_math_mode_and_uses_bf16_where_available():
         ("aarch64", False, False, True),  # not x86: oneDNN's own check decides
     ],
 )
-def test_bf16_gemms_count_as_available_only_with_bf16_instructions(monkeypatch, machine, avx512_bf16, amx, expected):
+def test_bf16_instructions_are_read_from_the_cpu_flags(monkeypatch, machine, avx512_bf16, amx, expected):
     import platform
 
-    from mixprec.fp8.gemm import cpu_bf16_gemm_available
+    from mixprec.hardware import cpu_bf16_instructions
 
     if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
         pytest.skip("oneDNN has no bf16 on this build or CPU")
     monkeypatch.setattr(platform, "machine", lambda: machine)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16, raising=False)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx, raising=False)
-    cpu_bf16_gemm_available.cache_clear()
+    assert cpu_bf16_instructions() is expected
+
+
+@pytest.mark.parametrize(
+    ("instructions", "bf16_ms", "takes_effect", "expected"),
+    [
+        (True, 0.5, True, True),  # AMX / AVX512-BF16 and oneDNN honours the math mode
+        (False, 0.5, True, False),  # no bf16 instructions
+        (True, 40.0, True, False),  # flags, but bf16 slower than fp32 (ONEDNN_MAX_CPU_ISA=AVX2)
+        (True, 0.5, False, False),  # fast bf16, but torch routes fp32 GEMMs past oneDNN (some AMD CPUs)
+        (True, None, True, False),  # bf16 did not run
+    ],
+)
+def test_bf16_math_mode_is_used_only_where_it_is_real_and_faster(monkeypatch, instructions, bf16_ms, takes_effect, expected):
+    from mixprec import hardware
+    from mixprec.fp8 import gemm
+
+    ms = {"fp32": 1.0} if bf16_ms is None else {"fp32": 1.0, "bf16": bf16_ms}
+    facts = hardware.DeviceFacts(device_type="cpu", name="test", bf16_instructions=instructions, gemm_size=256, gemm_ms=ms)
+    monkeypatch.setattr(gemm, "cpu_bf16_instructions", lambda: instructions)
+    monkeypatch.setattr(gemm, "device_facts", lambda device=None: facts)
+    monkeypatch.setattr(gemm, "_bf16_math_takes_effect", lambda: takes_effect)
+    gemm.cpu_bf16_gemm_available.cache_clear()
     try:
-        assert cpu_bf16_gemm_available() is expected
+        assert gemm.cpu_bf16_gemm_available() is expected
     finally:
-        cpu_bf16_gemm_available.cache_clear()
+        gemm.cpu_bf16_gemm_available.cache_clear()
+
+
+def test_bf16_math_mode_probe_matches_what_a_gemm_does():
+    from mixprec.fp8.gemm import _bf16_math, _bf16_math_takes_effect
+
+    x, y = torch.randn(64, 64, generator=gen(5)), torch.randn(64, 64, generator=gen(6))
+    with _bf16_math():
+        rounded = x @ y
+    assert _bf16_math_takes_effect() is (not torch.equal(rounded, x @ y))
 
 
 @pytest.mark.parametrize("fmts", [("e4m3", "e4m3"), ("e5m2", "e4m3"), ("e5m2", "e5m2")])

@@ -27,10 +27,11 @@ __all__ = [
 
 
 def bf16_speed_note(environment: dict[str, Any], settings: dict[str, Any], plans: Sequence[str]) -> str | None:
-    """A warning for reports whose bf16 rows ran on a CPU without bf16 instructions
-    (AVX512-BF16 or AMX): there bf16 matmuls are slower than fp32, so those step times
-    say nothing of the plans' speed where bf16 is native. ``None`` when it does not apply
-    (another device, a CPU with them, no bf16 plan, a report from before this was recorded)."""
+    """A warning for reports whose bf16 rows ran on a CPU where bf16 GEMMs are slower than
+    fp32 ones (measured: no AVX512-BF16 or AMX, or oneDNN kept from them): there the bf16
+    step times say nothing of the plans' speed where bf16 is native. ``None`` when it does
+    not apply (another device, a CPU with fast bf16, no bf16 plan, a report from before
+    this was recorded)."""
     if settings.get("device", "cpu") != "cpu" or environment.get("cpu_bf16", True):
         return None
 
@@ -42,10 +43,12 @@ def bf16_speed_note(environment: dict[str, Any], settings: dict[str, Any], plans
 
     if not any(bf16(p) for p in plans):
         return None
+    speedup = environment.get("cpu_bf16_speedup")
+    measured = f" (measured: a bf16 GEMM at {speedup:.2f}x of fp32's speed)" if isinstance(speedup, float) else ""
     return (
-        "Note: this CPU has no bf16 instructions (AVX512-BF16 or AMX), so its bf16 matmuls run slower than "
-        "fp32 ones and the bf16 step times here are not the plans' speed on CPUs that have them or on GPUs. "
-        "Memory, state bytes, losses and accuracy do not depend on it."
+        f"Note: this CPU runs bf16 matmuls slower than fp32 ones{measured}: it has no bf16 instructions "
+        "(AVX512-BF16 or AMX) that torch uses, so the bf16 step times here are not the plans' speed on CPUs "
+        "that have them or on GPUs. Memory, state bytes, losses and accuracy do not depend on it."
     )
 
 
@@ -108,6 +111,14 @@ def demo_markdown(result: DemoResult, command: str, plots: Sequence[str] = ()) -
         f"torch {env['torch']}, mixprec {env['mixprec']}).",
         "",
     ]
+    requested = s.get("steps_requested")
+    if isinstance(requested, int) and requested > s["steps"]:
+        lines += [f"The {s['time_budget_s']:g} s time budget fitted {s['steps']} of the {requested} steps asked for "
+                  "on this machine (`--time-budget 0` trains them all).", ""]
+    auto = s.get("auto")
+    if isinstance(auto, dict):
+        lines += [f"precision='auto' picks **{auto.get('plan')}** here:", ""]
+        lines += [f"> {line}" for line in str(auto.get("why", "")).splitlines()] + [""]
     note = bf16_speed_note(env, s, [h.plan for h in result.histories])
     if note is not None:
         lines += [note, ""]

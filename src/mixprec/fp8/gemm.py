@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import platform
 from collections.abc import Iterator
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from mixprec.compiling import call_compiled
+from mixprec.hardware import cpu_bf16_instructions, device_facts
 
 __all__ = ["cpu_bf16_gemm_available", "emulated_mm", "native_fp8_available", "scaled_mm", "widen"]
 
@@ -71,28 +71,32 @@ def _native_shapes_ok(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 @functools.cache
 def cpu_bf16_gemm_available() -> bool:
-    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX on x86), so fp32
-    GEMMs can run in oneDNN's bf16 math mode faster than in fp32.
+    """Whether fp32 GEMMs on this CPU can run in oneDNN's bf16 math mode, faster than in fp32.
 
-    oneDNN also accepts bf16 on x86 CPUs with plain AVX512, where it converts in software
-    and runs slower than fp32: those answer False. Elsewhere (ARM) oneDNN's own check decides.
+    Three things must hold, and the last two are measured, not read from flags: the CPU
+    has bf16 instructions (AVX512-BF16 or AMX on x86; oneDNN's check on ARM), the math
+    mode takes effect (torch may route fp32 GEMMs past oneDNN: on some AMD CPUs with
+    AVX512-BF16 the mode changes nothing), and a bf16 GEMM is faster than an fp32 one
+    here (``ONEDNN_MAX_CPU_ISA=AVX2`` keeps the flags but makes bf16 ~40x slower).
 
     >>> isinstance(cpu_bf16_gemm_available(), bool)
     True
     """
     mkldnn = getattr(torch.backends, "mkldnn", None)
-    if mkldnn is None or not mkldnn.is_available() or not hasattr(mkldnn, "matmul"):
+    if mkldnn is None or not hasattr(mkldnn, "matmul") or not cpu_bf16_instructions():
         return False
-    checker = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
-    try:
-        if checker is None or not checker():
-            return False
-    except RuntimeError:
-        return False
-    if platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86"):
-        native = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
-        return any(bool(check()) for check in native if check is not None)
-    return True
+    speedup = device_facts("cpu").speedup(torch.bfloat16)
+    return speedup is not None and speedup > 1.0 and _bf16_math_takes_effect()
+
+
+def _bf16_math_takes_effect() -> bool:
+    """One 64 x 64 fp32 GEMM in bf16 math mode: True when it rounds its operands to bf16."""
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(64, 64, generator=gen), torch.randn(64, 64, generator=gen)
+    with _bf16_math():
+        rounded = x @ y
+    exact = (x.bfloat16().double() @ y.bfloat16().double()).float()
+    return not torch.equal(rounded, x @ y) and torch.allclose(rounded, exact, rtol=1e-5, atol=1e-4)
 
 
 @contextlib.contextmanager
