@@ -75,7 +75,23 @@ def test_explain_plan(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 # -------------------------------------------------------------------- demo
-def test_demo_writes_table_report_and_plots(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def _fast_bf16_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The demo's choices as on a CPU with AMX / AVX512-BF16 (the facts injected, so the test
+    does not depend on this machine's CPU)."""
+    from mixprec import hardware
+
+    facts = hardware.DeviceFacts("cpu", "test cpu", bf16_instructions=True, gemm_size=256,
+                                 gemm_ms={"fp32": 1.0, "bf16": 0.4, "fp16": 50.0})
+    monkeypatch.setattr(hardware, "device_facts", lambda device=None: facts)
+    import mixprec.cli.demo as demo_module
+
+    monkeypatch.setattr(demo_module, "device_facts", lambda device=None: facts)
+
+
+def test_demo_writes_table_report_and_plots(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _fast_bf16_cpu(monkeypatch)
     out = tmp_path / "report"
     code = main(["demo", "--quiet", "--size", "tiny", "--steps", "4", "--batch-size", "8",
                  "--eval-batch-size", "16", "--out", str(out)])
@@ -100,7 +116,7 @@ def test_demo_writes_table_report_and_plots(tmp_path: Path, capsys: pytest.Captu
         assert p["state_bytes_per_param"]["total"] > 0
     assert data["plans"][0]["speedup_vs_fp32"] == 1.0
     # a CPU whose bf16 GEMMs are slower than fp32 is named in the output and the report, never silently
-    from mixprec.hardware import device_facts
+    from mixprec.cli.harness.environment import device_facts  # this machine's facts (the test injects the demo's)
 
     speedup = device_facts("cpu").speedup(torch.bfloat16)
     assert data["environment"]["cpu_bf16_speedup"] == speedup and data["settings"]["device"] == "cpu"
@@ -129,6 +145,64 @@ def test_bf16_speed_note(cpu_bf16: bool | None, device: str, plans: list[str], w
     assert (note is not None) is warned
     if note is not None:
         assert "AVX512-BF16 or AMX" in note
+
+
+def test_demo_on_a_cpu_where_bf16_is_slow_shows_what_still_pays(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mixprec import hardware
+    from mixprec.cli import demo as demo_module
+
+    slow = hardware.DeviceFacts("cpu", "test cpu", gemm_size=256, gemm_ms={"fp32": 1.0, "bf16": 40.0, "fp16": 90.0})
+    monkeypatch.setattr(hardware, "device_facts", lambda device=None: slow)
+    monkeypatch.setattr(demo_module, "device_facts", lambda device=None: slow)
+    out = tmp_path / "report"
+    assert main(["demo", "--model", "mlp", "--steps", "3", "--no-plots", "--no-fp16", "--out", str(out)]) == 0
+    stdout = capsys.readouterr().out
+    assert "precision='auto' picks fp32 on this machine: bf16 GEMMs run at 0.03x" in stdout
+    assert "its speed needs bf16 hardware" in stdout
+    data = json.loads((out / "results.json").read_text())
+    assert [p["plan"] for p in data["plans"]] == list(demo_module.SLOW_BF16_PLANS)
+    assert data["settings"]["auto"]["plan"] == "fp32"
+    report = (out / "report.md").read_text()
+    assert "precision='auto' picks **fp32** here" in report and "'bf16-kahan'" in report
+
+
+def test_demo_time_budget_cuts_steps_but_not_below_the_floor(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mixprec.cli.harness.demo import MIN_BUDGET_STEPS
+
+    assert MIN_BUDGET_STEPS == 20
+    _fast_bf16_cpu(monkeypatch)
+    out = tmp_path / "report"
+    # a budget far below what 40 steps take: the run stops at the floor the harness keeps
+    assert main(["demo", "--model", "mlp", "--plans", "bf16-mixed", "--steps", "40", "--time-budget", "0.001",
+                 "--no-plots", "--no-fp16", "--out", str(out)]) == 0
+    stdout = capsys.readouterr().out
+    data = json.loads((out / "results.json").read_text())
+    settings = data["settings"]
+    assert settings["steps"] == 20 and settings["steps_requested"] == 40  # cut to the floor
+    assert all(len(p["losses"]) == 20 for p in data["plans"])
+    assert data["plans"][0]["eval_steps"][-1] == 20
+    assert "fitted 20 of 40 steps" in stdout
+    assert "fitted 20 of the 40 steps" in (out / "report.md").read_text()
+    # --time-budget 0: every step
+    assert main(["demo", "--quiet", "--model", "mlp", "--plans", "bf16-mixed", "--steps", "25", "--time-budget", "0",
+                 "--no-plots", "--no-fp16", "--out", str(out)]) == 0
+    assert json.loads((out / "results.json").read_text())["settings"]["steps"] == 25
+    assert main(["demo", "--time-budget", "-1", "--out", str(out)]) == 2
+    assert "--time-budget must be a finite number of seconds >= 0" in capsys.readouterr().err
+
+
+def test_demo_and_bench_take_auto_as_a_plan(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _fast_bf16_cpu(monkeypatch)
+    out = tmp_path / "report"
+    assert main(["demo", "--quiet", "--model", "mlp", "--plans", "auto", "--steps", "2", "--no-plots", "--no-fp16",
+                 "--out", str(out)]) == 0
+    assert [p["plan"] for p in json.loads((out / "results.json").read_text())["plans"]] == ["fp32", "bf16-mixed"]
 
 
 def test_demo_is_deterministic_and_adds_fp32(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -61,11 +61,16 @@ def validated_scaler_state(
             )
         else:
             diffs = "no fingerprint"
+        auto = (
+            f" This run's plan was chosen by precision='auto' on this hardware; to keep the checkpoint's plan, "
+            f"name it: precision={state_dict.get('plan')!r}."
+            if plan.auto_reason else ""
+        )
         raise ValueError(
             f"this checkpoint was made under plan {state_dict.get('plan')!r}, but this run uses "
             f"{plan.name!r} ({diffs}). Resuming would silently change numerics; to convert on "
             "purpose, load the model weights, start the optimizer fresh, and call "
-            "load_state_dict(sd, allow_plan_change=True)."
+            f"load_state_dict(sd, allow_plan_change=True).{auto}"
         )
     for key in ("optimizer_steps", "consecutive_skips"):
         value = state_dict.get(key, 0)

@@ -54,7 +54,9 @@ class MixedPrecision(ComposableSteps):
     """Run any model and any torch optimizer under a precision plan.
 
     Args:
-        plan: a plan name ("bf16-mixed", "fp16-master", "O2", ...) or a :class:`Plan`.
+        plan: a plan name ("bf16-mixed", "fp16-master", "O2", ...) or a :class:`Plan`;
+            ``"auto"`` measures the device and chooses (again at :meth:`prepare`, on the
+            model's device and with its Linear widths): ``mp.plan.explain()`` says why.
         grad_accum_steps: micro-batches per optimizer step; ``backward`` divides each
             micro-batch loss by it, so accumulating equals one big batch.
         clip_grad_norm: clip the total gradient norm (the true, unscaled norm) to this.
@@ -95,7 +97,8 @@ class MixedPrecision(ComposableSteps):
         trace_overflow: bool = False,
         optimizer_in_backward: bool = False,
     ) -> None:
-        self.plan = get_plan(plan)
+        self._auto = isinstance(plan, str) and plan.strip().lower() == "auto"
+        self.plan = get_plan(plan, device=device) if self._auto else get_plan(plan)
         check_session_options(
             grad_accum_steps, clip_grad_norm, max_consecutive_skips, scaler,
             {"compile": compile, "trace_overflow": trace_overflow, "optimizer_in_backward": optimizer_in_backward},
@@ -106,6 +109,7 @@ class MixedPrecision(ComposableSteps):
         self.max_consecutive_skips = max_consecutive_skips
         self.process_group = process_group
         self.scaler: LossScaler = scaler if scaler is not None else self.plan.make_scaler(process_group)
+        self._scaler_from_plan = scaler is None
         self._device = None if device is None else torch.device(device)
         self._first = FirstParameter()
         self.compile = compile
@@ -175,6 +179,8 @@ class MixedPrecision(ComposableSteps):
         """
         if self.model is not None:
             raise RuntimeError("prepare() was already called on this MixedPrecision; create one per model")
+        if self._auto:
+            self._choose_for(model)
         prepared = self._prepared = prepare_model(
             model, self.plan, device=self._device, ddp=ddp, process_group=self.process_group,
             compile=self.compile, trace_overflow=self.trace_overflow,
@@ -184,6 +190,15 @@ class MixedPrecision(ComposableSteps):
         # A skipped step must not keep what its forward wrote into buffers (BatchNorm statistics).
         self._buffers.install(prepared.module, prepared.model)
         return prepared.module
+
+    def _choose_for(self, model: torch.nn.Module) -> None:
+        """``"auto"`` again, now on the model's own device and with its Linear widths."""
+        first = next(iter(model.parameters()), None)
+        device = self._device or (first.device if first is not None else None)
+        plan = get_plan("auto", device=device, model=model)
+        if plan.scaling.kind != self.plan.scaling.kind and self._scaler_from_plan:
+            self.scaler = plan.make_scaler(self.process_group)
+        self.plan = plan
 
     def prepare_optimizers(self, *optimizers: torch.optim.Optimizer) -> Any:
         """The optimizer half of :meth:`prepare`: wrap ``optimizers`` for the plan.

@@ -52,7 +52,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
-    plans = parse_plans(args.plans) if args.plans else default_plans(device.type, include_fp16=args.include_fp16)
+    plans = parse_plans(args.plans, device=device) if args.plans else default_plans(device.type, include_fp16=args.include_fp16)
     budget = None if str(args.memory_budget).lower() == "none" else parse_bytes(args.memory_budget)
     workloads = {}
     for spec in args.model:

@@ -17,7 +17,7 @@ import torch
 
 from mixprec.cli.harness import TORCH_AUTOCAST, TaskLike, Workload, builtin_workload
 from mixprec.nested import map_tensors
-from mixprec.plans import resolve_plan_name
+from mixprec.plans import get_plan, resolve_plan_name
 
 __all__ = [
     "Command",
@@ -252,13 +252,17 @@ def resolve_workload(spec: str, args: argparse.Namespace) -> Workload:
     return on_device(workload, device)
 
 
-def parse_plans(values: Sequence[str]) -> list[str]:
-    """Plan names from ``--plans`` (space- or comma-separated), canonical and de-duplicated."""
+def parse_plans(values: Sequence[str], device: torch.device | str | None = None) -> list[str]:
+    """Plan names from ``--plans`` (space- or comma-separated), canonical and de-duplicated;
+    ``auto`` becomes the plan ``precision="auto"`` picks on ``device``."""
     names: list[str] = []
     for value in values:
         for part in value.split(","):
             part = part.strip()
             if not part:
+                continue
+            if part.lower() == "auto":
+                names.append(get_plan("auto", device=device).name)
                 continue
             names.append(TORCH_AUTOCAST if part == TORCH_AUTOCAST else resolve_plan_name(part))
     if not names:

@@ -103,6 +103,9 @@ class Plan:
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
     policy: OpPolicy | None = None
     reduce_dtype: torch.dtype = torch.float32
+    #: Why ``precision="auto"`` chose this plan here (None: the plan was named). Not part of
+    #: the plan's identity: an auto-chosen bf16-mixed equals a named one.
+    auto_reason: str | None = field(default=None, compare=False, repr=False)
 
     family: ClassVar[str] = "base"
     summary: ClassVar[str] = ""
@@ -181,6 +184,8 @@ class Plan:
         lines += [f"  {k.ljust(width)}  {v}" for k, v in rows.items()]
         if self.policy is not None:
             lines += ["", "op policy:", *("  " + line for line in self.policy.explain().splitlines())]
+        if self.auto_reason:
+            lines += ["", "why (precision='auto'):", *("  " + line for line in self.auto_reason.splitlines())]
         return Text("\n".join(lines))
 
     def fingerprint(self) -> dict[str, str]:

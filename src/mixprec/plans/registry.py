@@ -21,6 +21,7 @@ from typing import Any, Literal
 import torch
 
 from mixprec.dtypes import dtype_name, parse_dtype
+from mixprec.plans.auto import AUTO, choose_plan
 from mixprec.plans.base import Plan, ScalingConfig, ScalingKind
 from mixprec.plans.fp8 import Fp8Plan
 from mixprec.plans.full import FullPrecisionPlan
@@ -99,7 +100,7 @@ def register_plan(name: str, factory: Callable[[], Plan]) -> None:
     """
     if not isinstance(name, str) or not name or name != name.strip():
         raise ValueError(f"a plan name must be a non-empty string without surrounding spaces, got {name!r}")
-    taken = {n.lower() for n in (*_FACTORIES, *ALIASES, *NOT_ALIASES)}
+    taken = {n.lower() for n in (*_FACTORIES, *ALIASES, *NOT_ALIASES, AUTO)}
     if name.lower() in taken:  # names resolve without regard to case
         raise ValueError(f"plan name {name!r} is taken; choose another name (registered: {', '.join(plan_names())})")
     if not callable(factory):
@@ -154,13 +155,25 @@ def get_plan(name: str | Plan, **overrides: Any) -> Plan:
     ``min_scale``, ``max_scale``. Plans without loss scaling (bf16, fp32) refuse
     scaling settings unless ``loss_scale`` is given explicitly (the opt-in).
 
+    ``"auto"`` (any case) chooses a built-in plan from what the device measures and,
+    with ``model=``, from the model's Linear widths (:mod:`mixprec.plans.auto`); ``device=``
+    names the device to measure (default: CUDA where there is one, else the CPU). The plan
+    returned is the chosen one, whose ``explain()`` ends with why.
+
     Every override is checked: an unknown name or a value of the wrong type raises
     ``TypeError``/``ValueError`` naming it. ``compute_dtype`` must be bf16 or fp16
     (fp32 for the fp32 plans); switching a plan without loss scaling to fp16 needs an
     explicit ``loss_scale`` ("dynamic", a number, or None to run fp16 unscaled on
     purpose), since fp16 gradients underflow without one.
     """
-    plan = name if isinstance(name, Plan) else _FACTORIES[resolve_plan_name(name)]()
+    if isinstance(name, str) and name.strip().lower() == AUTO:
+        plan: Plan = _auto_plan(overrides.pop("device", None), overrides.pop("model", None))
+    else:
+        if {"device", "model"} & set(overrides):
+            raise ValueError(
+                f"device= and model= are for get_plan('auto') (they tell it what to measure), not for plan {name!r}"
+            )
+        plan = name if isinstance(name, Plan) else _FACTORIES[resolve_plan_name(name)]()
     if not isinstance(plan, Plan):
         raise TypeError(f"the factory registered for plan {name!r} returned {type(plan).__name__}, not a Plan")
     if not overrides:
@@ -170,7 +183,7 @@ def get_plan(name: str | Plan, **overrides: Any) -> Plan:
     has_loss_scale = "loss_scale" in overrides
     loss_scale = overrides.pop("loss_scale", None)
     policy_changes = {k: overrides.pop(k) for k in list(overrides) if k in _POLICY_KEYS}
-    valid_fields = {f.name for f in dataclasses.fields(plan)} - {"name", "scaling"}
+    valid_fields = {f.name for f in dataclasses.fields(plan)} - {"name", "scaling", "auto_reason"}
     unknown = sorted(set(overrides) - valid_fields)
     if unknown:
         valid = sorted(valid_fields | _SCALING_KEYS | _POLICY_KEYS | {"loss_scale"})
@@ -204,6 +217,20 @@ def get_plan(name: str | Plan, **overrides: Any) -> Plan:
             )
         changes["policy"] = OpPolicy(dtype=compute, **policy_changes)
     return dataclasses.replace(plan, **changes)
+
+
+def _auto_plan(device: Any, model: Any) -> Plan:
+    """The plan ``"auto"`` chooses for ``device`` (default: CUDA if present, else CPU) and ``model``."""
+    from mixprec.hardware import device_facts
+
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise TypeError(f"get_plan('auto', model=...) needs an nn.Module, got {type(model).__name__}")
+    try:
+        facts = device_facts(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"get_plan('auto', device={device!r}): {exc}; pass a device such as 'cpu' or 'cuda'") from None
+    choice = choose_plan(facts, model)
+    return dataclasses.replace(_FACTORIES[choice.plan](), auto_reason=choice.text())
 
 
 def _fp16_twin(plan: Plan) -> str:

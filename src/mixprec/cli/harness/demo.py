@@ -99,6 +99,13 @@ class DemoResult:
         }
 
 
+CALIBRATION_STEPS = 3
+"""Steps of every run timed before a time budget decides how many steps fit."""
+MIN_BUDGET_STEPS = 20
+"""A time budget never cuts a run below this many steps (the losses must still say something)."""
+EVALUATIONS = 15
+"""Held-out evaluations per run by default (every ``steps // 15`` steps)."""
+
 DemoRun = tuple[str, Plan]
 """A run of the demo under a plan with its own settings: ``(label, plan)``."""
 
@@ -114,6 +121,8 @@ def train_side_by_side(
     eval_every: int | None = None,
     eval_batch_size: int | None = None,
     progress: bool = False,
+    time_budget_s: float | None = None,
+    min_steps: int = MIN_BUDGET_STEPS,
 ) -> DemoResult:
     """Train ``workload`` under each of ``plans`` on the same batches, steps interleaved.
 
@@ -121,9 +130,17 @@ def train_side_by_side(
     every plan sees the same batch. The held-out loss and accuracy are evaluated every
     ``eval_every`` steps, before the first and after the last one. A plan is a name (or
     :data:`TORCH_AUTOCAST`), or ``(label, Plan)`` for a plan with its own settings.
+
+    With ``time_budget_s``, the step times of the first :data:`CALIBRATION_STEPS` steps
+    (and the first evaluation) decide how many steps fit in the budget: fewer than
+    ``steps`` where the device is slow (bf16 on a CPU without bf16 instructions), never
+    fewer than ``min_steps``. ``settings["steps_requested"]`` keeps what was asked.
     """
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
+    if time_budget_s is not None and not time_budget_s > 0:
+        raise ValueError(f"time_budget_s must be positive, got {time_budget_s}")
+    requested = steps
     if not plans:
         raise ValueError("no plans to train")
     start = time.perf_counter()
@@ -148,7 +165,7 @@ def train_side_by_side(
     bs = batch_size or task.default_batch_size
     ebs = eval_batch_size or task.eval_batch_size
     eval_inputs, eval_targets = task.eval_batch(ebs)
-    every = eval_every or max(steps // 15, 1)
+    every = eval_every or max(steps // EVALUATIONS, 1)
     for h in histories:
         h.warmup_steps = min(5, steps // 10)
     width = max(len(h.label) for h in histories)
@@ -156,7 +173,10 @@ def train_side_by_side(
     generator = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
 
+    eval_seconds: list[float] = []
+
     def evaluate(step: int) -> None:
+        started = time.perf_counter()
         for runner, h, bar in zip(runners, histories, bars, strict=True):
             loss, acc = runner.evaluate(eval_inputs, eval_targets)
             h.eval_steps.append(step)
@@ -165,10 +185,21 @@ def train_side_by_side(
             if bar is not None:
                 acc_text = "n/a" if acc is None else f"{acc:.3f}"
                 bar.set_postfix_str(f"held-out loss {loss:.3f} acc {acc_text}", refresh=False)
+        eval_seconds.append(time.perf_counter() - started)
+
+    def fit_budget(step: int) -> int:
+        """The number of steps that fit in what is left of the budget (at least ``min_steps``)."""
+        assert time_budget_s is not None
+        per_step = sum(statistics.median(h.times_s[1:] or h.times_s) for h in histories)
+        left = time_budget_s - (time.perf_counter() - start) - EVALUATIONS * min(eval_seconds)
+        fit = step + max(int(left / per_step), 0) if per_step > 0 else steps
+        return max(min(steps, fit), min(min_steps, steps), step)
 
     try:
         evaluate(0)
-        for step in range(1, steps + 1):
+        step = 0
+        while step < steps:
+            step += 1
             inputs, targets = task.batch(bs, generator)
             for i in interleaved(range(len(runners)), step - 1):
                 outcome = runners[i].step(inputs, targets)
@@ -177,6 +208,17 @@ def train_side_by_side(
                 h.scales.append(outcome.scale)
                 h.skipped.append(outcome.skipped)
                 h.times_s.append(outcome.seconds)
+            if time_budget_s is not None and step == CALIBRATION_STEPS and step < steps:
+                fitted = fit_budget(step)
+                if fitted < steps:
+                    steps = fitted
+                    every = eval_every or max(steps // EVALUATIONS, 1)
+                    for h in histories:
+                        h.warmup_steps = min(5, steps // 10)
+                    for bar in bars:
+                        if bar is not None:
+                            bar.total = steps
+                            bar.refresh()
             if step % every == 0 or step == steps:
                 evaluate(step)
             for bar in bars:
@@ -199,6 +241,6 @@ def train_side_by_side(
         h.peak_memory_bytes = measure_peak(workload, entry[1] if isinstance(entry, tuple) else entry, bs, seed)
     settings = {"steps": steps, "batch_size": bs, "lr": lr, "seed": seed, "eval_every": every,
                 "eval_batch_size": ebs, "optimizer": "AdamW", "plans": [h.label for h in histories],
-                "device": device_type}
+                "device": device_type, "steps_requested": requested, "time_budget_s": time_budget_s}
     return DemoResult(workload=workload.name, histories=histories, settings=settings,
                       environment=environment(), chance=task.chance, wall_s=time.perf_counter() - start)
