@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.mixprec-installed
 
-.PHONY: setup demo test test-fast test-gpu lint bench docs clean
+.PHONY: setup demo test test-fast test-nobf16 test-gpu lint bench docs clean
 
 $(STAMP): pyproject.toml constraints-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,11 @@ test: setup
 # Unit tests only: no multi-process, slow or third-party-framework tests.
 test-fast: setup
 	$(PY) -m pytest -q -m "not distributed and not slow and not integration"
+
+# The unit tests as on a CPU without bf16 instructions (AVX2 laptops, many cloud VMs):
+# oneDNN honours ONEDNN_MAX_CPU_ISA, so bf16 kernels run emulated, 40x slower than fp32.
+test-nobf16: setup
+	ONEDNN_MAX_CPU_ISA=AVX2 $(PY) -m pytest -q -m "not distributed and not slow and not integration"
 
 # The CUDA tier (tests/cuda): every test is skipped, with the reason, without a GPU.
 test-gpu: setup

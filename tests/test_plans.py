@@ -166,7 +166,9 @@ def test_fp16_compute_on_an_unscaled_plan_needs_an_explicit_loss_scale() -> None
         ("bf16-pure", {"state_dtype": torch.int8}, ValueError, "override state_dtype=int8 for plan 'bf16-pure'"),
         ("bf16-mixed", {"nosuch": 1}, ValueError, "unknown override(s) ['nosuch'] for plan 'bf16-mixed'"),
         ("fp16-mixed", {"loss_scale": float("inf")}, ValueError,
-         "loss_scale=inf: a constant loss scale must be a finite positive number"),
+         "loss_scale=inf: a constant loss scale must be a finite number in [2**-126, "),
+        ("fp32", {"loss_scale": 1.2588846498201833e-107}, ValueError,  # found by test_get_plan_fuzz
+         "loss_scale=1.2588846498201833e-107: a constant loss scale must be a finite number in [2**-126, "),
         ("fp16-mixed", {"loss_scale": True}, TypeError,
          "loss_scale must be 'dynamic', a number (constant scale) or None, got True"),
         ("bf16-mixed", {"fp32_modules": 3}, TypeError, "fp32_modules takes a sequence of nn.Module classes"),

@@ -466,8 +466,13 @@ def test_cpu_op_class_engine_and_torch_agree_bitwise(op: str, index: int) -> Non
         if transform is not None:
             args, kwargs = _map(args, transform), _map(kwargs, transform)
         staged: Case = (fn, args, kwargs)
-        with torch.autocast("cpu", dtype=BF16):
-            expected = _run(staged)
+        try:
+            with torch.autocast("cpu", dtype=BF16):
+                expected = _run(staged)
+        except RuntimeError as err:  # no bf16 kernel on this CPU (oneDNN's LSTM without bf16 instructions)
+            with pytest.raises(RuntimeError), autocast(BF16, device_type="cpu"):
+                _run(staged)  # mixprec fails where torch does, it does not work around it
+            pytest.skip(f"{op} ({label}): torch.autocast has no kernel for it on this CPU: {str(err).splitlines()[0]}")
         target = _oracle_dtype(op, args, kwargs)
         oracle = _run(staged, _eligible_to(target))
         assert_bitwise(expected, oracle, f"{op} ({label}): torch.autocast vs explicit {target} casts")

@@ -362,6 +362,7 @@ def _describe(hint: Any) -> str:
 
 
 _FP32_MAX = torch.finfo(torch.float32).max
+_MIN_SCALE = 2.0**-126
 
 
 def _scaling_override(plan: Plan, has_loss_scale: bool, loss_scale: Any, settings: dict[str, Any]) -> ScalingConfig:
@@ -379,10 +380,11 @@ def _scaling_override(plan: Plan, has_loss_scale: bool, loss_scale: Any, setting
         if loss_scale == "dynamic":
             kind = "dynamic"
         elif isinstance(loss_scale, int | float) and not isinstance(loss_scale, bool):
-            if not math.isfinite(loss_scale) or loss_scale <= 0 or loss_scale > _FP32_MAX:
+            if not math.isfinite(loss_scale) or loss_scale < _MIN_SCALE or loss_scale > _FP32_MAX:
                 raise ValueError(
-                    f"loss_scale={loss_scale!r}: a constant loss scale must be a finite positive number "
-                    "that fits in fp32 (or pass 'dynamic', or None for no scaling)"
+                    f"loss_scale={loss_scale!r}: a constant loss scale must be a finite number in "
+                    f"[2**-126, {_FP32_MAX:g}] (it and its inverse finite in fp32), e.g. 128 (or pass "
+                    "'dynamic', or None for no scaling)"
                 )
             if settings:
                 raise ValueError(
