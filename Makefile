@@ -3,8 +3,12 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.mixprec-installed
+# The minimum-versions environment (`make test-min`), pinned in constraints-min.txt.
+VENV_MIN  ?= .venv-min
+PY_MIN    := $(VENV_MIN)/bin/python
+STAMP_MIN := $(VENV_MIN)/.mixprec-installed
 
-.PHONY: setup demo test test-fast test-nobf16 test-gpu lint bench docs clean
+.PHONY: setup demo test test-fast test-nobf16 test-gpu test-min lint bench docs clean
 
 $(STAMP): pyproject.toml constraints-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,6 +36,16 @@ test-nobf16: setup
 test-gpu: setup
 	$(PY) -m pytest -q -m cuda tests/cuda
 
+$(STAMP_MIN): pyproject.toml constraints-min.txt
+	test -x $(PY_MIN) || $(PYTHON) -m venv $(VENV_MIN)
+	$(PY_MIN) -m pip install --quiet --disable-pip-version-check -c constraints-min.txt -e '.[cli,dev,transformers,accelerate,lightning]'
+	touch $(STAMP_MIN)
+
+# The integration tests at the lowest transformers / accelerate / lightning that
+# pyproject.toml accepts, in their own .venv-min (docs/versions.md).
+test-min: $(STAMP_MIN)
+	$(PY_MIN) -m pytest -q -m integration tests/integrations tests/test_scaling_compat.py
+
 lint: setup
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/mypy
@@ -44,4 +58,4 @@ docs: setup
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VENV_MIN) build *.egg-info src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -75,7 +75,7 @@ def _fsdp_api() -> Any:
     try:  # torch 2.4 / 2.5
         import torch.distributed._composable.fsdp as api  # type: ignore[no-redef]
     except ImportError as e:  # pragma: no cover
-        raise RuntimeError(f"this torch ({torch.__version__}) has no FSDP2 (fully_shard); upgrade to torch >= 2.4") from e
+        raise RuntimeError(f"this torch ({torch.__version__}) has no FSDP2 (fully_shard); upgrade to torch >= 2.5") from e
     return api
 
 

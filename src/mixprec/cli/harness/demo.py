@@ -105,6 +105,9 @@ MIN_BUDGET_STEPS = 20
 """A time budget never cuts a run below this many steps (the losses must still say something)."""
 EVALUATIONS = 15
 """Held-out evaluations per run by default (every ``steps // 15`` steps)."""
+BUDGET_EVALUATIONS = 4
+"""Held-out evaluations after the first where a time budget cut the steps (an evaluation
+costs several training steps' forward passes: on a slow device they would eat the budget)."""
 
 DemoRun = tuple[str, Plan]
 """A run of the demo under a plan with its own settings: ``(label, plan)``."""
@@ -191,7 +194,7 @@ def train_side_by_side(
         """The number of steps that fit in what is left of the budget (at least ``min_steps``)."""
         assert time_budget_s is not None
         per_step = sum(statistics.median(h.times_s[1:] or h.times_s) for h in histories)
-        left = time_budget_s - (time.perf_counter() - start) - EVALUATIONS * min(eval_seconds)
+        left = time_budget_s - (time.perf_counter() - start) - BUDGET_EVALUATIONS * min(eval_seconds)
         fit = step + max(int(left / per_step), 0) if per_step > 0 else steps
         return max(min(steps, fit), min(min_steps, steps), step)
 
@@ -212,7 +215,7 @@ def train_side_by_side(
                 fitted = fit_budget(step)
                 if fitted < steps:
                     steps = fitted
-                    every = eval_every or max(steps // EVALUATIONS, 1)
+                    every = eval_every or max(steps // BUDGET_EVALUATIONS, 1)
                     for h in histories:
                         h.warmup_steps = min(5, steps // 10)
                     for bar in bars:
