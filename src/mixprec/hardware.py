@@ -28,7 +28,7 @@ import torch
 
 from mixprec.dtypes import dtype_name
 
-__all__ = ["DeviceFacts", "cpu_bf16_instructions", "device_facts", "gemm_speed"]
+__all__ = ["DeviceFacts", "cpu_bf16_instructions", "cpu_name", "device_facts", "fp8_gemm_capable", "gemm_speed"]
 
 _X86 = ("x86_64", "amd64", "i386", "i686", "x86")
 _PROBE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -65,6 +65,11 @@ class DeviceFacts:
         if ms is None or base is None or ms <= 0:
             return None
         return base / ms
+
+    def faster(self, dtype: torch.dtype, by: float = 1.0) -> bool:
+        """Whether a GEMM in ``dtype`` measured more than ``by`` times fp32's speed here."""
+        speedup = self.speedup(dtype)
+        return speedup is not None and speedup > by
 
     def describe(self) -> str:
         """One line: the device and its measured GEMM ratios against fp32."""
@@ -167,12 +172,18 @@ def _cuda_facts(device: torch.device) -> dict[str, object]:
         "cuda_capability": (major, minor),
         "bf16_supported": bool(torch.cuda.is_bf16_supported()),
         "bf16_instructions": (major, minor) >= (8, 0),
-        # as mixprec.fp8.native_fp8_available: cuBLASLt fp8 GEMMs from Ada / Hopper on
-        "native_fp8": hasattr(torch, "_scaled_mm") and torch.version.hip is None and (major, minor) >= (8, 9),
+        "native_fp8": fp8_gemm_capable((major, minor)),
     }
 
 
-def _cpu_name() -> str:
+def fp8_gemm_capable(capability: tuple[int, int]) -> bool:
+    """Whether a CUDA GPU of compute ``capability`` runs fp8 GEMMs natively under this torch:
+    cuBLASLt's fp8 GEMMs from Ada / Hopper (8.9) on, through ``torch._scaled_mm``; never on ROCm."""
+    return hasattr(torch, "_scaled_mm") and torch.version.hip is None and tuple(capability) >= (8, 9)
+
+
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else what :mod:`platform` knows."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
@@ -190,7 +201,7 @@ def _facts(device_type: str, index: int | None, isa: str | None) -> DeviceFacts:
         info: dict[str, object] = _cuda_facts(device)
         size = _CUDA_SIZE
     elif device_type == "cpu":
-        info = {"name": _cpu_name(), "bf16_instructions": cpu_bf16_instructions()}
+        info = {"name": cpu_name(), "bf16_instructions": cpu_bf16_instructions()}
         size = _CPU_SIZE
     else:
         info = {"name": device_type}
@@ -213,5 +224,3 @@ def device_facts(device: torch.device | str | None = None) -> DeviceFacts:
         raise ValueError(f"device {str(device)!r}: torch.cuda.is_available() is False; pass device='cpu'")
     return _facts(dev.type, dev.index, os.environ.get("ONEDNN_MAX_CPU_ISA"))
 
-
-device_facts.cache_clear = _facts.cache_clear  # type: ignore[attr-defined]

@@ -29,6 +29,7 @@ from mixprec.composable import ComposableSteps, FirstParameter
 from mixprec.optim import InBackwardOptimizer
 from mixprec.options import check_in_backward, check_ready, check_session_options
 from mixprec.plans import Plan, get_plan
+from mixprec.plans.auto import is_auto
 from mixprec.prepare import (
     Fp32Criterion,
     PreparedModel,
@@ -97,7 +98,7 @@ class MixedPrecision(ComposableSteps):
         trace_overflow: bool = False,
         optimizer_in_backward: bool = False,
     ) -> None:
-        self._auto = isinstance(plan, str) and plan.strip().lower() == "auto"
+        self._auto = is_auto(plan)
         self.plan = get_plan(plan, device=device) if self._auto else get_plan(plan)
         check_session_options(
             grad_accum_steps, clip_grad_norm, max_consecutive_skips, scaler,

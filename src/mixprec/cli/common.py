@@ -18,6 +18,7 @@ import torch
 from mixprec.cli.harness import TORCH_AUTOCAST, TaskLike, Workload, builtin_workload
 from mixprec.nested import map_tensors
 from mixprec.plans import get_plan, resolve_plan_name
+from mixprec.plans.auto import is_auto
 
 __all__ = [
     "Command",
@@ -261,7 +262,7 @@ def parse_plans(values: Sequence[str], device: torch.device | str | None = None)
             part = part.strip()
             if not part:
                 continue
-            if part.lower() == "auto":
+            if is_auto(part):
                 names.append(get_plan("auto", device=device).name)
                 continue
             names.append(TORCH_AUTOCAST if part == TORCH_AUTOCAST else resolve_plan_name(part))

@@ -31,7 +31,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from mixprec.compiling import call_compiled
-from mixprec.hardware import cpu_bf16_instructions, device_facts
+from mixprec.hardware import cpu_bf16_instructions, device_facts, fp8_gemm_capable
 
 __all__ = ["cpu_bf16_gemm_available", "emulated_mm", "native_fp8_available", "scaled_mm", "widen"]
 
@@ -40,7 +40,7 @@ _NATIVE_MULTIPLE = 16  # cuBLASLt fp8: the inner dim and both dims of the second
 
 @functools.cache
 def _capability_ok(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) >= (8, 9)
+    return fp8_gemm_capable(torch.cuda.get_device_capability(index))
 
 
 def native_fp8_available(device: torch.device | str | None = None) -> bool:
@@ -52,8 +52,6 @@ def native_fp8_available(device: torch.device | str | None = None) -> bool:
     >>> native_fp8_available("cpu")
     False
     """
-    if not hasattr(torch, "_scaled_mm") or torch.version.hip is not None:
-        return False
     if not torch.cuda.is_available():
         return False
     dev = torch.device("cuda") if device is None else torch.device(device)
@@ -85,8 +83,7 @@ def cpu_bf16_gemm_available() -> bool:
     mkldnn = getattr(torch.backends, "mkldnn", None)
     if mkldnn is None or not hasattr(mkldnn, "matmul") or not cpu_bf16_instructions():
         return False
-    speedup = device_facts("cpu").speedup(torch.bfloat16)
-    return speedup is not None and speedup > 1.0 and _bf16_math_takes_effect()
+    return device_facts("cpu").faster(torch.bfloat16) and _bf16_math_takes_effect()
 
 
 def _bf16_math_takes_effect() -> bool:

@@ -35,7 +35,7 @@ import torch
 
 from mixprec.hardware import DeviceFacts
 
-__all__ = ["AUTO", "FP8_MIN_WIDTH", "MIN_SPEEDUP", "AutoChoice", "choose_plan", "fp8_share"]
+__all__ = ["AUTO", "FP8_MIN_WIDTH", "MIN_SPEEDUP", "AutoChoice", "choose_plan", "fp8_share", "is_auto"]
 
 AUTO = "auto"
 MIN_SPEEDUP = 1.2
@@ -46,6 +46,11 @@ FP8_MIN_WIDTH: int | None = None
 """The smallest ``min(in_features, out_features)`` at which mixprec's fp8 linear layer was
 measured faster than a bf16 one (``benchmarks/bench_fp8_shapes.py``); None: no width
 measured so (BENCHMARKS.md, "fp8 layer vs bf16 by width"), so "auto" never picks fp8."""
+
+
+def is_auto(name: object) -> bool:
+    """Whether ``name`` asks for ``precision="auto"`` (any case, surrounding spaces ignored)."""
+    return isinstance(name, str) and name.strip().lower() == AUTO
 
 
 @dataclass(frozen=True)
@@ -73,14 +78,9 @@ def fp8_share(model: torch.nn.Module, min_width: int) -> float:
     return wide / total if total else 0.0
 
 
-def _ratio(facts: DeviceFacts, dtype: torch.dtype) -> float:
-    speedup = facts.speedup(dtype)
-    return 0.0 if speedup is None else speedup
-
-
 def choose_plan(facts: DeviceFacts, model: torch.nn.Module | None = None) -> AutoChoice:
     """The plan for a device with ``facts`` (and, where given, ``model``)."""
-    bf16, fp16 = _ratio(facts, torch.bfloat16), _ratio(facts, torch.float16)
+    bf16, fp16 = facts.speedup(torch.bfloat16) or 0.0, facts.speedup(torch.float16) or 0.0
     where = facts.describe()
     measured = f"measured on {where}"
     if facts.bf16_supported and bf16 >= MIN_SPEEDUP:

@@ -21,7 +21,7 @@ from typing import Any, Literal
 import torch
 
 from mixprec.dtypes import dtype_name, parse_dtype
-from mixprec.plans.auto import AUTO, choose_plan
+from mixprec.plans.auto import AUTO, choose_plan, is_auto
 from mixprec.plans.base import Plan, ScalingConfig, ScalingKind
 from mixprec.plans.fp8 import Fp8Plan
 from mixprec.plans.full import FullPrecisionPlan
@@ -166,7 +166,7 @@ def get_plan(name: str | Plan, **overrides: Any) -> Plan:
     explicit ``loss_scale`` ("dynamic", a number, or None to run fp16 unscaled on
     purpose), since fp16 gradients underflow without one.
     """
-    if isinstance(name, str) and name.strip().lower() == AUTO:
+    if is_auto(name):
         plan: Plan = _auto_plan(overrides.pop("device", None), overrides.pop("model", None))
     else:
         if {"device", "model"} & set(overrides):
