@@ -108,6 +108,19 @@ def test_auto_cannot_be_registered_as_a_plan_name() -> None:
         register_plan("auto", lambda: get_plan("fp32"))
 
 
+@pytest.mark.parametrize(
+    ("device", "message"),
+    [
+        ("meta", "device 'meta' holds no data, so nothing can be timed there; pass the device the model trains on"),
+        ("tpu", "get_plan('auto', device='tpu'): "),
+        (3.5, "get_plan('auto', device=3.5): "),
+    ],
+)
+def test_auto_refuses_a_device_it_cannot_measure(device: object, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        get_plan("auto", device=device)
+
+
 def test_auto_on_a_missing_cuda_device_says_so() -> None:
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
@@ -195,3 +208,24 @@ def test_gemm_speed_leaves_out_dtypes_that_do_not_run_and_restores_threads() -> 
     finally:
         torch.set_num_threads(threads)
     assert set(out) == {"fp32"} or set(out) == {"fp32", "int8"}  # int8 mm runs on some builds
+
+
+def _ranks_disagree(rank: int, world_size: int) -> None:
+    from mixprec import hardware
+
+    # rank 0 measures fast bf16, rank 1 slow: two plans would train two different models under DDP
+    facts = HARDWARE["cpu-avx512-bf16" if rank == 0 else "cpu-avx2"][0]
+    hardware.device_facts = lambda device=None: facts  # this process only
+    mp = MixedPrecision("auto")
+    assert mp.plan.name == "bf16-mixed", (rank, mp.plan.name)
+    assert ("as rank 0 chose" in (mp.plan.auto_reason or "")) is (rank == 1)
+    model = torch.nn.Linear(4, 4)
+    mp.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))  # chosen again there: still rank 0's
+    assert mp.plan.name == "bf16-mixed" and mp.state_dict()["plan"] == "bf16-mixed"
+
+
+@pytest.mark.distributed
+def test_under_torch_distributed_every_rank_takes_rank_0s_choice() -> None:
+    from tests._dist import run_ranks
+
+    run_ranks(_ranks_disagree, 2)

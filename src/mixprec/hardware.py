@@ -220,6 +220,8 @@ def device_facts(device: torch.device | str | None = None) -> DeviceFacts:
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
+    if dev.type == "meta":
+        raise ValueError("device 'meta' holds no data, so nothing can be timed there; pass the device the model trains on")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {str(device)!r}: torch.cuda.is_available() is False; pass device='cpu'")
     return _facts(dev.type, dev.index, os.environ.get("ONEDNN_MAX_CPU_ISA"))

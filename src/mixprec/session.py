@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -37,6 +38,7 @@ from mixprec.prepare import (
     prepare_model,
     wrap_optimizers,
 )
+from mixprec.process_groups import is_distributed, resolve_group
 from mixprec.resume import session_state, validated_scaler_state
 from mixprec.scaling import LossScaler
 from mixprec.step import (
@@ -99,7 +101,7 @@ class MixedPrecision(ComposableSteps):
         optimizer_in_backward: bool = False,
     ) -> None:
         self._auto = is_auto(plan)
-        self.plan = get_plan(plan, device=device) if self._auto else get_plan(plan)
+        self.plan = self._rank0_choice(get_plan(plan, device=device), process_group) if self._auto else get_plan(plan)
         check_session_options(
             grad_accum_steps, clip_grad_norm, max_consecutive_skips, scaler,
             {"compile": compile, "trace_overflow": trace_overflow, "optimizer_in_backward": optimizer_in_backward},
@@ -196,10 +198,24 @@ class MixedPrecision(ComposableSteps):
         """``"auto"`` again, now on the model's own device and with its Linear widths."""
         first = next(iter(model.parameters()), None)
         device = self._device or (first.device if first is not None else None)
-        plan = get_plan("auto", device=device, model=model)
+        plan = self._rank0_choice(get_plan("auto", device=device, model=model), self.process_group)
         if plan.scaling.kind != self.plan.scaling.kind and self._scaler_from_plan:
             self.scaler = plan.make_scaler(self.process_group)
         self.plan = plan
+
+    @staticmethod
+    def _rank0_choice(plan: Plan, process_group: Any) -> Plan:
+        """Under torch.distributed, every rank takes rank 0's ``"auto"`` choice: ranks time their
+        GEMMs apart, and two ranks training under two plans would compute different things."""
+        if not is_distributed():
+            return plan
+        group = resolve_group(process_group)
+        first = 0 if group is None else torch.distributed.get_global_rank(group, 0)
+        chosen: list[Any] = [plan.name, plan.auto_reason]
+        torch.distributed.broadcast_object_list(chosen, src=first, group=group)
+        if chosen[0] == plan.name:
+            return plan
+        return dataclasses.replace(get_plan(str(chosen[0])), auto_reason=f"as rank 0 chose (this rank measured otherwise):\n{chosen[1]}")
 
     def prepare_optimizers(self, *optimizers: torch.optim.Optimizer) -> Any:
         """The optimizer half of :meth:`prepare`: wrap ``optimizers`` for the plan.

@@ -222,3 +222,19 @@ def test_two_optimizers_one_skip_decision():
     assert mp.optimizer_steps == ref.optimizer_steps == 12 - mp.scaler.skipped_steps
     assert_close_losses(got, want, exact=True)
     assert_same_params(dict(net.named_parameters()), dict(ref_model.named_parameters()))
+
+
+@pytest.mark.parametrize(("bf16_ms", "chosen"), [(0.4, "bf16-mixed"), (40.0, "fp32")])
+def test_auto_trains_exactly_as_the_plan_it_chose(monkeypatch, bf16_ms, chosen):
+    from mixprec import hardware
+
+    facts = hardware.DeviceFacts("cpu", "test cpu", gemm_size=256, gemm_ms={"fp32": 1.0, "bf16": bf16_ms, "fp16": 90.0})
+    monkeypatch.setattr(hardware, "device_facts", lambda device=None: facts)
+    model, data = TinyMLP(), mlp_data(8)
+    got = accelerate_run(copy.deepcopy(model), data, "auto", gas=2, clip=0.5)
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    want = accelerate_run(copy.deepcopy(model), data, chosen, gas=2, clip=0.5)
+    assert got["mp"].plan.name == chosen and got["mp"].plan.auto_reason
+    assert got["losses"] == want["losses"] and got["norms"] == want["norms"]
+    assert_same_params(got["params"], want["params"])
