@@ -51,7 +51,7 @@ class ScalingConfig:
     backoff_factor: float = 0.5
     growth_interval: int = 2000
     hysteresis: int = 1
-    hysteresis_mode: Literal["consecutive", "since_growth"] = "consecutive"
+    hysteresis_mode: Literal["consecutive", "since_growth", "deepspeed"] = "consecutive"
     min_scale: float | None = None
     max_scale: float | None = None
 

@@ -358,9 +358,9 @@ class LossScaler(GradScalerCompat):
             )
         found, skipped = self._last_flag(records)
         found_bool = found > 0
+        self._update_scale(found, found_bool)  # first: it may refuse (raise_at_min_scale), changing nothing
         self._steps += 1
         self._overflow_steps += found_bool.to(self._overflow_steps.device)
-        self._update_scale(found, found_bool)
         self._last_skipped = skipped
         self._records.clear()
 

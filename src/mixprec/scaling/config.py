@@ -15,6 +15,7 @@ ValueError: backoff_factor must be in (0, 1), got 1.5; pass a factor in [2**-126
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Literal
 
@@ -26,14 +27,15 @@ __all__ = [
     "DynamicConfig",
     "HysteresisMode",
     "check_backoff_factor",
+    "check_growth_delay",
     "check_growth_factor",
     "check_growth_interval",
     "check_within",
     "dynamic_config",
 ]
 
-HysteresisMode = Literal["consecutive", "since_growth"]
-HYSTERESIS_MODES: tuple[str, ...] = ("consecutive", "since_growth")
+HysteresisMode = Literal["consecutive", "since_growth", "deepspeed"]
+HYSTERESIS_MODES: tuple[str, ...] = ("consecutive", "since_growth", "deepspeed")
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,8 @@ class DynamicConfig:
     hysteresis_mode: str
     min_scale: float | None
     max_scale: float | None
+    growth_delay: int = 0
+    raise_at_min_scale: bool = False
 
 
 def check_growth_factor(value: object) -> float:
@@ -79,6 +83,17 @@ def check_growth_interval(value: object) -> int:
     return checks.positive_int("growth_interval", value, "pass e.g. growth_interval=2000")
 
 
+def check_growth_delay(value: object) -> int:
+    """``growth_delay`` as an int in [0, 2**31-1]: clean steps after the start and after each
+    overflow that do not count towards growth (DeepSpeed: 1)."""
+    fix = "pass growth_delay=0 (torch, Megatron, Paddle, apex) or 1 (DeepSpeed)"
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"growth_delay must be an integer, got {show(value)} ({type(value).__name__}); {fix}")
+    if not 0 <= int(value) <= checks.INT32_MAX:
+        raise ValueError(f"growth_delay must be in [0, 2**31-1], got {show(value)}; {fix}")
+    return int(value)
+
+
 def dynamic_config(
     growth_factor: object,
     backoff_factor: object,
@@ -87,6 +102,8 @@ def dynamic_config(
     hysteresis_mode: object,
     min_scale: object,
     max_scale: object,
+    growth_delay: object = 0,
+    raise_at_min_scale: object = False,
 ) -> DynamicConfig:
     """Every setting checked (nothing is changed here)."""
     gf = check_growth_factor(growth_factor)
@@ -96,7 +113,7 @@ def dynamic_config(
     if not isinstance(hysteresis_mode, str) or hysteresis_mode not in HYSTERESIS_MODES:
         raise ValueError(
             f"hysteresis_mode must be one of {HYSTERESIS_MODES}, got {show(hysteresis_mode)}; "
-            "pass hysteresis_mode='consecutive' or 'since_growth'"
+            "pass hysteresis_mode='consecutive', 'since_growth' or 'deepspeed'"
         )
     bounds: list[float | None] = []
     for name, bound in (("min_scale", min_scale), ("max_scale", max_scale)):
@@ -107,7 +124,9 @@ def dynamic_config(
     lo, hi = bounds
     if lo is not None and hi is not None and lo > hi:
         raise ValueError(f"min_scale={show(min_scale)} is larger than max_scale={show(max_scale)}; swap or fix them")
-    return DynamicConfig(gf, bf, gi, hy, hysteresis_mode, lo, hi)
+    delay = check_growth_delay(growth_delay)
+    raising = checks.boolean("raise_at_min_scale", raise_at_min_scale, "pass raise_at_min_scale=True or False")
+    return DynamicConfig(gf, bf, gi, hy, hysteresis_mode, lo, hi, delay, raising)
 
 
 def check_within(name: str, value: float, shown: str, config: DynamicConfig) -> None:

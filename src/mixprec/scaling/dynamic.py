@@ -20,6 +20,7 @@ from mixprec.scaling.config import (
     check_within,
     dynamic_config,
 )
+from mixprec.scaling.presets import ScalerPresets
 
 __all__ = ["DynamicLossScaler"]
 _STATE_FORMAT = "mixprec.DynamicLossScaler/1"
@@ -35,10 +36,12 @@ _ALLOWED_KEYS = _REQUIRED_KEYS | {
     "steps",
     "skipped_steps",
     "overflow_steps",
+    "growth_delay",
+    "raise_at_min_scale",
 }
 
 
-class DynamicLossScaler(LossScaler):
+class DynamicLossScaler(LossScaler, ScalerPresets):
     """Grow the scale after ``growth_interval`` clean steps, back off after overflows.
 
     With the defaults (``hysteresis=1``, no bounds) the scale sequence is bit-for-bit
@@ -62,11 +65,18 @@ class DynamicLossScaler(LossScaler):
         hysteresis: number of overflow steps tolerated before backing off (1 .. 2**31-1).
         hysteresis_mode: ``"consecutive"`` (Paddle's ``decr_every_n_nan_or_inf``: back off
             after N consecutive overflows, then count again from zero; a clean step resets
-            the count) or ``"since_growth"`` (Megatron / Colossal-AI: each overflow spends
-            one of N; once spent every overflow backs off; refilled when a growth
-            interval completes).
+            the count), ``"since_growth"`` (Megatron / Colossal-AI, and DeepSpeed's
+            ``consecutive_hysteresis=False``: each overflow spends one of N; once spent every
+            overflow backs off; refilled when a growth interval completes) or
+            ``"deepspeed"`` (DeepSpeed's ``consecutive_hysteresis=True``: the same budget,
+            refilled by every clean step).
         min_scale, max_scale: bounds the scale is clamped to (None: only the floor
             2**-126 and the fp32 maximum).
+        growth_delay: clean steps, after the start and after every overflow, that do not
+            count towards growth (0: torch; DeepSpeed grows one step later: 1).
+        raise_at_min_scale: an overflow that would back off a scale already at its lower
+            bound (``min_scale``, else the floor) raises RuntimeError in ``update()``, as
+            DeepSpeed's ZeRO optimizers do; the check reads one flag from the device per update.
         process_group: group over which the found-inf flag is all-reduced (MAX); None
             means the default group when torch.distributed runs more than one rank.
 
@@ -99,6 +109,8 @@ class DynamicLossScaler(LossScaler):
         hysteresis_mode: HysteresisMode = "consecutive",
         min_scale: float | None = None,
         max_scale: float | None = None,
+        growth_delay: int = 0,
+        raise_at_min_scale: bool = False,
         process_group: Any = None,
     ) -> None:
         device_arg = device
@@ -117,11 +129,14 @@ class DynamicLossScaler(LossScaler):
             device_arg, init_scale = None, device  # type: ignore[assignment]
         if init_scale is None:
             init_scale = _DEFAULT_INIT_SCALE
-        config = dynamic_config(growth_factor, backoff_factor, growth_interval, hysteresis, hysteresis_mode, min_scale, max_scale)
+        config = dynamic_config(
+            growth_factor, backoff_factor, growth_interval, hysteresis, hysteresis_mode, min_scale, max_scale,
+            growth_delay, raise_at_min_scale,
+        )
         super().__init__(init_scale, enabled=enabled, process_group=process_group, device=device_arg)  # type: ignore[arg-type]
         check_within("init_scale", self._scale.item(), show(init_scale), config)
         self._apply_config(config)
-        self._growth_tracker = torch.zeros((), dtype=torch.int32)
+        self._growth_tracker = torch.full((), -self._growth_delay, dtype=torch.int32)
         self._hysteresis_tracker = torch.full((), self._initial_hysteresis_tracker(), dtype=torch.int32)
 
     def _apply_config(self, config: DynamicConfig) -> None:
@@ -132,9 +147,11 @@ class DynamicLossScaler(LossScaler):
         self._hysteresis_mode: str = config.hysteresis_mode
         self._min_scale = config.min_scale
         self._max_scale = config.max_scale
+        self._growth_delay = config.growth_delay
+        self._raise_at_min_scale = config.raise_at_min_scale
 
     def _initial_hysteresis_tracker(self) -> int:
-        # "consecutive" counts overflows up to N; "since_growth" spends a budget of N.
+        # "consecutive" counts overflows up to N; "since_growth" and "deepspeed" spend a budget of N.
         return 0 if self._hysteresis_mode == "consecutive" else self._hysteresis
 
     def _tensors(self) -> dict[str, torch.Tensor]:
@@ -200,8 +217,13 @@ class DynamicLossScaler(LossScaler):
     def hysteresis_mode(self) -> str:
         return self._hysteresis_mode
 
+    @property
+    def growth_delay(self) -> int:
+        return self._growth_delay
+
     def _update_scale(self, found_inf: torch.Tensor, found_bool: torch.Tensor) -> None:
-        if self._hysteresis == 1 and self._min_scale is None and self._max_scale is None:
+        plain = self._growth_delay == 0 and not self._raise_at_min_scale
+        if plain and self._hysteresis == 1 and self._min_scale is None and self._max_scale is None:
             # torch's own fused update kernel: one op, and torch's sequence by construction;
             # then the floor, where torch would go subnormal and on to 0.
             torch._amp_update_scale_(
@@ -216,17 +238,19 @@ class DynamicLossScaler(LossScaler):
             return
         found_inf = found_bool
         scale = self._scale
-        # Growth: the growth_interval-th consecutive clean step grows the scale (as torch).
-        tracker = torch.where(found_inf, 0, self._growth_tracker + 1)
+        # Growth: the growth_interval-th counted consecutive clean step grows the scale (as torch).
+        # An overflow (and the start) sets the tracker to -growth_delay: DeepSpeed does not count
+        # the first clean step after one (stable_interval = cur_iter - last_overflow_iter - 1).
+        tracker = torch.where(found_inf, -self._growth_delay, self._growth_tracker + 1)
         grow = tracker >= self._growth_interval
-        self._growth_tracker = torch.where(grow, 0, tracker).to(torch.int32)
-        # Products in fp64, rounded once to fp32: exactly what torch's update kernel does.
+        # Products in fp64, rounded once to fp32: exactly what torch's update kernel does (and,
+        # for fp32 factors, exactly an fp32 multiply: the fp64 product of two fp32 numbers is exact).
         grown = (scale.double() * self._growth_factor).float()
         if self._max_scale is not None:
             grown = grown.clamp(max=self._max_scale)
         grow_ok = grow & torch.isfinite(grown)
-        backed = (scale.double() * self._backoff_factor).float()
-        backed = backed.clamp(min=SCALE_FLOOR if self._min_scale is None else max(self._min_scale, SCALE_FLOOR))
+        lowest = SCALE_FLOOR if self._min_scale is None else max(self._min_scale, SCALE_FLOOR)
+        backed = (scale.double() * self._backoff_factor).float().clamp(min=lowest)
 
         hyst = self._hysteresis_tracker
         if self._hysteresis == 1:
@@ -235,10 +259,19 @@ class DynamicLossScaler(LossScaler):
             count = torch.where(found_inf, hyst + 1, 0)
             backoff = found_inf & (count >= self._hysteresis)
             hyst = torch.where(backoff, 0, count)
-        else:  # since_growth
+        else:  # a budget of N overflows: "since_growth" refills it on growth, "deepspeed" on every clean step
             budget = torch.where(found_inf, hyst - 1, hyst)
             backoff = found_inf & (budget <= 0)
-            hyst = torch.where(grow, self._hysteresis, budget.clamp(min=0))
+            refill = grow if self._hysteresis_mode == "since_growth" else ~found_inf
+            hyst = torch.where(refill, self._hysteresis, budget.clamp(min=0))
+        if self._raise_at_min_scale and bool((backoff & (scale <= lowest)).item()):
+            raise RuntimeError(
+                f"update(): the loss scale is already at its minimum ({scale.item()!r}) and this overflow "
+                "would back it off again (raise_at_min_scale=True, DeepSpeed's raise_error_at_min_scale); "
+                "nothing was changed. The gradients overflow at the smallest allowed scale: find the inf/NaN "
+                "source (mixprec.diagnostics), lower min_scale, or pass raise_at_min_scale=False to keep skipping"
+            )
+        self._growth_tracker = torch.where(grow, 0, tracker).to(torch.int32)
         self._hysteresis_tracker = hyst.to(torch.int32)
         self._scale = torch.where(backoff, backed, torch.where(grow_ok, grown, scale))
 
@@ -274,6 +307,8 @@ class DynamicLossScaler(LossScaler):
             "_hysteresis_tracker": int(self._hysteresis_tracker.item()),
             "min_scale": self._min_scale,
             "max_scale": self._max_scale,
+            "growth_delay": self._growth_delay,
+            "raise_at_min_scale": self._raise_at_min_scale,
             **self._counter_state(),
         }
 
@@ -315,13 +350,17 @@ class DynamicLossScaler(LossScaler):
             checks.state_str(state_dict, "hysteresis_mode", default="consecutive"),
             bounds[0],
             bounds[1],
+            checks.state_int(state_dict, "growth_delay", default=0, maximum=checks.INT32_MAX),
+            _state_bool(state_dict, "raise_at_min_scale"),
         )
         try:
             config = dynamic_config(*settings)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"scaler state_dict: {exc}") from None
         check_within("state_dict['scale']", scale, show(scale), config)
-        tracker = checks.state_int(state_dict, "_growth_tracker", maximum=checks.INT32_MAX)
+        tracker = checks.state_int(
+            state_dict, "_growth_tracker", minimum=-config.growth_delay, maximum=checks.INT32_MAX
+        )
         if tracker >= config.growth_interval:
             raise ValueError(
                 f"scaler state_dict['_growth_tracker']={tracker} must be < growth_interval={config.growth_interval} "
@@ -353,5 +392,15 @@ class DynamicLossScaler(LossScaler):
             f"DynamicLossScaler(scale={self.get_scale()}, growth_factor={self._growth_factor}, "
             f"backoff_factor={self._backoff_factor}, growth_interval={self._growth_interval}, "
             f"hysteresis={self._hysteresis}, hysteresis_mode={self._hysteresis_mode!r}, "
-            f"min_scale={self._min_scale}, max_scale={self._max_scale}, enabled={self._enabled})"
+            f"min_scale={self._min_scale}, max_scale={self._max_scale}, "
+            + (f"growth_delay={self._growth_delay}, " if self._growth_delay else "")
+            + ("raise_at_min_scale=True, " if self._raise_at_min_scale else "")
+            + f"enabled={self._enabled})"
         )
+
+
+def _state_bool(state: Mapping[str, Any], key: str) -> bool:
+    value = state.get(key, False)
+    if not isinstance(value, bool):
+        raise ValueError(f"scaler state_dict[{key!r}] must be True or False, got {show(value)}")
+    return value
