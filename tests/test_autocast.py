@@ -675,3 +675,16 @@ def test_bad_autocast_arguments_are_named(kwargs, error, message) -> None:
     kwargs = {"device_type": "cpu", **kwargs}
     with pytest.raises(error, match=re.escape(message)):
         mixprec.autocast(**kwargs)
+
+
+@pytest.mark.parametrize("dtype", [FP32, torch.float64, "fp32"])
+def test_disabled_autocast_accepts_any_floating_dtype_as_torch_does(dtype: Any) -> None:
+    """Config-driven code writes ``autocast(dtype=cfg.dtype, enabled=cfg.amp)`` with an fp32 dtype."""
+    lin, x = nn.Linear(4, 4), _x(2, 4)
+    with torch.autocast("cpu", dtype=FP32, enabled=False):  # the oracle accepts it
+        expected = lin(x)
+    with autocast(dtype, device_type="cpu", enabled=False, lower_ops=["softmax"]):
+        assert not torch.is_autocast_enabled("cpu")
+        assert torch.equal(lin(x), expected) and x.softmax(-1).dtype == FP32
+    with pytest.raises(ValueError, match="enabled=False"):  # enabled, fp32 is still refused with the fix
+        autocast(FP32, device_type="cpu")

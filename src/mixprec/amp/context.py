@@ -151,7 +151,9 @@ class autocast:
                 f"device_type={dtype!r})"
             )
         requested = parse_dtype(dtype) if dtype is not None else None
-        if requested is not None and requested not in (torch.bfloat16, torch.float16):
+        if requested is not None and requested not in (torch.bfloat16, torch.float16) and enabled:
+            # disabled, any floating dtype is accepted, as torch.autocast does (config-driven code
+            # writes autocast(dtype=cfg.dtype, enabled=cfg.amp) with dtype=torch.float32)
             raise ValueError(
                 f"autocast() dtype must be torch.bfloat16 or torch.float16, got {requested}; for fp32 "
                 "compute run without autocast (or pass enabled=False)"
@@ -170,7 +172,7 @@ class autocast:
                     "they must agree (or leave dtype=None to use the policy's)"
                 )
             requested = policy.dtype
-        elif lower_ops or fp32_ops:
+        elif (lower_ops or fp32_ops) and (enabled or requested in (None, torch.bfloat16, torch.float16)):
             low = requested if requested is not None else torch.get_autocast_dtype(device)
             policy = OpPolicy(low, lower_ops=lower_ops, fp32_ops=fp32_ops)
             requested = policy.dtype
