@@ -35,6 +35,7 @@ import torch
 from mixprec.nested import by_device_dtype
 from mixprec.options import check_ready
 from mixprec.plans import Plan
+from mixprec.process_groups import world_size
 from mixprec.scaling import LossScaler
 from mixprec.scaling.grads import grad_tensors
 from mixprec.step import (
@@ -108,6 +109,7 @@ class ComposableSteps:
     _decision: SkipDecision
     _norm_memo: NormMemo
     _micro: int
+    _loose: bool  # a finished backward's gradients sit in .grad, not yet in fp32 accumulators
     _unscaled: bool
     _published: bool
     _ddp: bool
@@ -148,6 +150,13 @@ class ComposableSteps:
                 "call step() first"
             )
         self._decision.record_loss(loss)
+        if self._loose and not self.is_ddp and world_size() == 1:
+            # another backward in this step (manual accumulation: Lightning's manual optimisation,
+            # Fabric, two backward() calls): move the last one's gradients into the wrappers' wide
+            # accumulators first, so micro-batches add up in fp32 however the loop marks boundaries.
+            # Not across ranks: a DDP / FSDP wrapper a framework put around the model reduces .grad.
+            call_hook(self.optimizers, "accumulate_grads")
+        self._loose = False
         return self.scaler.scale(loss)
 
     def backward_context(self) -> contextlib.AbstractContextManager[Any]:
@@ -167,6 +176,8 @@ class ComposableSteps:
             boundary = self._micro % self.grad_accum_steps == 0
         if not boundary and not self.is_ddp:
             call_hook(self.optimizers, "accumulate_grads")
+        else:
+            self._loose = True
 
     @property
     def is_ddp(self) -> bool:

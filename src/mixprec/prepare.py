@@ -6,6 +6,16 @@ plans without autocast (:attr:`Plan.input_dtype`), wrap in DDP after the convers
 compile. Optimizers are checked against the prepared model and wrapped by the plan.
 The diagnostics use the same functions to prepare shadow copies.
 
+A prepared model stays an ordinary module: ``copy.deepcopy``, ``torch.save`` /
+``torch.load(..., weights_only=False)`` and ``state_dict`` / ``load_state_dict`` of a copy
+behave as for the original. What mixprec puts on the model is picklable and refers to the
+model it sits on. A copy (an EMA or evaluation copy) keeps what makes it compute in the
+plan's precision: its dtypes, fp32 islands (:mod:`mixprec.islands`), the pure plans' input
+cast, fp8 layers and their state, and load hooks that reach no optimizer of the run
+(:mod:`mixprec.optim.follow`). It is not part of the run, so it does not carry the
+session's objects: the buffer guard's and the overflow tracer's hooks become no-ops in
+the copy (:mod:`mixprec.buffers`, :mod:`mixprec.tracing`).
+
 >>> import torch
 >>> from mixprec.plans import get_plan
 >>> from mixprec.prepare import prepare_model, wrap_optimizers
@@ -31,6 +41,7 @@ from mixprec.distributed.frontdoor import ddp_arguments, plan_for_model
 from mixprec.dtypes import cast_floating
 from mixprec.islands import apply_fp32_islands, install_input_cast
 from mixprec.nested import first_tensor
+from mixprec.optim.follow import Seeds, install_load_hooks, register
 from mixprec.plans import Plan
 from mixprec.tracing import OverflowTracer
 
@@ -49,10 +60,11 @@ class PreparedModel:
         device: the device the model lives on.
         ddp: gradients are reduced by DDP (asked for, or the model arrived wrapped).
         fp32_values: fp32 values of what the conversion cast down (seeds for master
-            weights); emptied once optimizers are wrapped.
+            weights), for trainable parameters no optimizer holds yet; a load into such a
+            parameter replaces its seed (:class:`mixprec.optim.follow.Seeds`).
         uncovered: trainable parameters no optimizer holds yet (their gradients are
             cleared with the optimizers').
-        hooks: hook handles installed on the model (input casting).
+        hooks: hook handles installed on the model (input casting, loads that masters follow).
         tracer: the overflow tracer, when asked for.
         parameters: the converted model's parameters (optimizers must hold only these).
     """
@@ -62,7 +74,7 @@ class PreparedModel:
     plan: Plan
     device: torch.device
     ddp: bool = False
-    fp32_values: dict[torch.Tensor, torch.Tensor] = field(default_factory=dict)
+    fp32_values: Seeds = field(default_factory=Seeds)
     uncovered: list[torch.Tensor] = field(default_factory=list)
     hooks: list[Any] = field(default_factory=list)
     tracer: OverflowTracer | None = None
@@ -103,12 +115,15 @@ def prepare_model(
         # After the conversion: islands turn their own parameters back to fp32.
         apply_fp32_islands(model, plan.policy)
         fp32_values = {p: v for p, v in fp32_values.items() if p.dtype != torch.float32}
+    seeds = Seeds((p, v) for p, v in fp32_values.items() if p.requires_grad)  # frozen weights get no master
+    register(seeds, seeds)
     prepared = PreparedModel(
         model=model,
         module=model,
         plan=plan,
         device=device,
-        fp32_values=fp32_values,
+        fp32_values=seeds,
+        hooks=install_load_hooks(model),
         parameters=set(model.parameters()),
         # Parameters no optimizer holds (frozen ones, say): their gradients are cleared too.
         uncovered=[p for p in model.parameters() if p.requires_grad],
@@ -159,8 +174,8 @@ def wrap_optimizers(
     covered = {id(p) for opt in optimizers for g in opt.param_groups for p in g["params"]}
     prepared.uncovered = [p for p in prepared.uncovered if id(p) not in covered]
     wrapped = [prepared.plan.wrap_optimizer(opt, prepared.fp32_values) for opt in optimizers]
-    if wrapped:  # the fp32 seeds are used; do not keep a second copy of the model alive
-        prepared.fp32_values = {}
+    for p in [p for p in prepared.fp32_values if id(p) in covered]:  # used: keep no second copy alive
+        del prepared.fp32_values[p]
     return wrapped
 
 

@@ -124,6 +124,7 @@ class InBackwardOptimizer:
                 self.optimizer.drop_compensation(p)
         if extra is not None:
             self.optimizer.load_rounding_state(extra)
+        self.optimizer.note_written([p for p, _, _, _ in records])
         return False
 
     # ------------------------------------------------------------------ memory facts

@@ -16,7 +16,7 @@ significant bits, and the next update starts from it (Kahan summation).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -24,6 +24,7 @@ import torch
 from mixprec.optim import footprint
 from mixprec.optim.compiled import CompileSetting
 from mixprec.optim.fast import Piece
+from mixprec.optim.follow import WriteWatch, load_compensation, register
 from mixprec.optim.lowbit import LowPrecisionOptimizer
 
 __all__ = ["KahanOptimizer"]
@@ -55,6 +56,13 @@ class KahanOptimizer(LowPrecisionOptimizer):
             optimizer, state_dtype=state_dtype, fast=fast, chunk_numel=chunk_numel, fused=fused, compile=compile
         )
         self._comp: dict[torch.Tensor, torch.Tensor] = {}
+        self._watch = WriteWatch()  # the weights as this wrapper last wrote them
+        self._follow_loads()
+
+    def _follow_loads(self) -> None:
+        low = self._low_params()
+        register(self, low)
+        self._watch.record(low)
 
     rounding = "kahan"
 
@@ -76,6 +84,31 @@ class KahanOptimizer(LowPrecisionOptimizer):
     def drop_compensation(self, param: torch.Tensor) -> None:
         """Forget the compensation buffer of ``param``: its next step starts from zero."""
         self._comp.pop(param, None)
+
+    # ------------------------------------------- weights written from outside (follow.py)
+    def follow_writes(self, params: Sequence[torch.Tensor]) -> None:
+        """A weight written since this wrapper last wrote it starts again without compensation
+        (its old residual belonged to the old weight); loads are handled as they happen (:meth:`loaded`)."""
+        for p in self._watch.changed(params):
+            self._comp.pop(p, None)
+
+    def note_written(self, params: Sequence[torch.Tensor]) -> None:
+        self._watch.record(params)
+
+    def loaded(self, param: torch.Tensor, value: torch.Tensor | None, kept: torch.Tensor) -> None:
+        """``param`` was loaded: its compensation becomes the residual of a wider loaded value
+        (weight + compensation then stands for it), and is kept where the load wrote the same value."""
+        comp = self._comp.get(param)
+        if comp is not None:
+            load_compensation(comp, param, value, kept)
+        elif value is not None:
+            self._comp[param] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            load_compensation(self._comp[param], param, value, kept)
+        self._watch.record([param])
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._follow_loads()  # a copy holds new parameters
 
     def _compensation_for(self, param: torch.Tensor) -> torch.Tensor:
         comp = self._comp.get(param)

@@ -35,7 +35,7 @@ The rounding variants live in :mod:`mixprec.optim.kahan` and :mod:`mixprec.optim
 from __future__ import annotations
 
 import ast
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -196,6 +196,8 @@ class LowPrecisionOptimizer(WrappedOptimizer):
         saved = [group["params"] for group in groups]
         picked = saved if selected is None else self._pick(saved, selected)
         low = [[p for p in params if p.dtype in LOW_PRECISION_DTYPES] for params in picked]
+        written = [p for params in low for p in params]
+        self.follow_writes(written)
         scratch: dict[tuple[int, torch.device], torch.Tensor] = {}
         result = None
         try:
@@ -231,7 +233,16 @@ class LowPrecisionOptimizer(WrappedOptimizer):
         finally:
             for group, params in zip(groups, saved, strict=True):
                 group["params"] = params
+            self.note_written(written)
         return result
+
+    def follow_writes(self, params: Sequence[torch.Tensor]) -> None:
+        """Before an update: bring what this wrapper keeps beside ``params`` in line with
+        weights written from outside since it last wrote them (Kahan compensation; nothing
+        for the other wrappers)."""
+
+    def note_written(self, params: Sequence[torch.Tensor]) -> None:
+        """``params`` were just written by this wrapper (a step, an undo, a load)."""
 
     def _pick(self, saved: list[list[Any]], selected: set[torch.Tensor]) -> list[list[Any]]:
         """``selected`` split by param group, in group order. One parameter (an update in
@@ -384,6 +395,7 @@ class LowPrecisionOptimizer(WrappedOptimizer):
     def _restore(self, snapshot: ParamSnapshot) -> None:
         if restore_params(self.optimizer, snapshot):
             self.load_extra_state(snapshot.extra)
+        self.note_written(self._low_params())
 
     # ------------------------------------------------- compensation and rounding noise
     def compensation(self, param: torch.Tensor) -> torch.Tensor | None:
@@ -484,6 +496,7 @@ class LowPrecisionOptimizer(WrappedOptimizer):
                 raise
             raise ValueError(f"cannot load this {type(self).__name__} state_dict: {type(exc).__name__}: {exc}") from exc
         self._snapshot = None
+        self.note_written(self._low_params())  # the loaded compensation stands for the weights as they are
 
     # ------------------------------------------------------------------ memory facts
     def state_bytes(self) -> dict[str, int]:

@@ -42,6 +42,7 @@ from mixprec.optim.checks import (
     check_master_weights,
     check_param_shaped_state,
 )
+from mixprec.optim.follow import WriteWatch, follow_masters, register, seed_master
 from mixprec.optim.master_grads import MasterGrads
 from mixprec.optim.snapshot import StepSnapshot, masters_nonfinite, restore_snapshot, take_snapshot
 
@@ -97,6 +98,7 @@ class MasterWeightOptimizer(WrappedOptimizer):
         self._snapshot: StepSnapshot | None = None
         self._nonfinite: torch.Tensor | None = None
         self._fast_path = bool(fast_path)
+        self._watch = WriteWatch()  # the model weights as this optimizer last wrote them
         for group in optimizer.param_groups:
             group["params"] = self._masters_for(group["params"])
             self._choose_implementation(group)
@@ -115,11 +117,29 @@ class MasterWeightOptimizer(WrappedOptimizer):
             if source.shape != p.shape:
                 raise ValueError(f"master value has shape {tuple(source.shape)} but the parameter {tuple(p.shape)}")
             master = torch.nn.Parameter(source.detach().to(torch.float32, copy=True), requires_grad=p.requires_grad)
+            if source is not p:  # the weight may have been written since the value was taken
+                seed_master(p, master)
             self._adopt_state(p, master)
             self._grads.add_pair(p, master)
             self._master_by_param[id(p)] = master
             out.append(master)
+        self._follow([p for p in params if id(p) in self._master_by_param])
         return out
+
+    def _follow(self, params: list[torch.nn.Parameter]) -> None:
+        """From now on the masters of ``params`` follow writes into them (:mod:`mixprec.optim.follow`)."""
+        register(self, params)
+        self._watch.record(params)
+
+    def loaded(self, param: torch.Tensor, value: torch.Tensor | None, kept: torch.Tensor) -> None:
+        """``param`` was loaded (``model.load_state_dict``): its master takes the loaded value
+        (exactly, where it was wider than the parameter); elements the load left unchanged
+        keep their master."""
+        master = self.master_of(param)
+        if master is None:
+            return
+        seed_master(param, master, loaded=value)
+        self._watch.record([param])
 
     def _adopt_state(self, param: torch.Tensor, master: torch.Tensor) -> None:
         state = self.optimizer.state.pop(param, None)
@@ -218,7 +238,9 @@ class MasterWeightOptimizer(WrappedOptimizer):
     def sync_model(self) -> None:
         """Copy the masters into the model's low-precision parameters (one foreach copy)."""
         if self._pairs:
-            torch._foreach_copy_([p for p, _ in self._pairs], [m for _, m in self._pairs])
+            params: list[torch.Tensor] = [p for p, _ in self._pairs]
+            torch._foreach_copy_(params, [m for _, m in self._pairs])
+            self._watch.record(params)
 
     def step(self, closure: Callable[[], float] | None = None) -> Any:  # type: ignore[override]
         """Gather gradients (:meth:`prepare_grads`), step the inner optimizer on the masters,
@@ -230,6 +252,7 @@ class MasterWeightOptimizer(WrappedOptimizer):
         if closure is not None:
             raise ValueError("MasterWeightOptimizer.step() does not take a closure; compute the loss before step()")
         self.prepare_grads()
+        follow_masters(self._pairs, self._watch)  # weights written since the last step: masters follow them
         guard = self.guard_nonfinite
         if guard:
             self._snapshot = take_snapshot(self.optimizer)
@@ -335,6 +358,7 @@ class MasterWeightOptimizer(WrappedOptimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self._master_by_param = {id(p): m for p, m in self._pairs}  # a copy has new parameters
+        register(self, [p for p, _ in self._pairs])
 
     # ------------------------------------------------------------ memory facts
     def state_bytes(self) -> dict[str, int]:
@@ -363,6 +387,7 @@ class MasterWeightOptimizer(WrappedOptimizer):
         """Set every master to the current (low-precision) value of its model parameter."""
         for p, m in self._pairs:
             m.copy_(p)
+        self._watch.record([p for p, _ in self._pairs])
 
 
 def _is_param_shaped(value: Any, param: torch.Tensor) -> bool:
