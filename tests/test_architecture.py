@@ -25,6 +25,7 @@ LEVELS: list[tuple[str, tuple[str, ...]]] = [
     ("formats", ("mixprec.fp8.formats",)),
     ("policy", ("mixprec.policy",)),
     ("autocast", ("mixprec.amp",)),
+    ("inputs", ("mixprec.inputs",)),
     ("autocast tools", ("mixprec.islands", "mixprec.stats")),
     ("numerics", ("mixprec.scaling", "mixprec.optim", "mixprec.fp8", "mixprec.buffers", "mixprec.tracing")),
     ("plans", ("mixprec.plans",)),

@@ -2,6 +2,13 @@
 
 BatchNorm updates its running statistics in forward, before anyone knows whether the
 step will be skipped; :class:`BufferGuard` lets the front door undo that.
+
+The guard belongs to one run (one :class:`~mixprec.MixedPrecision`: it snapshots at the
+first forward of each of its steps and restores when that step is skipped). A copy of
+the prepared model (``copy.deepcopy``, an EMA or evaluation copy; ``torch.save`` then
+``torch.load``) is no part of that run: its forward pre-hooks copy and pickle as a no-op,
+so the copy takes no snapshots, holds none of the run's, and updates its own statistics
+as any module does.
 """
 
 from __future__ import annotations
@@ -38,19 +45,17 @@ class BufferGuard:
         self._slots = [(owners[qual.rpartition(".")[0]], qual.rpartition(".")[2]) for qual, _ in persistent_buffers(inner)]
         if not self._slots:
             return
+        hook = _Snapshot(self)
         if prepared is not inner:  # torch.compile's wrapper: its own hooks run eagerly
-            prepared.register_forward_pre_hook(self._pre_forward)
+            prepared.register_forward_pre_hook(hook)
             return
         for module in {id(m): m for m, _ in self._slots}.values():
-            module.register_forward_pre_hook(self._pre_forward)
+            module.register_forward_pre_hook(hook)
 
     def _buffers(self) -> list[torch.Tensor]:
         return [getattr(module, name) for module, name in self._slots]
 
-    @torch.compiler.disable
-    def _pre_forward(self, module: torch.nn.Module, args: Any) -> None:
-        if self._taken or not module.training:
-            return
+    def _snapshot(self) -> None:
         buffers = self._buffers()
         with torch.no_grad():
             if len(self._saved) != len(buffers) or any(
@@ -70,6 +75,36 @@ class BufferGuard:
 
     def commit(self) -> None:
         self._taken = False
+
+
+# Pickled models name _unguarded_hook: keep its name.
+class _Snapshot:
+    """The forward pre-hook :meth:`BufferGuard.install` registers: the guard's snapshot at the
+    first training-mode forward of a step. A copy or pickle of the model gets
+    :func:`_unguarded` (a no-op) in its place: the guard is the run's, not the copy's."""
+
+    __slots__ = ("guard",)
+
+    def __init__(self, guard: BufferGuard) -> None:
+        self.guard = guard
+
+    @torch.compiler.disable
+    def __call__(self, module: torch.nn.Module, args: Any) -> None:
+        guard = self.guard
+        if guard._taken or not module.training:
+            return
+        guard._snapshot()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_unguarded_hook, ())
+
+
+def _unguarded(module: torch.nn.Module, args: Any) -> None:
+    """What a copy of a prepared model runs where the original snapshots its buffers: nothing."""
+
+
+def _unguarded_hook() -> Any:
+    return _unguarded
 
 
 def persistent_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:

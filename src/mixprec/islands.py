@@ -14,8 +14,15 @@ modules of a model in place, returns their names, and is idempotent;
 Marking swaps the module's class for a subclass that overrides ``forward`` (as
 ``torch.nn.utils.parametrize`` does): parameters, buffers, hooks and
 ``state_dict`` keys are unchanged, ``isinstance`` checks still hold, and
-``torch.compile`` traces the island like any module. Like parametrized modules,
-marked models are saved with ``state_dict()``, not by pickling the module.
+``torch.compile`` traces the island like any module.
+
+A marked model stays an ordinary module: ``copy.deepcopy`` gives a copy whose islands
+are islands of the copy, and ``torch.save(model)`` / ``torch.load(..., weights_only=False)``
+work (an island pickles as its original class plus the mark, and is marked again when
+loaded: the island classes are made on demand, so the pickle names the original class,
+which must be importable as for any pickled module). The input casting of the pure
+plans (:func:`install_input_cast`) is a picklable hook holding only the dtype, so copies
+and loaded models cast their inputs as the original does.
 
 Dtypes: the island's floating parameters and buffers are cast to fp32 when it is
 marked. Its outputs are fp32 under autocast (autocast handles what follows). With
@@ -42,9 +49,9 @@ True
 
 from __future__ import annotations
 
+import copyreg
 import difflib
 import fnmatch
-import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -52,7 +59,8 @@ import torch
 from torch import nn
 
 from mixprec.dtypes import LOW_PRECISION_DTYPES, cast_floating, cast_module_
-from mixprec.nested import first_tensor, map_tensors
+from mixprec.inputs import InputCast, end_input_cast, fp32_inputs
+from mixprec.nested import first_tensor
 from mixprec.policy import ModuleRule, OpPolicy, as_module_rules
 
 __all__ = [
@@ -78,7 +86,8 @@ class FP32Island:
     _mixprec_island_base: type[nn.Module]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the original forward with autocast off and fp32 floating inputs."""
+        """Run the original forward with autocast off and fp32 floating inputs (tensors it
+        creates are fp32 too where a framework made a low-precision dtype the default)."""
         base = type(self)._mixprec_island_base
         _check_fp32_state(self)  # type: ignore[arg-type]
         first = first_tensor((args, kwargs))
@@ -86,9 +95,19 @@ class FP32Island:
         autocast_was_on = torch.is_autocast_enabled(device_type)
         low = first_tensor((args, kwargs), lambda t: t.dtype in LOW_PRECISION_DTYPES)
         low_input = low.dtype if low is not None else None
-        with torch.autocast(device_type, enabled=False):
-            args, kwargs = _fp32_inputs(args, kwargs)
-            out = base.forward(self, *args, **kwargs)  # type: ignore[arg-type]
+        # A framework may have made a low dtype the default for the step (Lightning's
+        # bf16-true, the pure plans under Lightning): tensors the island creates are fp32.
+        default = torch.get_default_dtype()
+        low_default = default in LOW_PRECISION_DTYPES
+        if low_default:
+            torch.set_default_dtype(torch.float32)
+        try:
+            with torch.autocast(device_type, enabled=False):
+                args, kwargs = fp32_inputs(args, kwargs)
+                out = base.forward(self, *args, **kwargs)  # type: ignore[arg-type]
+        finally:
+            if low_default:
+                torch.set_default_dtype(default)
         if not autocast_was_on:
             # Transparent to its neighbours: back to the input's low dtype, or to the dtype
             # the model runs in (a pure-plan island fed by integer ids or fp32 values).
@@ -96,6 +115,37 @@ class FP32Island:
             if target is not None:
                 out = cast_floating(out, target)
         return out
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Pickle (and ``copy.deepcopy``) as the original class, marked again when rebuilt: the
+        island class is made on demand, so no module attribute names it."""
+        island, base = type(self), type(self)._mixprec_island_base
+        reduced = super().__reduce_ex__(max(2, protocol))  # type: ignore[misc]
+        if not isinstance(reduced, tuple) or not reduced:
+            return reduced
+        func, args, *rest = reduced
+        if func in (_NEWOBJ, _NEWOBJ_EX) and args and args[0] is island:
+            return (_new_island, (func is _NEWOBJ_EX, base, *args[1:]), *rest)
+        if func is island:  # a __reduce__ of the original class that calls the class
+            return (_call_island, (base, *args), *rest)
+        return reduced
+
+
+_NEWOBJ = copyreg.__newobj__  # type: ignore[attr-defined]
+_NEWOBJ_EX = copyreg.__newobj_ex__  # type: ignore[attr-defined]
+
+
+def _new_island(ex: bool, base: type[nn.Module], *args: Any) -> nn.Module:
+    """Unpickle an island: a new instance of ``base``'s island class (its state follows)."""
+    island = _island_class(base)
+    if ex:
+        new_args, new_kwargs = args
+        return island.__new__(island, *new_args, **new_kwargs)  # type: ignore[no-any-return]
+    return island.__new__(island, *args)  # type: ignore[no-any-return]
+
+
+def _call_island(base: type[nn.Module], *args: Any) -> nn.Module:
+    return _island_class(base)(*args)
 
 
 _ISLAND_CLASSES: dict[type[nn.Module], type[nn.Module]] = {}
@@ -300,30 +350,6 @@ def fp32_island_names(model: nn.Module) -> list[str]:
 
 
 # ------------------------------------------------------------ model input cast
-class _InputOriginals(threading.local):
-    def __init__(self) -> None:
-        self.stack: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = []
-
-
-_INPUT_ORIGINALS = _InputOriginals()
-
-
-def _fp32_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-    """The inputs with their floating tensors in fp32 (float64 kept); tensors the model's input
-    cast produced are replaced by the inputs they were cast from (fp32 values, not rounded)."""
-    table = _INPUT_ORIGINALS.stack[-1] if _INPUT_ORIGINALS.stack else {}
-
-    def to_fp32(t: torch.Tensor) -> torch.Tensor:
-        hit = table.get(id(t))
-        if hit is not None and hit[0] is t:
-            t = hit[1]
-        if t.is_floating_point() and t.dtype not in (torch.float32, torch.float64):
-            return t.to(torch.float32)
-        return t
-
-    return map_tensors(to_fp32, args), {k: map_tensors(to_fp32, v) for k, v in kwargs.items()}
-
-
 def install_input_cast(model: nn.Module, dtype: torch.dtype) -> list[Any]:
     """Cast the floating inputs of ``model`` to ``dtype`` (what the pure plans need), islands excepted.
 
@@ -331,30 +357,19 @@ def install_input_cast(model: nn.Module, dtype: torch.dtype) -> list[Any]:
     fp32 island that receives one of those inputs directly (an island as the first
     layer) gets the original fp32 value, not the rounded one (1e5 stays 1e5 under fp16);
     a model that is itself an island gets its inputs unchanged.
+
+    Only calls of ``model`` itself are hooked: a framework that calls its submodules from
+    elsewhere (a LightningModule's ``training_step`` calling ``self.net(x)``) casts the
+    batch itself (:func:`cast_inputs`; see :mod:`mixprec.integrations.lightning`).
+
+    The hooks hold the dtype, nothing else: ``copy.deepcopy(model)`` and a pickled model
+    (``torch.save``) cast their inputs the same way.
     """
     if isinstance(model, FP32Island):
         return []
-
-    def before(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
-        table: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-        def cast(t: torch.Tensor) -> torch.Tensor:
-            if t.is_floating_point() and t.dtype != dtype:
-                low = t.to(dtype)
-                table[id(low)] = (low, t)
-                return low
-            return t
-
-        _INPUT_ORIGINALS.stack.append(table)
-        return map_tensors(cast, args), map_tensors(cast, kwargs)
-
-    def after(module: nn.Module, args: Any, output: Any) -> None:
-        if _INPUT_ORIGINALS.stack:
-            _INPUT_ORIGINALS.stack.pop()
-
     return [
-        model.register_forward_pre_hook(before, with_kwargs=True),
-        model.register_forward_hook(after, always_call=True),
+        model.register_forward_pre_hook(InputCast(dtype).before, with_kwargs=True),
+        model.register_forward_hook(end_input_cast, always_call=True),
     ]
 
 

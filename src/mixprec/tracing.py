@@ -19,6 +19,10 @@ a single host transfer and returns the *first* non-finite event in time order:
   parameters' gradient is inf/NaN while the gradient arriving at its outputs was
   finite. Modules upstream that receive the inf are not named.
 
+A traced model stays an ordinary module. A tracer belongs to the run that reads it, so
+copies are not traced: ``copy.deepcopy(model)`` and a model pickled with ``torch.save``
+carry no-op hooks in place of the tracer's (trace a copy with a tracer of its own).
+
 >>> import torch
 >>> from torch import nn
 >>> from mixprec.diagnostics import trace_overflow
@@ -229,32 +233,13 @@ class OverflowTracer:
             self._resolve()
 
     def _pre_hook(self, index: int) -> Any:
-        def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
-            if index == 0 and self._reported:
-                self.reset()  # a finding was handed out: this forward starts the next step
-            if self._idle or not self.backward or not torch.is_grad_enabled():
-                return
-            call = self._calls[index]
-            for t in floating_tensors(args):
-                if t.requires_grad:
-                    t.register_hook(self._grad_hook(index, _BWD_IN, call))
-
-        return hook
+        return _Site(self, index).pre
 
     def _post_hook(self, index: int) -> Any:
-        def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-            if self._idle:
-                return
-            call = self._calls[index]
-            self._calls[index] = call + 1
-            for t in floating_tensors(output):
-                self._record(index, _FWD_OUT, call, t)
-                if self.backward and t.requires_grad:
-                    t.register_hook(self._grad_hook(index, _BWD_OUT, call))
-
-        return hook
+        return _Site(self, index).post
 
     def _grad_hook(self, index: int, code: int, call: int) -> Any:
+        # A tensor hook: torch copies and pickles no tensor hooks, so a closure is fine here.
         def hook(grad: torch.Tensor) -> None:
             if self._idle or grad is None or not grad.is_floating_point():
                 return
@@ -380,6 +365,68 @@ class OverflowTracer:
     def __repr__(self) -> str:
         state = "active" if self.active else "removed"
         return f"OverflowTracer({type(self.model).__name__}, {len(self._names)} modules, step {self.step}, {state})"
+
+
+# ------------------------------------------------------------ module hooks
+# Pickled models name _Site and _untraced_site: keep the names.
+class _Site:
+    """One :class:`OverflowTracer` at one module of the traced model; its bound methods
+    :meth:`pre` and :meth:`post` are the module's forward hooks (as fast as closures, and
+    picklable).
+
+    The tracer belongs to the run that reads it (the front door resets it at each step), so
+    a copy of the model (``copy.deepcopy``, ``torch.save`` then ``torch.load``) is not
+    traced: a site copies and pickles as :data:`_UNTRACED`, whose tracer is idle, and the
+    original's tracer never sees the copy's calls. (Tensor hooks on parameters are dropped
+    by torch's own copies and pickles.)
+    """
+
+    __slots__ = ("index", "tracer")
+
+    def __init__(self, tracer: OverflowTracer | _Untraced, index: int) -> None:
+        self.tracer: OverflowTracer = tracer  # type: ignore[assignment]  # _Untraced: idle, never past the checks
+        self.index = index
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_untraced_site, ())
+
+    def pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        tracer, index = self.tracer, self.index
+        if index == 0 and tracer._reported:
+            tracer.reset()  # a finding was handed out: this forward starts the next step
+        if tracer._idle or not tracer.backward or not torch.is_grad_enabled():
+            return
+        call = tracer._calls[index]
+        for t in floating_tensors(args):
+            if t.requires_grad:
+                t.register_hook(tracer._grad_hook(index, _BWD_IN, call))
+
+    def post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        tracer, index = self.tracer, self.index
+        if tracer._idle:
+            return
+        call = tracer._calls[index]
+        tracer._calls[index] = call + 1
+        for t in floating_tensors(output):
+            tracer._record(index, _FWD_OUT, call, t)
+            if tracer.backward and t.requires_grad:
+                t.register_hook(tracer._grad_hook(index, _BWD_OUT, call))
+
+
+class _Untraced:
+    """Stands for the tracer in a copy of a traced model: idle, so the hooks return at once."""
+
+    __slots__ = ()
+    _reported = False
+    _idle = True
+    backward = False
+
+
+_UNTRACED = _Site(_Untraced(), -1)
+
+
+def _untraced_site() -> _Site:
+    return _UNTRACED
 
 
 class _TraceContext:

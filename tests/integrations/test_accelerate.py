@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import inspect
 import re
 import sys
 
@@ -42,7 +43,8 @@ def _fresh_accelerate_state():
 
 
 def accelerate_run(model, batches, precision, *, gas=1, clip=None, stop_after=None, accelerator=None, setup=None,
-                   clip_value=None):
+                   clip_value=None, callback=None):
+    """The Accelerate loop under mixprec; ``callback(i, acc, mp)`` runs after each micro-batch."""
     acc = accelerator or Accelerator(cpu=True, gradient_accumulation_steps=gas)
     mp = precision if isinstance(precision, MixedPrecision) else MixedPrecision(precision)
     opt, sched = make_optimizer(model)
@@ -64,6 +66,8 @@ def accelerate_run(model, batches, precision, *, gas=1, clip=None, stop_after=No
             opt.step()
             sched.step()
             opt.zero_grad()
+        if callback is not None:
+            callback(i, acc, mp)
     return {"losses": losses, "norms": norms, "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
             "lr": sched.get_last_lr()[0], "mp": mp, "acc": acc, "model": model, "opt": opt}
 
@@ -238,3 +242,256 @@ def test_auto_trains_exactly_as_the_plan_it_chose(monkeypatch, bf16_ms, chosen):
     assert got["mp"].plan.name == chosen and got["mp"].plan.auto_reason
     assert got["losses"] == want["losses"] and got["norms"] == want["norms"]
     assert_same_params(got["params"], want["params"])
+
+
+# ------------------------------------------------------------- copies and pickles of a prepared model
+def _fresh_state():
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def _output_dtype(plan):
+    return {"bf16-mixed": torch.bfloat16, "bf16-master": torch.bfloat16, "bf16-pure": torch.bfloat16,
+            "fp16-mixed": torch.float16}[plan]
+
+
+@pytest.mark.parametrize("plan", ["bf16-mixed", "bf16-master", "fp16-mixed", "bf16-pure"])
+def test_a_deepcopy_of_a_prepared_model_computes_with_its_own_weights(plan):
+    """An EMA / evaluation copy runs its own weights in the plan's precision, and leaves the original alone."""
+    acc = Accelerator(cpu=True)
+    mp = MixedPrecision(plan)
+    model = TinyMLP()
+    model, opt = prepare(acc, mp, model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    x = torch.randn(4, 8)
+    want = model(x).detach()
+    assert want.dtype == _output_dtype(plan)
+
+    twin = copy.deepcopy(model)
+    assert torch.equal(twin(x), want)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.zero_()
+    assert torch.equal(twin(x), torch.zeros_like(want))  # the copy's weights, not the original's
+    assert torch.equal(model(x), want)
+    with torch.no_grad():
+        twin.fc1.weight.copy_(torch.randn_like(twin.fc1.weight))
+        twin.fc2.weight.fill_(0.5)
+    plain = copy.deepcopy(twin)
+    del plain.forward  # the class's forward again: the module as it was before prepare()
+    with mp.autocast():  # the copy computes as the module would under the plan's autocast
+        assert torch.equal(twin(x), plain(x))
+    assert twin.forward.module is twin and twin.forward.plan == mp.plan
+    assert inspect.signature(twin.forward) == inspect.signature(TinyMLP().forward)
+
+    assert twin.state_dict().keys() == model.state_dict().keys()
+    twin.load_state_dict(model.state_dict())
+    assert torch.equal(twin(x), want)
+    assert all(a is not b for a, b in zip(twin.parameters(), model.parameters(), strict=True))
+
+
+def test_a_copy_prepared_again_runs_the_new_plan_once():
+    model = prepare(Accelerator(cpu=True), "bf16-mixed", TinyMLP())
+    twin = copy.deepcopy(model)
+    _fresh_state()
+    twin = prepare(Accelerator(cpu=True), "fp16-mixed", twin)
+    x = torch.randn(4, 8)
+    assert twin(x).dtype == torch.float16 and model(x).dtype == torch.bfloat16
+    assert twin.forward.__wrapped__.__func__ is TinyMLP.forward  # one wrapper, not one per prepare
+
+
+@pytest.mark.parametrize("plan", ["bf16-mixed", "bf16-master", "fp16-mixed"])
+def test_an_ema_copy_does_not_change_the_training_run(plan):
+    """A copy taken and loaded at every step (an EMA) changes neither the losses nor the weights of the run."""
+    model, data = TinyMLP(), mlp_data(8)
+    want = accelerate_run(copy.deepcopy(model), data, plan, gas=2, clip=1.0)
+    _fresh_state()
+    ema = {}
+
+    def update_ema(i, acc, mp):
+        live = acc._models[0]
+        if "model" not in ema:
+            ema["model"] = copy.deepcopy(live)
+        with torch.no_grad():  # what an EMA callback does: blend, then load the blend into the copy
+            blend = {k: v.lerp(live.state_dict()[k], 0.1) if v.is_floating_point() else v
+                     for k, v in ema["model"].state_dict().items()}
+            for p in ema["model"].parameters():
+                p.zero_()  # anything the copy goes through must stay out of the run
+        ema["model"].load_state_dict(blend)
+        ema["out"] = ema["model"](data[0][0])
+        plain = copy.deepcopy(ema["model"])
+        del plain.forward
+        with mp.autocast():
+            ema["want"] = plain(data[0][0])  # what the EMA weights compute under the plan
+
+    got = accelerate_run(copy.deepcopy(model), data, plan, gas=2, clip=1.0, callback=update_ema)
+    assert_close_losses(got["losses"], want["losses"], exact=True)
+    assert_same_params(got["params"], want["params"])
+    assert ema["out"].dtype == _output_dtype(plan)
+    assert torch.equal(ema["out"], ema["want"])
+
+
+@pytest.mark.parametrize("plan", ["bf16-mixed", "bf16-master", "fp16-mixed"])
+def test_torch_save_and_load_of_a_prepared_model(tmp_path, plan):
+    model, data = TinyMLP(), mlp_data(4)
+    run = accelerate_run(model, data, plan, gas=2)
+    model, x = run["model"], torch.randn(4, 8)
+    want = model(x).detach()
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert type(loaded) is TinyMLP and loaded.forward.module is loaded
+    assert loaded.forward.plan == run["mp"].plan
+    assert torch.equal(loaded(x), want) and want.dtype == _output_dtype(plan)  # the plan's precision
+    assert_same_params({k: v.detach() for k, v in loaded.state_dict().items()}, run["params"])
+    with torch.no_grad():
+        loaded.fc2.weight.zero_()
+        loaded.fc2.bias.zero_()
+    assert torch.equal(loaded(x), torch.zeros_like(want)) and torch.equal(model(x), want)
+    # and the copy of a copy, pickled again
+    twin = copy.deepcopy(loaded)
+    torch.save(twin, tmp_path / "twin.pt")
+    again = torch.load(tmp_path / "twin.pt", weights_only=False)
+    assert torch.equal(again(x), torch.zeros_like(want)) and again.forward.module is again
+
+
+def test_torch_save_of_a_pure_plan_model(tmp_path):
+    run = accelerate_run(TinyMLP(), mlp_data(2), "bf16-pure")
+    model, x = run["model"], torch.randn(4, 8)
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    want = model(x)  # fp32 inputs: the pure plan's input cast travels with the model
+    assert want.dtype == torch.bfloat16 and torch.equal(loaded(x), want)
+
+
+# ------------------------------------------------------------- save_state between accumulation boundaries
+def plain_accelerate_run(model, batches, *, gas, callback=None, setup=None):
+    """Accelerate's own fp32 loop (no mixprec), as accelerate_run runs it."""
+    acc = Accelerator(cpu=True, gradient_accumulation_steps=gas)
+    opt, sched = make_optimizer(model)
+    model, opt, sched = acc.prepare(model, opt, sched)
+    if setup is not None:
+        setup(acc)
+    for i, (x, y) in enumerate(batches):
+        with acc.accumulate(model):
+            acc.backward(mse(model(x), y))
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+        if callback is not None:
+            callback(i, acc, None)
+    return {"params": {k: v.detach().clone() for k, v in model.state_dict().items()}, "acc": acc}
+
+
+def _save_at(i_save, path):
+    def callback(i, acc, mp):
+        if i == i_save:
+            acc.save_state(str(path))
+    return callback
+
+
+def test_save_state_between_boundaries_resumes_as_plain_accelerate(tmp_path):
+    """fp32 plan against Accelerate's own loop, bit for bit: save after 6 micro-batches (accumulation 4,
+    so 2 into a window), load in a fresh process, finish. Both drop the 2 micro-batches before the save."""
+    model, data = TinyMLP(), mlp_data(16)
+    runs = {}
+    for name, run in (("mixprec", lambda m, **kw: accelerate_run(m, data[:6] if "callback" in kw else data[6:],
+                                                                    "fp32", gas=4, **kw)),
+                      ("plain", lambda m, **kw: plain_accelerate_run(m, data[:6] if "callback" in kw else data[6:],
+                                                                     gas=4, **kw))):
+        first = run(copy.deepcopy(model), callback=_save_at(5, tmp_path / name))
+        assert first["acc"].step == 6
+        _fresh_state()
+        resumed = run(TinyMLP(), setup=lambda acc, name=name: acc.load_state(str(tmp_path / name)))
+        _fresh_state()
+        runs[name] = resumed
+    assert_same_params(runs["mixprec"]["params"], runs["plain"]["params"])
+    assert runs["mixprec"]["mp"].optimizer_steps == 4  # the boundaries stayed at micro-batches 4, 8, 12, 16
+
+
+@pytest.mark.parametrize("plan", ["fp16-mixed", "bf16-master"])
+def test_save_state_between_boundaries(tmp_path, plan):
+    """A checkpoint every 6 micro-batches with accumulation 4 (the issue's '2 of 1 micro-batches')."""
+    model, data = TinyMLP(), mlp_data(16)
+
+    def session():
+        return MixedPrecision(plan, scaler=DynamicLossScaler(init_scale=2.0**24, growth_interval=3)) \
+            if plan.startswith("fp16") else MixedPrecision(plan)
+
+    full = accelerate_run(copy.deepcopy(model), data, session(), gas=4, clip=1.0)
+    _fresh_state()
+
+    at_step = {}
+
+    def save_mid_window(i, acc, mp):
+        if i == 3:  # the boundary before the save
+            at_step["state"] = mp.state_dict()
+        if i == 5:
+            acc.save_state(str(tmp_path / "ckpt"))
+            # the plain-loop API still refuses between backward and step, and says how many backwards
+            with pytest.raises(RuntimeError, match=re.escape(
+                "state_dict() called in the middle of gradient accumulation (2 backward(s) since the last "
+                "step()); save after step(), or pass mid_accumulation=True for the state as of the last step "
+                "(the partial gradients are not in it)"
+            )):
+                mp.state_dict()
+
+    saving = accelerate_run(copy.deepcopy(model), data, session(), gas=4, clip=1.0, callback=save_mid_window)
+    # saving changed nothing in the run
+    assert_close_losses(saving["losses"], full["losses"], exact=True)
+    assert_same_params(saving["params"], full["params"])
+    # the MixedPrecision state in the checkpoint is the state as of the last step
+    saved = torch.load(tmp_path / "ckpt" / "custom_checkpoint_0.pkl", weights_only=True)
+    assert saved == at_step["state"]
+    _fresh_state()
+
+    # a fresh process resumes there: the next step at micro-batch 8, as in the full run, on 2 micro-batches
+    resumed = accelerate_run(TinyMLP(), data[6:], session(), gas=4, clip=1.0,
+                             setup=lambda acc: acc.load_state(str(tmp_path / "ckpt")))
+    decisions = resumed["mp"].optimizer_steps + resumed["mp"].scaler.skipped_steps
+    assert decisions == full["mp"].optimizer_steps + full["mp"].scaler.skipped_steps == 4
+    assert resumed["acc"].step == 16
+    _fresh_state()
+
+    # loading into the running process (a rollback) drops its partial gradients: the same as the fresh process
+    def rollback(i, acc, mp):
+        if i == 5:
+            acc.save_state(str(tmp_path / "again"))
+            acc.load_state(str(tmp_path / "again"))
+            assert all(p.grad is None for p in acc._models[0].parameters())
+
+    rolled = accelerate_run(copy.deepcopy(model), data, session(), gas=4, clip=1.0, callback=rollback)
+    assert_close_losses(rolled["losses"][6:], resumed["losses"], exact=True)
+    assert_same_params(rolled["params"], resumed["params"])
+    assert rolled["mp"].scaler.get_scale() == resumed["mp"].scaler.get_scale()
+    assert rolled["mp"].optimizer_steps == resumed["mp"].optimizer_steps
+    assert rolled["lr"] == resumed["lr"]
+
+
+def test_save_and_load_state_between_clip_and_step(tmp_path):
+    """At a boundary, after clipping, before optimizer.step(): the checkpoint holds the state before that
+    step; loading it in the running process drops that window's gradients, so its step() does nothing."""
+    model, data = TinyMLP(), mlp_data(8)
+    acc = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    mp = MixedPrecision("fp16-mixed", scaler=DynamicLossScaler(init_scale=2.0**10, growth_interval=1))
+    net = copy.deepcopy(model)
+    opt, sched = make_optimizer(net)
+    net, opt, sched = prepare(acc, mp, net, opt, sched)
+    for i, (x, y) in enumerate(data):
+        with acc.accumulate(net):
+            acc.backward(mse(net(x), y))
+            if acc.sync_gradients:
+                acc.clip_grad_norm_(net.parameters(), 1.0)
+            if i == 3:
+                acc.save_state(str(tmp_path / "ckpt"))
+                acc.load_state(str(tmp_path / "ckpt"))
+            opt.step()
+            if i == 3:
+                assert opt.step_was_skipped and acc.optimizer_step_was_skipped  # the scheduler holds
+            sched.step()
+            opt.zero_grad()
+    assert mp.optimizer_steps + mp.scaler.skipped_steps == 3  # windows 1, 3 and 4; window 2 was rolled back
+    _fresh_state()
+    resumed = accelerate_run(TinyMLP(), data[4:], MixedPrecision("fp16-mixed", scaler=DynamicLossScaler(
+        init_scale=2.0**10, growth_interval=1)), gas=2, clip=1.0, setup=lambda a: a.load_state(str(tmp_path / "ckpt")))
+    assert resumed["mp"].scaler.get_scale() == mp.scaler.get_scale()
+    assert resumed["lr"] == sched.get_last_lr()[0]
+    assert_same_params(resumed["params"], {k: v.detach() for k, v in net.state_dict().items()})

@@ -71,7 +71,15 @@ def test_transformers_trainer_methods():
                   "into every checkpoint", called=True, args=("output_dir",))
     _check_method(problems, where, Trainer, "_load_scaler", "MixprecTrainer overrides it to restore mixprec.pt "
                   "on train(resume_from_checkpoint=...)", called=True, args=("checkpoint",))
+    _check_method(problems, where, Trainer, "_save", "MixprecTrainer overrides it to write the fp32 masters "
+                  "(mp.export_fp32_state_dict()) for from_pretrained", called=True, args=("dir",))
+    _check_method(problems, where, Trainer, "_load_optimizer_and_scheduler", "MixprecTrainer overrides it to "
+                  "check the plan first and resume plain checkpoints", called=True, args=("ckpt",))
+    _check_method(problems, where, Trainer, "_load_from_checkpoint", "MixprecTrainer calls it to reload a plain "
+                  "checkpoint's fp32 weights for Kahan compensation", args=("ckpt",))
     # public hooks MixprecTrainer overrides
+    _check_method(problems, where, Trainer, "prediction_step", "MixprecTrainer overrides it to return fp32 "
+                  "logits and losses", called=True)
     _check_method(problems, where, Trainer, "create_accelerator_and_postprocess", "MixprecTrainer overrides it "
                   "to attach mixprec to the Trainer's Accelerator", called=True, args=())
     _check_method(problems, where, Trainer, "create_optimizer", "MixprecTrainer.create_optimizer calls "
@@ -144,7 +152,7 @@ def test_lightning_methods_and_attributes(tmp_path):
     # public Precision hooks MixprecPrecision overrides
     for name in ("convert_module", "connect", "forward_context", "pre_backward", "backward", "post_backward",
                  "optimizer_step", "unscale_gradients", "main_params", "clip_gradients", "clip_grad_by_norm",
-                 "clip_grad_by_value", "state_dict", "load_state_dict"):
+                 "clip_grad_by_value", "state_dict", "load_state_dict", "convert_input"):
         _check_method(problems, where, Precision, name, "MixprecPrecision overrides it")
 
     try:

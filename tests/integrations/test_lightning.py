@@ -15,7 +15,8 @@ pytest.importorskip("lightning")
 
 import lightning as L
 
-from mixprec import DynamicLossScaler, MixedPrecision
+import mixprec
+from mixprec import DynamicLossScaler, MixedPrecision, NoOpScaler
 from mixprec.integrations.lightning import MixprecPrecision, setup
 from tests.integrations._common import (
     PLAN_NAMES,
@@ -263,3 +264,322 @@ def test_missing_framework_names_the_extra(monkeypatch):
     monkeypatch.delitem(sys.modules, "mixprec.integrations.lightning", raising=False)
     with pytest.raises(ImportError, match=re.escape("pip install mixprec[lightning]")):
         importlib.import_module("mixprec.integrations.lightning")
+
+
+# ------------------------------------------------------- plans with low-precision inputs
+# bf16-pure / fp16-pure (plan.input_dtype set) run as Lightning's own bf16-true / 16-true:
+# the batch is converted by the plugin's convert_input, so a step may call a submodule
+# (self.net(x)) rather than self(x), and the plan's dtype is the default dtype in the step.
+TRUE_PRECISION = {"bf16-pure": ("bf16-true", torch.bfloat16), "fp16-pure": ("16-true", torch.float16)}
+
+
+class LitSteps(L.LightningModule):
+    """Every step calls the submodule ``self.net`` (never ``self``) and records, per stage, the
+    batch's dtypes and the default dtype inside the step."""
+
+    def __init__(self, net: torch.nn.Module) -> None:
+        super().__init__()
+        self.net = net
+        self.losses: dict[str, list[float]] = {"fit": [], "validate": [], "test": []}
+        self.seen: dict[str, tuple[torch.dtype, ...]] = {}
+
+    def _record(self, batch, stage):
+        self.seen.setdefault(stage, (batch[0].dtype, batch[1].dtype, torch.get_default_dtype()))
+
+    def _loss(self, batch, stage):
+        self._record(batch, stage)
+        x, y = batch
+        # /16 with lr=1: see test_pure_plans_run_every_stage_as_lightnings_true_precision
+        loss = mse(self.net(x), y) / 16
+        self.losses[stage].append(loss.item())
+        return loss
+
+    def training_step(self, batch, batch_idx):
+        return self._loss(batch, "fit")
+
+    def validation_step(self, batch, batch_idx):
+        self._loss(batch, "validate")
+
+    def test_step(self, batch, batch_idx):
+        self._loss(batch, "test")
+
+    def predict_step(self, batch, batch_idx):
+        self._record(batch, "predict")
+        return self.net(batch[0])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.net.parameters(), lr=1.0)
+
+
+def every_stage(net, batches, **precision):
+    """fit, validate, test and predict on one Trainer (``plugins=`` or ``precision=``)."""
+    lit = LitSteps(copy.deepcopy(net))
+    t = L.Trainer(accelerator="cpu", devices=1, max_steps=len(batches), logger=False, enable_checkpointing=False,
+                  enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, **precision)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        t.fit(lit, loader(batches))
+        t.validate(lit, loader(batches), verbose=False)
+        t.test(lit, loader(batches), verbose=False)
+        predictions = t.predict(lit, loader(batches))
+    return lit, predictions
+
+
+@pytest.mark.parametrize("plan", sorted(TRUE_PRECISION))
+def test_pure_plans_run_every_stage_as_lightnings_true_precision(plan):
+    """bf16-pure / fp16-pure against Lightning's own bf16-true / 16-true: the same batch and
+    step dtypes in every stage, the same losses, predictions and weights, bit for bit.
+
+    The math is the same when the updates are: plain SGD with lr=1 (the loss is divided by 16
+    instead) and no loss scaling (16-true has none). With another lr the runs part by one unit
+    in the last place here and there, and mixprec's is the correctly rounded one: torch's
+    ``param.add_(grad, alpha=-lr)`` on bf16/fp16 rounds lr to the parameter's dtype, and on
+    fp16 CPU tensors of some lengths rounds lr*grad to fp16 before adding (a product below
+    fp16's normal range loses bits), where mixprec's optimizer computes p - lr*g in fp32 and
+    rounds once. Momentum and Adam differ the same way (their constants and state are rounded
+    at each op in bf16-true).
+    """
+    true_precision, dtype = TRUE_PRECISION[plan]
+    net, data = TinyMLP(), mlp_data(8)
+    got, got_pred = every_stage(net, data, plugins=[MixprecPrecision(MixedPrecision(plan, scaler=NoOpScaler()))])
+    want, want_pred = every_stage(net, data, precision=true_precision)
+    stages = {stage: (dtype, dtype, dtype) for stage in ("fit", "validate", "test", "predict")}
+    assert got.seen == want.seen == stages
+    for stage in ("fit", "validate", "test"):
+        assert len(got.losses[stage]) == 8
+        assert_close_losses(got.losses[stage], want.losses[stage], exact=True)
+    assert all(torch.equal(g, w) and g.dtype == dtype for g, w in zip(got_pred, want_pred, strict=True))
+    assert_same_params(dict(got.net.named_parameters()), dict(want.net.named_parameters()))
+    assert next(got.net.parameters()).dtype == dtype
+
+
+@pytest.mark.parametrize("plan", sorted(TRUE_PRECISION))
+def test_pure_plans_train_as_mixprec_loop_with_accumulation_and_clipping(plan):
+    """training_step calls self.net(x): the same losses and weights as mixprec's own loop with
+    the plan as it is (fp16-pure with its dynamic loss scale). The Trainer converts the whole
+    batch, targets included, as bf16-true does; the reference rounds its targets the same way."""
+    dtype = TRUE_PRECISION[plan][1]
+    model, data = TinyMLP(), mlp_data(24)
+    want = reference_run(model, data, lambda m, b: mse(m(b[0]), b[1].to(dtype)), plan, grad_accum_steps=2, clip=0.5)
+    got = lightning_run(copy.deepcopy(model), data, plan, gas=2, clip=0.5)
+    assert_close_losses(got["losses"], want["losses"], exact=True)
+    assert got["mp"].optimizer_steps == want["mp"].optimizer_steps
+    assert got["mp"].optimizer_steps + got["mp"].scaler.skipped_steps == 12
+    assert got["lr"] == want["lr"]
+    assert_same_params(got["params"], want["params"])
+
+
+class ManualSteps(L.LightningModule):
+    """Manual optimisation: backward, clipping and the step run inside training_step."""
+
+    def __init__(self, net: torch.nn.Module) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.net = net
+        self.losses: list[float] = []
+        self.dtypes: set[torch.dtype] = set()  # default dtype: in the step, in on_before_optimizer_step
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        opt = self.optimizers()
+        self.dtypes.add(torch.get_default_dtype())
+        loss = mse(self.net(x), y)
+        self.manual_backward(loss)
+        self.clip_gradients(opt, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+        opt.step()
+        opt.zero_grad()
+        self.losses.append(loss.item())
+
+    def on_before_optimizer_step(self, optimizer):
+        self.dtypes.add(torch.get_default_dtype())
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.net.parameters(), lr=1e-2)
+
+
+@pytest.mark.parametrize("plan", sorted(TRUE_PRECISION))
+def test_pure_plans_manual_optimisation_steps_as_mixprec_loop(plan):
+    """Backward and step inside training_step (under the plan's default dtype) run as in
+    mixprec's own loop: the hooks around the step see the loop's default dtype."""
+    dtype = TRUE_PRECISION[plan][1]
+    model, data = TinyMLP(), mlp_data(12)
+    opt_factory = lambda m: (torch.optim.AdamW(m.parameters(), lr=1e-2), None)  # noqa: E731
+    want = reference_run(model, data, lambda m, b: mse(m(b[0]), b[1].to(dtype)), plan, clip=0.5, opt_factory=opt_factory)
+    lit = ManualSteps(copy.deepcopy(model))
+    plugin = MixprecPrecision(plan)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer(plugin, max_steps=len(data)).fit(lit, loader(data))
+    assert lit.dtypes == {dtype, torch.float32}
+    assert_close_losses(lit.losses, want["losses"], exact=True)
+    assert plugin.mp.optimizer_steps == want["mp"].optimizer_steps
+    assert_same_params(dict(lit.net.state_dict()), want["params"])
+
+
+class Probe(torch.nn.LayerNorm):
+    """A LayerNorm (made an fp32 island) that records its input and the default dtype inside it."""
+
+    def forward(self, x):
+        self.seen = (x.dtype, x.abs().max().item(), torch.ones(1).dtype)
+        return super().forward(x)
+
+
+class IdsNet(torch.nn.Module):
+    """Token ids through an embedding; float features straight into an island."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(16, 4)
+        self.feats = Probe(4)
+        self.head = torch.nn.Linear(4, 1)
+
+    def forward(self, ids, feats):
+        return self.head(self.emb(ids) + self.feats(feats))
+
+
+class LitIds(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = IdsNet()
+        self.losses: list[float] = []
+        self.ids_dtypes: set[torch.dtype] = set()
+
+    def forward(self, ids, feats):  # Fabric calls the model
+        return self.net(ids, feats)
+
+    def _loss(self, batch):
+        ids, feats, y = batch
+        self.ids_dtypes.add(ids.dtype)
+        loss = mse(self.net(ids, feats), y)
+        self.losses.append(loss.item())
+        return loss
+
+    def training_step(self, batch, batch_idx):
+        return self._loss(batch)
+
+    def validation_step(self, batch, batch_idx):
+        self._loss(batch)
+
+    def predict_step(self, batch, batch_idx):
+        self.ids_dtypes.add(batch[0].dtype)
+        return self.net(batch[0], batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.net.parameters(), lr=0.1)
+
+
+def ids_batches(n=4):
+    g = torch.Generator().manual_seed(0)
+    feats = torch.randn(4 * n, 4, generator=g)
+    feats[:, 0] = 1e5  # inf in fp16: the island must see the batch's own value
+    return torch.randint(0, 16, (4 * n,), generator=g), feats, torch.randn(4 * n, 1, generator=g)
+
+
+@pytest.mark.parametrize("frontend", ["trainer", "fabric"])
+@pytest.mark.parametrize("plan", sorted(TRUE_PRECISION))
+def test_pure_plans_keep_token_ids_integer_and_feed_islands_fp32(plan, frontend):
+    """Integer inputs stay integer; an fp32 island fed a batch tensor directly gets its fp32
+    value (1e5, not fp16's inf) and creates fp32 tensors, though the step's default is low."""
+    dtype = TRUE_PRECISION[plan][1]
+    lit = LitIds()
+    plugin = MixprecPrecision(mixprec.get_plan(plan, fp32_modules=["net.feats"]))
+    ids, feats, y = ids_batches()
+    if frontend == "trainer":
+        data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids, feats, y), batch_size=4)
+        t = trainer(plugin, max_steps=4)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            t.fit(lit, data)
+            t.validate(lit, data, verbose=False)
+            out = t.predict(lit, data)[0]
+    else:
+        fabric = L.Fabric(plugins=[plugin], accelerator="cpu", devices=1)
+        model, opt = setup(fabric, lit, torch.optim.SGD(lit.parameters(), lr=0.1))
+        for i in range(4):
+            batch = slice(4 * i, 4 * i + 4)
+            loss = mse(model(ids[batch], feats[batch]), y[batch])
+            lit.losses.append(loss.item())
+            fabric.backward(loss)
+            opt.step()
+            opt.zero_grad()
+        lit.ids_dtypes.add(ids.dtype)
+        out = model(ids[:4], feats[:4])
+    assert lit.ids_dtypes == {torch.int64}
+    assert lit.net.feats.seen == (torch.float32, 1e5, torch.float32)
+    assert lit.net.feats.weight.dtype == torch.float32 and lit.net.head.weight.dtype == dtype
+    assert out.dtype == dtype
+    assert len(lit.losses) >= 4 and all(torch.isfinite(torch.tensor(lit.losses)))
+    assert plugin.mp.optimizer_steps + plugin.mp.scaler.skipped_steps == 4
+
+
+class PositionNet(torch.nn.Module):
+    """Builds a float tensor in its forward (a position feature) and feeds it to a submodule."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(9, 1)
+
+    def forward(self, x):
+        position = (torch.arange(x.shape[0]) / x.shape[0]).unsqueeze(1)  # the default dtype
+        return self.fc(torch.cat([x, position], dim=1))
+
+
+def fabric_positions(batches, **precision):
+    torch.manual_seed(0)
+    net = PositionNet()
+    fabric = L.Fabric(accelerator="cpu", devices=1, **precision)
+    opt = torch.optim.SGD(net.parameters(), lr=1.0)
+    model, opt = (setup(fabric, net, opt) if "plugins" in precision else fabric.setup(net, opt))
+    losses = []
+    for x, y in batches:
+        loss = mse(model(x), y) / 16  # lr=1: see test_pure_plans_run_every_stage_as_lightnings_true_precision
+        losses.append(loss.item())
+        fabric.backward(loss)
+        opt.step()
+        opt.zero_grad()
+    return losses, dict(net.named_parameters())
+
+
+@pytest.mark.parametrize("plan", sorted(TRUE_PRECISION))
+def test_fabric_pure_plans_create_forward_tensors_in_the_plan_dtype(plan):
+    """Tensors made in the forward take the plan's dtype (Fabric's forward_context), as with
+    Fabric's own bf16-true / 16-true: the same losses and weights, bit for bit."""
+    true_precision, dtype = TRUE_PRECISION[plan]
+    data = mlp_data(8)
+    got = fabric_positions(data, plugins=[MixprecPrecision(MixedPrecision(plan, scaler=NoOpScaler()))])
+    want = fabric_positions(data, precision=true_precision)
+    assert_close_losses(got[0], want[0], exact=True)
+    assert_same_params(got[1], want[1])
+    assert got[1]["fc.weight"].dtype == dtype
+    assert torch.get_default_dtype() == torch.float32
+
+
+class _SaveAfterFirstMicroBatch(L.Callback):
+    def __init__(self, path):
+        self.path, self.saved = path, False
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == 0 and not self.saved:  # between the two micro-batches of the first step
+            trainer.save_checkpoint(self.path)
+            self.saved = True
+
+
+@pytest.mark.parametrize("plan", ["fp16-mixed", "bf16-master"])
+def test_checkpoint_between_micro_batches_saves_the_state_of_the_last_step(plan, tmp_path):
+    """Before: mixprec refused ("middle of gradient accumulation") and the fit failed."""
+    model, data = TinyMLP(), mlp_data(8)
+    want = reference_run(model, data, lambda m, b: mse(m(b[0]), b[1]), make_plan(plan), grad_accum_steps=2)
+    callback = _SaveAfterFirstMicroBatch(tmp_path / "mid.ckpt")
+    lit = LitMLP(copy.deepcopy(model))
+    plugin = MixprecPrecision(make_plan(plan))
+    t = trainer(plugin, 4, accumulate_grad_batches=2, callbacks=[callback])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        t.fit(lit, loader(data))
+    assert callback.saved
+    assert_same_params({k: v.detach() for k, v in lit.net.state_dict().items()}, want["params"])  # saving changed nothing
+    saved = torch.load(tmp_path / "mid.ckpt", weights_only=False)
+    fresh = MixedPrecision(make_plan(plan))
+    state = saved["MixprecPrecision"]  # Lightning keys a precision plugin's state by its class name
+    assert state["optimizer_steps"] == 0  # as of the last step: none taken yet
+    fresh.validate_state_dict(state)

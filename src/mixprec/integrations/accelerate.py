@@ -18,7 +18,11 @@ the accelerator's precision hooks to mixprec:
 - ``optimizer.step_was_skipped`` / ``accelerator.optimizer_step_was_skipped`` report
   mixprec's skip, so Accelerate's scheduler wrapper holds the learning rate on
   skipped steps;
-- the MixedPrecision is registered for ``save_state`` / ``load_state``.
+- the prepared model's ``forward`` runs under the plan's autocast and stays an ordinary
+  module: ``copy.deepcopy`` (EMA, evaluation copies) and ``torch.save`` keep the plan's
+  precision with the copy's own weights (:class:`~mixprec.integrations.forward.AutocastForward`);
+- the MixedPrecision state is saved by ``save_state`` and restored by ``load_state``, also
+  between accumulation boundaries: see :class:`SessionCheckpoint`.
 
 >>> import torch
 >>> from accelerate import Accelerator
@@ -43,7 +47,6 @@ the accelerator's precision hooks to mixprec:
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -56,9 +59,10 @@ require_framework("accelerate", "accelerate", "mixprec.integrations.accelerate")
 from accelerate import Accelerator  # noqa: E402
 from accelerate.optimizer import AcceleratedOptimizer  # noqa: E402
 
+from mixprec.integrations.forward import AutocastForward  # noqa: E402
 from mixprec.session import MixedPrecision, StepResult  # noqa: E402
 
-__all__ = ["MixprecAcceleratedOptimizer", "attach", "prepare"]
+__all__ = ["MixprecAcceleratedOptimizer", "SessionCheckpoint", "attach", "prepare"]
 
 
 def _plain_module(model: torch.nn.Module) -> torch.nn.Module:
@@ -86,13 +90,52 @@ class _Link:
     def __init__(self, mp: MixedPrecision) -> None:
         self.mp = mp
         self.pending = False  # a backward happened since the last step
+        self.dropped = False  # load_state dropped the gradients of a window: its step() is a skipped step
         self.distributed = False
 
     def step(self) -> StepResult | None:
         if not self.pending:
             return None
         self.pending = False
+        self.dropped = False
         return self.mp.step()
+
+
+class SessionCheckpoint:
+    """The MixedPrecision as ``accelerator.save_state`` / ``load_state`` see it (:func:`attach` registers it).
+
+    ``save_state`` may run wherever Accelerate allows it, also between accumulation
+    boundaries (a checkpoint every N micro-batches). The state saved is then the
+    MixedPrecision's as of its last step (loss scale, counters, plan: they change only at
+    steps); Accelerate saves its own place in the accumulation window
+    (``accelerator.step``) and, as always, no gradients.
+
+    ``load_state`` restores both and drops the gradients this process holds from before
+    the load (they belong to the run being replaced, maybe at another loss scale; a
+    window's ``optimizer.step()`` left with none does nothing and reports a skip, so the
+    scheduler holds too). A run resumed from a checkpoint taken between boundaries
+    therefore goes on as plain Accelerate does: the next step comes where it would have
+    come, and sums only the micro-batches after the resume (each still divided by the
+    accumulation steps). For a bit-exact resume, save where ``accelerator.sync_gradients``
+    is True, after ``optimizer.step()``.
+    """
+
+    def __init__(self, mp: MixedPrecision, link: _Link) -> None:
+        self.mp = mp
+        self._link = link
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.mp.state_dict(mid_accumulation=True)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.mp.load_state_dict(state_dict)  # all or nothing; resets the step in progress
+        # a window in progress loses its gradients: its optimizer.step() does nothing and
+        # reports a skip, so Accelerate's scheduler does not advance for it either
+        self._link.dropped, self._link.pending = self._link.pending, False
+        for opt in self.mp.optimizers:  # also the fp32 accumulation buffers of master plans
+            opt.zero_grad(set_to_none=True)
+        if self.mp.model is not None:
+            self.mp.model.zero_grad(set_to_none=True)
 
 
 class MixprecAcceleratedOptimizer(AcceleratedOptimizer):
@@ -117,7 +160,7 @@ class MixprecAcceleratedOptimizer(AcceleratedOptimizer):
 
     @property
     def step_was_skipped(self) -> bool:
-        return bool(self._link.mp.last_step_skipped)
+        return self._link.dropped or bool(self._link.mp.last_step_skipped)
 
     @property
     def last_result(self) -> StepResult | None:
@@ -229,22 +272,8 @@ def attach(accelerator: Any, mp: MixedPrecision | str | Any) -> MixedPrecision:
     link.mp.is_ddp = link.mp.is_ddp or link.distributed
     accelerator._mixprec = link
     accelerator.__class__ = sub
-    accelerator.register_for_checkpointing(session)
+    accelerator.register_for_checkpointing(SessionCheckpoint(session, link))
     return session
-
-
-def _autocast_forward(mp: MixedPrecision, module: torch.nn.Module) -> None:
-    forward = module.forward
-    if getattr(forward, "_mixprec_autocast", False):
-        return
-
-    @functools.wraps(forward)
-    def autocast_forward(*args: Any, **kwargs: Any) -> Any:
-        with mp.autocast():
-            return forward(*args, **kwargs)
-
-    autocast_forward._mixprec_autocast = True  # type: ignore[attr-defined]
-    module.forward = autocast_forward  # type: ignore[method-assign]
 
 
 def prepare(accelerator: Any, mp: MixedPrecision | str | Any, *args: Any, device_placement: Any = None) -> Any:
@@ -253,7 +282,8 @@ def prepare(accelerator: Any, mp: MixedPrecision | str | Any, *args: Any, device
     ``args`` are what ``accelerator.prepare`` takes (one model, optimizers, schedulers,
     data loaders, in any order); returns them prepared, in the same order (one object
     alone is returned as is). The model's forward then runs under the plan's autocast,
-    so the loop needs no ``with mp.autocast()``.
+    so the loop needs no ``with mp.autocast()``; copies and pickles of the model keep
+    that, with their own weights (:class:`~mixprec.integrations.forward.AutocastForward`).
     """
     session = attach(accelerator, mp)
     models = [a for a in args if isinstance(a, torch.nn.Module)]
@@ -267,9 +297,10 @@ def prepare(accelerator: Any, mp: MixedPrecision | str | Any, *args: Any, device
         raise ValueError("prepare() got optimizers but no model; pass the model in the same call (mixprec converts it first)")
     replaced: dict[int, Any] = {}
     for model in models:
-        _autocast_forward(session, model)
         if session.model is None:
             replaced[id(model)] = session.prepare_model(model)  # torch.compile(model) with compile=True
+        # after prepare_model: "auto" has chosen the plan; torch.compile's wrapper calls this forward
+        AutocastForward.install(model, session.plan)
     fresh = [o for o in optimizers if not any(o is p for p in session.optimizers)]
     if fresh:
         out = session.prepare_optimizers(*fresh)

@@ -15,6 +15,14 @@ What the plugin guarantees:
 
 - the model is converted for the plan (``convert_module``) and the optimizers are wrapped
   (``connect``, or :func:`setup` under Fabric); the forward runs under the plan's autocast;
+- plans whose model takes low-precision inputs (``plan.input_dtype``: bf16-pure, fp16-pure)
+  run as Lightning's own ``bf16-true`` / ``16-true``: ``convert_input`` casts the floating
+  tensors of every batch (training, validation, test and predict steps; each Fabric forward)
+  to the plan's dtype, so submodules a step calls directly (``self.net(x)``) get them too,
+  and inside the step the plan's dtype is the default dtype (``torch.randn`` in a step is
+  bf16). Integer tensors (token ids) stay integer; fp32 islands compute on fp32 inputs
+  (the unrounded batch values, where the batch is not moved to another device after
+  conversion) and create fp32 tensors;
 - ``backward`` scales the loss (fp16 plans) and runs under the plan's backward policy
   (custom op lists hold during activation-checkpoint recomputation);
   ``on_before_backward`` sees the true loss;
@@ -40,7 +48,9 @@ from typing import Any
 
 import torch
 
+from mixprec.inputs import cast_inputs, input_originals
 from mixprec.integrations import as_mixed_precision, check_framework_session, require_framework
+from mixprec.islands import FP32Island
 
 require_framework("lightning", "lightning", "mixprec.integrations.lightning")
 
@@ -85,15 +95,22 @@ class MixprecPrecision(Precision):
         self._skipped: dict[int, bool] = {}  # id(wrapped optimizer) -> its last step was skipped
         self._pending = False
         self.last_result: StepResult | None = None
+        # Input-dtype plans: the fp32 originals of the last converted batch (models with fp32
+        # islands only: an island fed a batch tensor gets its unrounded value), and the
+        # default dtype outside each step context being run.
+        self._islands = False
+        self._originals: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._outer_dtypes: list[torch.dtype] = []
 
     # ------------------------------------------------------------ setup
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
         if self.mp.model is None:
-            return self.mp.prepare_model(module)
-        if self.mp.model is not module:
+            module = self.mp.prepare_model(module)
+        elif self.mp.model is not module:
             raise ValueError(
                 "this MixprecPrecision already converted another model; use one plugin per model"
             )
+        self._islands = any(isinstance(m, FP32Island) for m in module.modules())
         return module
 
     def _wrap(self, optimizers: Iterable[Any]) -> list[Any]:
@@ -144,9 +161,42 @@ class MixprecPrecision(Precision):
         return bool(self.mp.last_step_skipped)
 
     # ---------------------------------------------------------- forward
+    def convert_input(self, data: Any) -> Any:
+        """The batch (Trainer) or the forward's ``(args, kwargs)`` (Fabric) with its floating
+        tensors in ``plan.input_dtype``; unchanged for plans that leave inputs to autocast.
+
+        The model's own input cast (a hook on its ``forward``) does not see what a
+        LightningModule's steps pass to its submodules; this is where Lightning's
+        ``bf16-true`` casts them too.
+        """
+        dtype = self.mp.plan.input_dtype
+        if dtype is None:
+            return data
+        self._originals = {}
+        return cast_inputs(data, dtype, self._originals if self._islands else None)
+
     def forward_context(self) -> contextlib.AbstractContextManager[Any]:  # type: ignore[override]
-        # Lightning runs DDP's no_sync itself: the plan's autocast is all the forward needs.
-        return self.mp.plan.autocast(self.mp.device_type)
+        # Lightning runs DDP's no_sync itself: the plan's autocast is all the forward needs,
+        # and for input-dtype plans the default dtype of Lightning's bf16-true / 16-true.
+        autocast = self.mp.plan.autocast(self.mp.device_type)
+        dtype = self.mp.plan.input_dtype
+        return autocast if dtype is None else self._low_default_dtype(autocast, dtype)
+
+    @contextlib.contextmanager
+    def _low_default_dtype(self, autocast: contextlib.AbstractContextManager[Any], dtype: torch.dtype) -> Iterator[None]:
+        self._outer_dtypes.append(torch.get_default_dtype())
+        try:
+            with autocast, input_originals(self._originals), _default_dtype(dtype):
+                yield
+        finally:
+            self._outer_dtypes.pop()
+
+    def _outside_step(self) -> contextlib.AbstractContextManager[Any]:
+        """The default dtype of the loop while mixprec's backward and step machinery runs
+        (manual optimisation calls them inside ``training_step``, under the plan's dtype)."""
+        if not self._outer_dtypes:
+            return contextlib.nullcontext()
+        return _default_dtype(self._outer_dtypes[0])
 
     # --------------------------------------------------------- backward
     def pre_backward(self, tensor: torch.Tensor, module: Any) -> Any:
@@ -156,6 +206,10 @@ class MixprecPrecision(Precision):
 
     def backward(self, tensor: torch.Tensor, model: Any, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
         # Lightning: backward(tensor, model, optimizer, *args); Fabric: backward(tensor, model, *args)
+        with self._outside_step():
+            self._run_backward(tensor, model, *args, **kwargs)
+
+    def _run_backward(self, tensor: torch.Tensor, model: Any, *args: Any, **kwargs: Any) -> None:
         scaled = self.mp.scale_loss(tensor)
         with self.mp.backward_context():
             if isinstance(model, pl.LightningModule):
@@ -207,6 +261,10 @@ class MixprecPrecision(Precision):
         if kwargs:
             raise ValueError(f"mixprec steps the optimizer itself; optimizer.step() arguments {sorted(kwargs)} are not supported")
         closure_result = closure() if closure is not None else None
+        with self._outside_step():
+            return self._run_step(optimizer, model, closure_result)
+
+    def _run_step(self, optimizer: Any, model: Any, closure_result: Any) -> Any:
         lightning = isinstance(model, pl.LightningModule)
         if lightning and closure_result is None and model.automatic_optimization:
             return None  # training_step returned None: no backward, nothing to step
@@ -225,7 +283,7 @@ class MixprecPrecision(Precision):
 
     # -------------------------------------------------------- clipping
     def unscale_gradients(self, optimizer: Any) -> None:
-        with self._only(optimizer):
+        with self._only(optimizer), self._outside_step():
             self.mp.unscale_()
 
     def main_params(self, optimizer: Any) -> Iterator[torch.nn.Parameter]:
@@ -252,19 +310,31 @@ class MixprecPrecision(Precision):
         weights (bf16-pure, bf16-kahan, bf16-sr) call ``plugin.clip_grad_norm_(optimizer, max_norm)``
         for the fp32 norm mixprec's own loop uses.
         """
-        with self._only(optimizer):
+        with self._only(optimizer), self._outside_step():
             return self.mp.clip_grad_norm_(float(max_norm))
 
     def clip_grad_by_value(self, optimizer: Any, clip_val: int | float) -> None:
-        with self._only(optimizer):
+        with self._only(optimizer), self._outside_step():
             self.mp.clip_grad_value_(float(clip_val))
 
     # ------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
-        return self.mp.state_dict()
+        # Lightning saves wherever a callback asks, between micro-batches too: the state as
+        # of the last optimizer step (Lightning's checkpoints hold no gradients either)
+        return self.mp.state_dict(mid_accumulation=True)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.mp.load_state_dict(state_dict)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def setup(fabric: Any, module: torch.nn.Module, *optimizers: torch.optim.Optimizer, **kwargs: Any) -> Any:
