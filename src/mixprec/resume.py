@@ -1,4 +1,9 @@
-"""A session's checkpoint state: its format, and the checks a resumed run must pass.
+"""A session's checkpoint state: its format, the checks a resumed run must pass, and the fp32 export.
+
+Also what a resume from a checkpoint that mixprec did not write needs: loading a plain
+torch optimizer's state into a prepared optimizer (:func:`load_plain_optimizer_state`),
+and the model's weights with fp32 masters in place of low-precision ones
+(:func:`fp32_state_dict`, behind :meth:`mixprec.MixedPrecision.export_fp32_state_dict`).
 
 >>> import torch
 >>> from mixprec import MixedPrecision
@@ -11,19 +16,32 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
+
+from mixprec.dtypes import LOW_PRECISION_DTYPES
+from mixprec.optim import LowPrecisionOptimizer, MasterWeightOptimizer, WrappedOptimizer
 from mixprec.plans import Plan
 from mixprec.scaling import LossScaler
 from mixprec.step import StepLedger
 
-__all__ = ["SCALER_SETTINGS", "STATE_FORMAT", "session_state", "validated_scaler_state"]
+__all__ = [
+    "SCALER_SETTINGS",
+    "STATE_FORMAT",
+    "fingerprint_diffs",
+    "fp32_state_dict",
+    "load_plain_optimizer_state",
+    "session_state",
+    "validated_scaler_state",
+]
 
 STATE_FORMAT = "mixprec.MixedPrecision/1"
 # Loss-scaler settings a resumed run must agree on (the counters are state, these are configuration).
 SCALER_SETTINGS = (
     "growth_factor", "backoff_factor", "growth_interval", "hysteresis", "hysteresis_mode", "min_scale", "max_scale",
+    "growth_delay", "raise_at_min_scale",
 )
 
 
@@ -42,6 +60,14 @@ def session_state(plan: Plan, scaler: LossScaler, ledger: StepLedger, scheduler:
     return sd
 
 
+def fingerprint_diffs(saved: Any, plan: Plan) -> str:
+    """How a saved plan fingerprint differs from ``plan``'s ("weights: saved 'fp16' vs now 'bf16', ...")."""
+    if not isinstance(saved, Mapping):
+        return "no fingerprint"
+    ours = plan.fingerprint()
+    return ", ".join(f"{k}: saved {saved.get(k)!r} vs now {v!r}" for k, v in ours.items() if saved.get(k) != v)
+
+
 def validated_scaler_state(
     state_dict: Any, plan: Plan, scaler: LossScaler, scheduler: Any, allow_plan_change: bool
 ) -> dict[str, Any] | None:
@@ -55,12 +81,7 @@ def validated_scaler_state(
         )
     saved_fp, ours = state_dict.get("fingerprint"), plan.fingerprint()
     if saved_fp != ours and not allow_plan_change:
-        if isinstance(saved_fp, dict):
-            diffs = ", ".join(
-                f"{k}: saved {saved_fp.get(k)!r} vs now {v!r}" for k, v in ours.items() if saved_fp.get(k) != v
-            )
-        else:
-            diffs = "no fingerprint"
+        diffs = fingerprint_diffs(saved_fp, plan)
         auto = (
             f" This run's plan was chosen by precision='auto' on this hardware; to keep the checkpoint's plan, "
             f"name it: precision={state_dict.get('plan')!r}."
@@ -115,3 +136,126 @@ def validated_scaler_state(
             saved["_growth_tracker"] = min(saved["_growth_tracker"], interval - 1)
     scaler.validate_state_dict(saved)
     return saved
+
+
+# ------------------------------------------------------------------ fp32 export
+def _plain_module(model: torch.nn.Module) -> torch.nn.Module:
+    """The user's module inside DistributedDataParallel / DataParallel / ``torch.compile``."""
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+    while True:
+        inner = model.module if isinstance(model, DistributedDataParallel | DataParallel) else getattr(model, "_orig_mod", None)
+        if not isinstance(inner, torch.nn.Module):
+            return model
+        model = inner
+
+
+@torch.no_grad()
+def _fp32_of(tensor: torch.Tensor, master: torch.Tensor | None) -> torch.Tensor:
+    value = tensor.detach()
+    if not value.is_floating_point() or value.dtype in (torch.float32, torch.float64):
+        return value
+    if master is None:
+        return value.to(torch.float32)
+    # a weight written after the last step (and not by a load the master followed) is the truth
+    same = master.to(value.dtype) == value
+    return master.detach() if bool(same.all()) else torch.where(same, master, value.to(torch.float32))
+
+
+def fp32_state_dict(model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer] = ()) -> dict[str, Any]:
+    """``model.state_dict()`` (of the module inside DDP / ``torch.compile``) in fp32.
+
+    Each low-precision parameter is replaced by its fp32 master where one of
+    ``optimizers`` keeps one (:meth:`~mixprec.optim.MasterWeightOptimizer.master_of`), and
+    upcast to fp32 otherwise (pure, Kahan and stochastic-rounding plans, frozen weights:
+    exactly the weight the model computes with). Elements of a weight written after the
+    last optimizer step whose master no longer rounds to them are taken from the weight.
+    Floating buffers are upcast to fp32 (exactly: BatchNorm statistics of a bf16 model);
+    fp32/fp64 tensors, integer buffers and non-tensor extra state are returned as they are.
+
+    Tensors that need no conversion (masters, fp32 weights) share storage with them, as
+    ``state_dict()`` does; a weight tied under several keys is one tensor under all of them.
+
+    >>> import torch
+    >>> from mixprec import MixedPrecision
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    >>> mp = MixedPrecision("bf16-master")
+    >>> model, opt = mp.prepare(model, torch.optim.SGD(model.parameters(), lr=1e-3))
+    >>> sd = fp32_state_dict(model, [opt])
+    >>> model[0].weight.dtype, sd["0.weight"].dtype, torch.equal(sd["0.weight"], opt.master_of(model[0].weight))
+    (torch.bfloat16, torch.float32, True)
+    """
+    module = _plain_module(model)
+    masters = [opt for opt in optimizers if isinstance(opt, MasterWeightOptimizer)]
+    out: dict[str, Any] = {}
+    converted: dict[int, torch.Tensor] = {}  # id(tensor) -> its fp32 value (tied weights share it)
+    for key, value in module.state_dict(keep_vars=True).items():
+        if not isinstance(value, torch.Tensor):
+            out[key] = value
+            continue
+        fp32 = converted.get(id(value))
+        if fp32 is None:
+            master = next((m for opt in masters if (m := opt.master_of(value)) is not None), None)
+            fp32 = converted[id(value)] = _fp32_of(value, master)
+        out[key] = fp32
+    return out
+
+
+# --------------------------------------------- optimizer state saved without mixprec
+def _own_entries(optimizer: WrappedOptimizer) -> dict[str, Any]:
+    """What a wrapper's ``state_dict()`` holds besides the inner optimizer's (masters, compensation, noise)."""
+    return {k: v for k, v in optimizer.state_dict().items() if k not in ("state", "param_groups")}
+
+
+def _in_state_dtype(optimizer: LowPrecisionOptimizer, state_dict: Mapping[str, Any]) -> dict[Any, Any]:
+    """The saved per-parameter state, each low-precision parameter's element-wise tensors in the
+    wrapper's ``state_dtype`` (a plain optimizer saved them in fp32)."""
+    params = list(optimizer.params())
+    order = [pid for group in state_dict.get("param_groups", []) for pid in group.get("params", [])]
+    state = dict(state_dict.get("state", {}))
+    if len(order) != len(params):
+        return state  # the load refuses it, naming the difference
+    position = {pid: n for n, pid in enumerate(order)}
+    dtype = optimizer.state_dtype or torch.float32
+    for index, entry in state.items():
+        param = params[position[index]] if index in position else None
+        if param is None or param.dtype not in LOW_PRECISION_DTYPES or not isinstance(entry, Mapping):
+            continue
+        state[index] = {
+            k: v.to(dtype) if (
+                k != "step" and isinstance(v, torch.Tensor) and v.is_floating_point() and v.shape == param.shape
+            ) else v
+            for k, v in entry.items()
+        }
+    return state
+
+
+def load_plain_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: Mapping[str, Any]) -> None:
+    """Load the ``state_dict()`` of a plain torch optimizer into a prepared one.
+
+    For a checkpoint that mixprec did not write (a plain loop, a framework without
+    mixprec): the inner optimizer's state (Adam moments, step counts, param groups) is
+    loaded, the low-precision parameters' element-wise state in the wrapper's
+    ``state_dtype``; what the wrapper keeps of its own (fp32 masters, Kahan compensation,
+    rounding noise) stays as it is. The masters follow the model's weights (load those
+    first). Entries of the wrapper's own found in ``state_dict`` are loaded as saved; an
+    entry of another kind of mixprec optimizer (a checkpoint of another plan) is refused.
+    All or nothing, as the wrapper's ``load_state_dict``.
+    """
+    if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
+        raise ValueError("not an optimizer state_dict (it needs 'state' and 'param_groups'); pass what optimizer.state_dict() returned")
+    if not isinstance(optimizer, WrappedOptimizer):
+        optimizer.load_state_dict(dict(state_dict))
+        return
+    own = _own_entries(optimizer)
+    foreign = sorted(k for k in state_dict if isinstance(k, str) and k.startswith("mixprec_") and k not in own)
+    if foreign:
+        raise ValueError(
+            f"this optimizer state_dict holds {', '.join(map(repr, foreign))}, kept by another kind of mixprec "
+            f"optimizer than the {type(optimizer).__name__} of this run: it was saved under another plan. Resume it "
+            "under the plan that saved it"
+        )
+    sd = dict(state_dict)
+    if isinstance(optimizer, LowPrecisionOptimizer) and not own.keys() & sd.keys():
+        sd["state"] = _in_state_dtype(optimizer, sd)
+    optimizer.load_state_dict({**own, **sd})

@@ -39,7 +39,7 @@ from mixprec.prepare import (
     wrap_optimizers,
 )
 from mixprec.process_groups import is_distributed, resolve_group
-from mixprec.resume import session_state, validated_scaler_state
+from mixprec.resume import fp32_state_dict, session_state, validated_scaler_state
 from mixprec.scaling import LossScaler
 from mixprec.step import (
     NormMemo,
@@ -129,6 +129,7 @@ class MixedPrecision(ComposableSteps):
         self._buffers = BufferGuard()
         self._ledger = StepLedger()
         self._micro = 0
+        self._loose = False
         self._unscaled = False
         self._published = False
         self._ddp = False
@@ -333,6 +334,7 @@ class MixedPrecision(ComposableSteps):
 
     def _reset_step(self) -> None:
         self._micro = 0
+        self._loose = False
         self._norm_memo.forget()
         self._decision.reset()
         self._unscaled = False
@@ -351,16 +353,20 @@ class MixedPrecision(ComposableSteps):
         """Real optimizer steps taken so far (skipped steps not counted)."""
         return self._ledger.optimizer_steps
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, *, mid_accumulation: bool = False) -> dict[str, Any]:
         """Scaler state, counters, plan fingerprint and the scheduler given to prepare().
 
         Master weights and compensation buffers are in the wrapped optimizers' own
         ``state_dict()``: save the model, each optimizer and this, then load in that order.
+        Between a backward and its step it refuses (the partial gradients would be lost),
+        unless ``mid_accumulation=True``: for a framework that owns accumulation and saves
+        anywhere (Accelerate's ``save_state``), it is then the state as of the last step.
         """
-        if self._micro != 0:
+        if self._micro != 0 and not mid_accumulation:
             raise RuntimeError(
-                f"state_dict() called in the middle of gradient accumulation ({self._micro} of "
-                f"{self.grad_accum_steps} micro-batches); save after step()"
+                f"state_dict() called in the middle of gradient accumulation ({self._micro} backward(s) since "
+                "the last step()); save after step(), or pass mid_accumulation=True for the state as of the "
+                "last step (the partial gradients are not in it)"
             )
         return session_state(self.plan, self.scaler, self._ledger, self.scheduler)
 
@@ -383,3 +389,23 @@ class MixedPrecision(ComposableSteps):
     def validate_state_dict(self, state_dict: Any, *, allow_plan_change: bool = False) -> None:
         """Raise ValueError/TypeError if :meth:`load_state_dict` would refuse ``state_dict``; change nothing."""
         validated_scaler_state(state_dict, self.plan, self.scaler, self.scheduler, allow_plan_change)
+
+    def export_fp32_state_dict(self) -> dict[str, Any]:
+        """The prepared model's ``state_dict()`` in fp32: what an "fp32 master" run trained.
+
+        Keys are those of ``model.state_dict()`` of the model given to :meth:`prepare` (no
+        DDP ``module.`` or ``torch.compile`` prefix). Each low-precision weight is replaced
+        by its fp32 master where the plan keeps one (``*-master`` plans), and upcast to
+        fp32 elsewhere (pure, Kahan and stochastic-rounding plans: exactly the weight the
+        model computes with). Floating buffers are upcast to fp32; fp32 tensors, integer
+        buffers and extra state are as in ``state_dict()``, sharing storage with the model
+        as it does. Load it into an fp32 copy of the model (or save it for
+        ``from_pretrained``) to get the masters exactly; loading it back into the prepared
+        model rounds the weights and the masters take the fp32 values.
+        See :func:`mixprec.resume.fp32_state_dict`.
+        """
+        if self.model is None:
+            raise RuntimeError(
+                "export_fp32_state_dict() called before prepare(); prepare the model (and its optimizers) first"
+            )
+        return fp32_state_dict(self.model, self.optimizers)

@@ -18,7 +18,17 @@ its loop; mixprec runs the precision at the points the Trainer goes through its
 - gradient accumulation is the Trainer's (``gradient_accumulation_steps``), with
   micro-batches added up in fp32 under master plans;
 - the MixedPrecision state (loss scale, counters, plan fingerprint) is saved in every
-  checkpoint as ``mixprec.pt`` and restored by ``train(resume_from_checkpoint=...)``.
+  checkpoint as ``mixprec.pt`` and restored by ``train(resume_from_checkpoint=...)``; a
+  checkpoint of another plan is refused before anything is loaded, naming both plans;
+  a checkpoint without ``mixprec.pt`` (a plain ``Trainer``'s) resumes under any plan:
+  its optimizer state is loaded into the plan's optimizer, fp32 masters and Kahan
+  compensation start from its weights (exactly where they are fp32), with one warning;
+- ``save_model()`` and every checkpoint write :meth:`mixprec.MixedPrecision.export_fp32_state_dict`
+  (fp32 masters, fp32 everywhere) with ``dtype: float32`` in ``config.json``, so a plain
+  ``from_pretrained(folder)`` gives exactly the masters (``save_fp32=False``: the model's
+  own tensors, as a plain Trainer writes them);
+- ``predict()`` / ``evaluate()`` hand fp32 logits and losses to metrics and callers under
+  every plan, as the Trainer's own ``fp16=True`` / ``bf16=True`` do.
 
 >>> from mixprec.integrations.transformers import MixprecTrainer  # doctest: +SKIP
 >>> trainer = MixprecTrainer(model=model, args=args, train_dataset=ds, precision="fp16-mixed")  # doctest: +SKIP
@@ -28,8 +38,10 @@ its loop; mixprec runs the precision at the points the Trainer goes through its
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -39,9 +51,14 @@ from mixprec.integrations import as_mixed_precision, require_framework
 require_framework("transformers", "transformers", "mixprec.integrations.transformers")
 require_framework("accelerate", "transformers", "mixprec.integrations.transformers")
 
-from transformers import Trainer  # noqa: E402
+from transformers import PreTrainedModel, Trainer  # noqa: E402
+from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME  # noqa: E402
+from transformers.trainer_pt_utils import reissue_pt_warnings  # noqa: E402
 
+from mixprec.dtypes import cast_floating  # noqa: E402
 from mixprec.integrations.accelerate import attach  # noqa: E402
+from mixprec.optim import KahanOptimizer, MasterWeightOptimizer, WrappedOptimizer  # noqa: E402
+from mixprec.resume import STATE_FORMAT, fingerprint_diffs, load_plain_optimizer_state  # noqa: E402
 from mixprec.session import MixedPrecision  # noqa: E402
 
 __all__ = ["MIXPREC_STATE_NAME", "MixprecTrainer"]
@@ -58,6 +75,12 @@ class MixprecTrainer(Trainer):
             :class:`mixprec.Plan` (for example with a custom op list) or a
             :class:`mixprec.MixedPrecision` (to choose its scaler and other options; it
             must have ``grad_accum_steps=1``: accumulation is the Trainer's).
+        save_fp32: ``save_model()`` and checkpoints write the fp32 export
+            (:meth:`mixprec.MixedPrecision.export_fp32_state_dict`: fp32 masters, other
+            weights and floating buffers upcast) with ``dtype: float32`` in ``config.json``,
+            so ``from_pretrained`` of the folder gives exactly the masters (default). False:
+            the model's own tensors (the plan's low-precision weights, fp32 norm layers) and
+            its dtype, as a plain Trainer writes them.
         *args, **kwargs: what ``transformers.Trainer`` takes. ``TrainingArguments`` must
             not set ``fp16``/``bf16`` (mixprec runs the precision).
 
@@ -65,8 +88,13 @@ class MixprecTrainer(Trainer):
     :class:`mixprec.StepResult`.
     """
 
-    def __init__(self, *args: Any, precision: str | Any = "bf16-mixed", **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, precision: str | Any = "bf16-mixed", save_fp32: bool = True, **kwargs: Any
+    ) -> None:
+        if not isinstance(save_fp32, bool):
+            raise TypeError(f"save_fp32 must be True or False, got {save_fp32!r}")
         self.mp: MixedPrecision = as_mixed_precision(precision)
+        self.save_fp32 = save_fp32
         super().__init__(*args, **kwargs)
         if self.model is None:
             raise ValueError("MixprecTrainer needs model=...; model_init is not supported")
@@ -94,22 +122,113 @@ class MixprecTrainer(Trainer):
     def autocast_smart_context_manager(self, cache_enabled: bool | None = True) -> contextlib.AbstractContextManager:
         return self.mp.autocast()
 
+    def prediction_step(
+        self, model: torch.nn.Module, inputs: dict[str, Any], prediction_loss_only: bool, ignore_keys: list[str] | None = None
+    ) -> tuple[Any, Any, Any]:
+        """The Trainer's step, with bf16/fp16 losses and logits upcast to fp32: a precision
+        plan is not a model dtype (the Trainer's own fp16/bf16 mixed precision does the same)."""
+        loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        return cast_floating(loss, torch.float32), cast_floating(logits, torch.float32), labels
+
     # ---------------------------------------------------------- checkpoints
+    def _save(self, output_dir: str | None = None, state_dict: dict[str, Any] | None = None) -> None:
+        if not self.save_fp32 or state_dict is not None:
+            super()._save(output_dir, state_dict=state_dict)
+            return
+        output_dir = output_dir if output_dir is not None else str(self.args.output_dir)
+        model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
+        config = getattr(model, "config", None)
+        dtype_before = getattr(config, "dtype", None)
+        super()._save(output_dir, state_dict=self.mp.export_fp32_state_dict())
+        if (
+            self.args.should_save
+            and isinstance(model, PreTrainedModel)
+            and not getattr(model, "_hf_peft_config_loaded", False)
+        ):
+            # save_pretrained wrote the model's dtype (the plan's weight dtype) into config.json,
+            # and into the live config; the weights it saved are fp32
+            saved = copy.deepcopy(model.config)
+            saved.dtype = torch.float32
+            saved.save_pretrained(output_dir)
+            model.config.dtype = dtype_before
+
     def _save_scaler(self, output_dir: str) -> None:
         super()._save_scaler(output_dir)
         if self.args.should_save:
             torch.save(self.mp.state_dict(), os.path.join(output_dir, MIXPREC_STATE_NAME))
 
+    def _mixprec_state(self, checkpoint: str) -> Any:
+        path = os.path.join(checkpoint, MIXPREC_STATE_NAME)
+        return torch.load(path, map_location="cpu", weights_only=True) if os.path.isfile(path) else None
+
+    def _check_plan(self, state: Any, checkpoint: str) -> None:
+        """Refuse a checkpoint of another plan (or any state :meth:`MixedPrecision.load_state_dict`
+        would refuse) before the optimizer state is loaded: nothing changes."""
+        plan = self.mp.plan
+        if isinstance(state, Mapping) and state.get("format") == STATE_FORMAT and state.get("fingerprint") != plan.fingerprint():
+            saved = state.get("plan")
+            auto = " (this run's plan was chosen by precision='auto' on this hardware)" if plan.auto_reason else ""
+            raise ValueError(
+                f"checkpoint {checkpoint!r} was saved under plan {saved!r}, but this MixprecTrainer runs plan "
+                f"{plan.name!r}{auto} ({fingerprint_diffs(state.get('fingerprint'), plan)}). Resuming would silently "
+                f"change numerics. Resume it with MixprecTrainer(precision={saved!r}); to convert on purpose, "
+                f"start from its weights (from_pretrained({checkpoint!r})) under {plan.name!r} without "
+                "resume_from_checkpoint (a fresh optimizer, loss scale and learning-rate schedule)"
+            )
+        self.mp.validate_state_dict(state)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            super()._load_optimizer_and_scheduler(checkpoint)
+            return
+        state = self._mixprec_state(checkpoint)
+        if state is not None:
+            self._check_plan(state, checkpoint)
+            super()._load_optimizer_and_scheduler(checkpoint)
+            return
+        self._resume_without_mixprec_state(checkpoint)
+
+    def _resume_without_mixprec_state(self, checkpoint: str) -> None:
+        """A checkpoint without ``mixprec.pt`` (a plain Trainer's, or saved with ``save_only_model``):
+        its optimizer state goes into the plan's optimizer, which keeps its own masters /
+        compensation, started from the checkpoint's weights."""
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # inside Accelerate's wrapper
+        found = all(os.path.isfile(os.path.join(checkpoint, name)) for name in (OPTIMIZER_NAME, SCHEDULER_NAME))
+        if not isinstance(optimizer, WrappedOptimizer):
+            super()._load_optimizer_and_scheduler(checkpoint)
+        elif found:  # as the Trainer loads them, with the plan's optimizer taking a plain state_dict
+            sd = torch.load(os.path.join(checkpoint, OPTIMIZER_NAME), map_location="cpu", weights_only=True)
+            load_plain_optimizer_state(optimizer, sd)
+            if self.lr_scheduler is not None:
+                with warnings.catch_warnings(record=True) as caught:
+                    self.lr_scheduler.load_state_dict(
+                        torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True)
+                    )
+                reissue_pt_warnings(caught)
+        done = [
+            f"resuming under plan {self.mp.plan.name!r} with a fresh loss scale and step counters",
+            f"the optimizer state of its {OPTIMIZER_NAME} (into {type(optimizer).__name__})" if found
+            else f"a fresh optimizer state (it has no {OPTIMIZER_NAME})",
+        ]
+        if isinstance(optimizer, KahanOptimizer):
+            # The Trainer loaded the weights before this optimizer existed; loading them again now
+            # gives each Kahan compensation the residual of a wider (fp32) checkpoint value.
+            self._load_from_checkpoint(checkpoint)
+            done.append("Kahan compensation from its weights (their fp32 residual where they are fp32)")
+        elif isinstance(optimizer, MasterWeightOptimizer):  # seeded by the Trainer's load into the model
+            done.append("fp32 master weights from its weights (exactly where they are fp32)")
+        warnings.warn(
+            f"checkpoint {checkpoint!r} has no {MIXPREC_STATE_NAME} (a plain Trainer's, or saved with "
+            f"save_only_model=True): {', '.join(done)}",
+            stacklevel=2,
+        )
+
     def _load_scaler(self, checkpoint: str | None) -> None:
-        super()._load_scaler(checkpoint)
+        if getattr(self.accelerator, "scaler", None) is not None:  # never: mixprec runs the precision
+            super()._load_scaler(checkpoint)  # (a plain fp16 checkpoint's scaler.pt has nothing to go into)
         if checkpoint is None:
             return
-        path = os.path.join(checkpoint, MIXPREC_STATE_NAME)
-        if not os.path.isfile(path):
-            warnings.warn(
-                f"checkpoint {checkpoint!r} has no {MIXPREC_STATE_NAME} (it was not saved by MixprecTrainer): "
-                "the loss scale and step counters start fresh",
-                stacklevel=2,
-            )
-            return
-        self.mp.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        state = self._mixprec_state(checkpoint)
+        if state is None:
+            return  # _load_optimizer_and_scheduler warned: the scale and counters start fresh
+        self.mp.load_state_dict(state)
