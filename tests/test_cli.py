@@ -7,8 +7,11 @@ import itertools
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -440,6 +443,75 @@ def test_an_interrupted_run_leaves_the_previous_report_whole(tmp_path: Path, cap
     assert main(["--seed", "2", *base, "--no-plots"]) == 0
     assert sorted(p.name for p in out.iterdir()) == ["report.md", "results.json"]  # old plots gone
     assert "--seed 2" in (out / "report.md").read_text()
+
+
+def _wait_for(predicate: Callable[[], bool], proc: subprocess.Popen[str], what: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            out, err = proc.communicate()
+            pytest.fail(f"never saw {what} (exit status {proc.returncode}): {err[-2000:]}")
+        time.sleep(0.01)
+
+
+def _maps(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return ""
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGINT") or not Path("/proc/self/maps").exists(),
+                    reason="needs POSIX signals and /proc/PID/maps to see torch loading")
+@pytest.mark.parametrize("module", ["mixprec", "mixprec.cli"])
+def test_ctrl_c_while_the_command_loads_torch_is_one_line_and_status_130(tmp_path: Path, module: str) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", module, "demo", "--out", str(tmp_path / "report")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    # torch's shared library is mapped at the start of `import torch`, seconds before the
+    # command's own code runs: the signal lands while mixprec is still being imported
+    _wait_for(lambda: "libtorch" in _maps(proc.pid), proc, "torch loading")
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert err in ("mixprec: interrupted\n", "mixprec demo: interrupted\n"), err  # no traceback
+    assert not (tmp_path / "report").exists()
+
+
+_SLOW_PUBLISH = """
+import sys, time, types
+from mixprec.cli import demo, main
+demo.train_side_by_side = lambda *args, **kwargs: types.SimpleNamespace(settings={"steps": 1})
+
+def slow_report(result, staging, command, plots=True):
+    (staging / "report.md").write_text("half-written")
+    print("writing", flush=True)
+    time.sleep(120)
+    return []
+
+demo.write_demo_report = slow_report
+sys.exit(main(["demo", "--quiet", "--no-fp16", "--plans", "fp32", "--steps", "1", "--out", sys.argv[1]]))
+"""
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGTERM") or sys.platform == "win32", reason="needs POSIX SIGTERM")
+def test_sigterm_while_the_report_is_written_removes_the_staging_folder(tmp_path: Path) -> None:
+    out = tmp_path / "report"
+    out.mkdir()
+    (out / "report.md").write_text("the previous report")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-c", _SLOW_PUBLISH, str(out)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()  # blocks until the report is being written (or the process ended)
+    assert line == "writing\n", proc.communicate()[1]
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err
+    assert err == "mixprec demo: terminated\n"
+    assert [p.name for p in out.iterdir()] == ["report.md"]  # no .mixprec-partial-* folder left
+    assert (out / "report.md").read_text() == "the previous report"
 
 
 # ------------------------------------------------------------- CLI polish

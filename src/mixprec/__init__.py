@@ -1,5 +1,9 @@
 """mixprec: automatic mixed precision for PyTorch training, done right."""
 
+# First, before torch loads: the mixprec command ends quietly on Ctrl-C while it starts.
+from mixprec import startup as _startup  # noqa: F401
+
+# isort: split
 from mixprec import distributed, fp8
 from mixprec.amp import (
     autocast,

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from mixprec.compiling import eager_only
+
 __all__ = ["BufferGuard", "persistent_buffers"]
 
 
@@ -88,7 +90,7 @@ class _Snapshot:
     def __init__(self, guard: BufferGuard) -> None:
         self.guard = guard
 
-    @torch.compiler.disable
+    @eager_only
     def __call__(self, module: torch.nn.Module, args: Any) -> None:
         guard = self.guard
         if guard._taken or not module.training:

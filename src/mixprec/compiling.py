@@ -7,6 +7,10 @@ code, no triton on CUDA) those fall back to eager code. ``MIXPREC_COMPILE=0`` in
 environment turns every automatic compilation off (an optimizer's explicit
 ``compile=True`` still compiles).
 
+torch's compiler is imported on first use, not with mixprec: importing it makes its disk
+cache (``TORCHINDUCTOR_CACHE_DIR``), and where that directory is unusable (a file, a
+read-only folder) ``import mixprec`` still works and mixprec's kernels run eagerly.
+
 >>> compile_works("meta")
 False
 """
@@ -21,18 +25,16 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
-import torch._dynamo
-import torch._dynamo.exc
-import torch._inductor.exc
 
 __all__ = [
-    "COMPILE_ERRORS",
     "MAX_SPECIALISATIONS",
     "call_compiled",
     "check_environment",
+    "compile_errors",
     "compile_works",
     "compiled",
     "compiles_for",
+    "eager_only",
     "mark_compile_failed",
     "recompile_headroom",
 ]
@@ -44,13 +46,38 @@ R = TypeVar("R")
 #: past which it would run the function uncompiled and slower than the eager code.
 MAX_SPECIALISATIONS = 16
 
-#: what a failed compilation raises (torch before 2.7 has no InductorError: its inductor
-#: failures reach the caller as dynamo's BackendCompilerFailed)
-COMPILE_ERRORS: tuple[type[Exception], ...] = tuple(
-    e for e in (torch._dynamo.exc.TorchDynamoException, getattr(torch._inductor.exc, "InductorError", None)) if e is not None
-)
-# dynamo's recompile limit per function ("cache_size_limit" before torch 2.7)
-_LIMIT = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+
+@functools.cache
+def _compiler_error() -> Exception | None:
+    """Import torch's compiler (once); what prevents it, or None. Its import makes the
+    inductor cache directory, so an unusable ``TORCHINDUCTOR_CACHE_DIR`` fails here."""
+    try:
+        import torch._dynamo
+        import torch._dynamo.exc
+        import torch._inductor.exc  # noqa: F401
+    except OSError as exc:  # the cache folder cannot be made
+        return OSError(f"{exc} (torch's compiler cache folder, TORCHINDUCTOR_CACHE_DIR, must be a writable folder)")
+    except Exception as exc:  # e.g. a second try after that: torch's half-imported compiler
+        return exc
+    return None
+
+
+def compile_errors() -> tuple[type[Exception], ...]:
+    """What a failed compilation raises (torch before 2.7 has no InductorError: its inductor
+    failures reach the caller as dynamo's BackendCompilerFailed); empty where torch's
+    compiler cannot be imported (nothing of it runs then)."""
+    if _compiler_error() is not None:
+        return ()
+    return tuple(
+        e
+        for e in (torch._dynamo.exc.TorchDynamoException, getattr(torch._inductor.exc, "InductorError", None))
+        if e is not None
+    )
+
+
+def _limit_name() -> str:
+    """dynamo's recompile limit per function ("cache_size_limit" before torch 2.7)"""
+    return "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
 
 _FAILED: set[str] = set()  # device types on which a compilation failed in this process
 _OFF_VALUES = ("0", "off", "false", "no")
@@ -131,6 +158,10 @@ def compile_works(device: torch.device | str, *, probe: bool = True) -> bool:
     device_type = torch.device(device).type
     if device_type not in ("cpu", "cuda") or device_type in _FAILED:
         return False
+    error = _compiler_error()
+    if error is not None:  # e.g. TORCHINDUCTOR_CACHE_DIR is a file or a read-only folder
+        mark_compile_failed(device_type, error)
+        return False
     if torch._dynamo.config.disable or not _enabled_by_environment():
         return False
     return _probe_compiles(device_type) if probe else True
@@ -147,6 +178,21 @@ def compiles_for(x: torch.Tensor) -> bool:
         and torch._C._len_torch_dispatch_stack() == 0
         and compile_works(x.device)
     )
+
+
+def eager_only(fn: Callable[..., R]) -> Callable[..., R]:
+    """``fn`` kept out of a user's compiled graph (``torch.compiler.disable``), resolved at
+    its first call so that importing the module that uses it does not import torch's
+    compiler; where that compiler cannot be imported, plain ``fn``."""
+    resolved: list[Callable[..., R]] = []
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> R:
+        if not resolved:
+            resolved.append(fn if _compiler_error() is not None else torch.compiler.disable(fn))
+        return resolved[0](*args, **kwargs)
+
+    return call
 
 
 _CACHE: dict[Callable[..., Any], Callable[..., Any]] = {}
@@ -176,12 +222,16 @@ def recompile_headroom() -> Iterator[None]:
     of 8 it would run a function uncompiled (slower than mixprec's eager code) without a
     word. mixprec bounds what it compiles itself (:data:`MAX_SPECIALISATIONS`, the
     optimizers' layout budgets)."""
-    with torch._dynamo.config.patch(**{_LIMIT: max(getattr(torch._dynamo.config, _LIMIT), 64)}):
+    if _compiler_error() is not None:  # nothing compiles here
+        yield
+        return
+    limit = _limit_name()
+    with torch._dynamo.config.patch(**{limit: max(getattr(torch._dynamo.config, limit), 64)}):
         yield
 
 
 _KEYS: dict[Callable[..., Any], set[tuple[Any, ...]]] = {}
-_DEFAULT_LIMIT = getattr(torch._dynamo.config, _LIMIT)  # dynamo's own, outside recompile_headroom
+_DEFAULT_LIMIT: int | None = None  # dynamo's own, outside recompile_headroom (read at the first compilation)
 
 
 def _specialisation(args: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -196,6 +246,13 @@ def _specialisation(args: tuple[Any, ...]) -> tuple[Any, ...]:
         else:
             parts.append(type(a))
     return tuple(parts)
+
+
+def _default_limit() -> int:
+    global _DEFAULT_LIMIT
+    if _DEFAULT_LIMIT is None:
+        _DEFAULT_LIMIT = int(getattr(torch._dynamo.config, _limit_name()))
+    return _DEFAULT_LIMIT
 
 
 def call_compiled(fn: Callable[..., R], *args: Any, eager: Callable[..., R] | None = None) -> R:
@@ -218,10 +275,10 @@ def call_compiled(fn: Callable[..., R], *args: Any, eager: Callable[..., R] | No
             keys.add(key)
             # no config patch (~17 us) for a compiled key while dynamo's own limit leaves room
             # for each key to recompile once on what the key does not see (autocast, strides)
-            patch = not known or 2 * len(keys) > _DEFAULT_LIMIT
+            patch = not known or 2 * len(keys) > _default_limit()
             try:
                 with recompile_headroom() if patch else contextlib.nullcontext():
                     return compiled(fn, dynamic=True)(*args)
-            except COMPILE_ERRORS as exc:
+            except compile_errors() as exc:
                 mark_compile_failed(first.device, exc)
     return (fn if eager is None else eager)(*args)

@@ -104,12 +104,12 @@ _STAGING_PREFIX = ".mixprec-partial-"
 
 
 @contextlib.contextmanager
-def _sigint_deferred() -> Iterator[None]:
-    """Hold Ctrl-C (SIGINT) back for the few renames that publish a report."""
+def _signals_deferred() -> Iterator[None]:
+    """Hold Ctrl-C (SIGINT) and SIGTERM back for the few renames that publish a report."""
     if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
         yield
         return
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     try:
         yield
     finally:
@@ -119,11 +119,12 @@ def _sigint_deferred() -> Iterator[None]:
 def publish_report(result: object, out: Path, command: str, *, plots: bool = True) -> list[Path]:
     """Write the demo report into a staging folder inside ``out``, then move it into place.
 
-    An interrupted or failed run (Ctrl-C while plotting, a full disk) leaves the previous
-    report as it was: the new files replace the old ones only once all are written, in
-    a few renames during which Ctrl-C is held back, and files of the old report that the
-    new one does not have (plots, after ``--no-plots``) are removed, so a report folder
-    never mixes two runs. Staging folders of killed runs are removed on the next run.
+    An interrupted or failed run (Ctrl-C or SIGTERM while plotting, a full disk) leaves the
+    previous report as it was and no staging folder: the new files replace the old ones
+    only once all are written, in a few renames during which Ctrl-C and SIGTERM are held
+    back, and files of the old report that the new one does not have (plots, after
+    ``--no-plots``) are removed, so a report folder never mixes two runs. Staging folders
+    of killed runs (SIGKILL) are removed on the next run.
     """
     for stale in out.glob(_STAGING_PREFIX + "*"):
         if stale.is_dir():
@@ -132,7 +133,7 @@ def publish_report(result: object, out: Path, command: str, *, plots: bool = Tru
     try:
         written = write_demo_report(result, staging, command, plots=plots)  # type: ignore[arg-type]
         names = [p.name for p in written]
-        with _sigint_deferred():
+        with _signals_deferred():
             for name in REPORT_FILES:
                 if name not in names:
                     with contextlib.suppress(FileNotFoundError):

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.diagnostics.compare import ComparisonReport, compare
+from mixprec.diagnostics.compare import ComparisonReport, check_inputs, compare
 from mixprec.formatting import display_name, format_number
 from mixprec.plans import Plan, get_plan
 
@@ -189,10 +189,13 @@ def advise(
     does not reduce the error is dropped and the next module is tried. The model's
     root is never proposed (that is the fp32 plan).
     """
-    if not (isinstance(tolerance, int | float) and tolerance > 0 and math.isfinite(tolerance)):
+    check_inputs("advise()", model, batch, criterion, seed)
+    if isinstance(tolerance, bool) or not (isinstance(tolerance, int | float) and tolerance > 0 and math.isfinite(tolerance)):
         raise ValueError(f"tolerance must be a positive number, got {tolerance!r}")
     if isinstance(max_islands, bool) or not isinstance(max_islands, int) or max_islands < 0:
         raise ValueError(f"max_islands must be an integer >= 0, got {max_islands!r}")
+    if isinstance(max_param_fraction, bool) or not isinstance(max_param_fraction, int | float):
+        raise TypeError(f"max_param_fraction must be a number in (0, 1], got {max_param_fraction!r}; pass e.g. 0.5")
     if not 0 < max_param_fraction <= 1:
         raise ValueError(f"max_param_fraction must be in (0, 1], got {max_param_fraction!r}")
     plan = get_plan(plan)

@@ -47,6 +47,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.diagnostics import _args as check
 from mixprec.diagnostics.compare_capture import Capture, run_isolated, seeded
 from mixprec.diagnostics.compare_report import (
     ComparisonReport,
@@ -94,6 +95,15 @@ def _children_of(names: list[str]) -> dict[str, list[str]]:
     return children
 
 
+def check_inputs(call: str, model: Any, batch: Any, criterion: Any, seed: Any) -> None:
+    """The arguments :func:`compare` and :func:`~mixprec.diagnostics.advise` share, refused
+    before any copy is made or any step runs."""
+    check.model(model, call)
+    check.batch(batch, call)
+    check.criterion(criterion, call)
+    check.integer(seed, "seed", call)
+
+
 def compare(
     model: nn.Module,
     batch: Any,
@@ -120,6 +130,8 @@ def compare(
     Returns:
         a :class:`ComparisonReport`.
     """
+    check_inputs("compare()", model, batch, criterion, seed)
+    check.flag(local, "local", "compare()")
     plan = get_plan(plan)
     gpus = sorted({t.device.index or 0 for t in (*model.parameters(), *model.buffers()) if t.device.type == "cuda"})
     reference = prepare_copy(model, "fp32", criterion)

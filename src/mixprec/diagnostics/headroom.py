@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.diagnostics import _args as check
 from mixprec.diagnostics.shadow import prepare_copy, run_loss
 from mixprec.dtypes import dtype_name
 from mixprec.formatting import display_name, format_number, format_table
@@ -169,6 +170,18 @@ def _add(acc: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
     return value if acc is None else acc + value.to(acc.device)
 
 
+def _check_loss_scale(loss_scale: object) -> None:
+    if callable(loss_scale):
+        return
+    if isinstance(loss_scale, bool) or not isinstance(loss_scale, int | float) or not (
+        math.isfinite(loss_scale) and loss_scale > 0
+    ):
+        raise ValueError(
+            f"loss_scale must be a finite positive number or a callable returning one, got {loss_scale!r}; "
+            "pass e.g. loss_scale=65536.0 (fp16's usual starting scale) or loss_scale=scaler.get_scale"
+        )
+
+
 class HeadroomMonitor:
     """Accumulate activation amax and fp16 gradient-underflow fractions per module.
 
@@ -192,8 +205,8 @@ class HeadroomMonitor:
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"HeadroomMonitor expects an nn.Module, got {type(model).__name__}")
-        if not callable(loss_scale) and not (isinstance(loss_scale, int | float) and loss_scale > 0):
-            raise ValueError(f"loss_scale must be a positive number or a callable, got {loss_scale!r}")
+        _check_loss_scale(loss_scale)
+        check.flag(gradients, "gradients", "HeadroomMonitor()")
         self.model = model
         self.loss_scale = loss_scale
         self.gradients = gradients
@@ -305,6 +318,10 @@ def headroom(
     >>> sorted(report)[:2]
     ['', '0']
     """
+    check.model(model, "headroom()")
+    check.batch(batch, "headroom()")
+    check.criterion(criterion, "headroom()")
+    _check_loss_scale(loss_scale)
     prepared = prepare_copy(model, plan)
     with HeadroomMonitor(prepared.model, loss_scale=loss_scale) as monitor:
         loss = run_loss(prepared, batch, criterion)

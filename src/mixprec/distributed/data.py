@@ -18,12 +18,28 @@ sees exactly the batches an uninterrupted one would.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 __all__ = ["ResumableDistributedSampler", "StepBatch", "distributed_loader", "epoch_batches"]
+
+
+def _check_int(call: str, name: str, value: object, fix: str) -> None:
+    """TypeError unless ``value`` is an int (bool excluded), naming it and the fix; here rather
+    than inside the first iteration (a shuffle seed of 1.5 fails in ``manual_seed``)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{call}: {name} must be an int, got {value!r} ({type(value).__name__}); pass e.g. {fix}")
+
+
+def _check_bool(call: str, name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(
+            f"{call}: {name} must be True or False, got {value!r} ({type(value).__name__}); "
+            f"pass {name}=True or {name}=False"
+        )
 
 
 class ResumableDistributedSampler(DistributedSampler):  # type: ignore[type-arg]
@@ -35,6 +51,7 @@ class ResumableDistributedSampler(DistributedSampler):  # type: ignore[type-arg]
 
     def set_start(self, start: int) -> None:
         """Skip the first ``start`` indices of this rank's share in the coming epoch(s)."""
+        _check_int("set_start()", "start", start, "set_start(0)")
         if start < 0 or start > super().__len__():
             raise ValueError(f"start must be in [0, {super().__len__()}], got {start}")
         self.start = start
@@ -76,6 +93,18 @@ def distributed_loader(
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    call = "distributed_loader()"
+    _check_int(call, "seed", seed, "seed=0 (the same on every rank)")
+    _check_bool(call, "shuffle", shuffle)
+    _check_bool(call, "drop_last", drop_last)
+    if num_replicas is not None:
+        _check_int(call, "num_replicas", num_replicas, "num_replicas=None (the world size)")
+        if num_replicas < 1:
+            raise ValueError(
+                f"{call}: num_replicas must be >= 1, got {num_replicas!r}; pass num_replicas=None (the world size)"
+            )
+    if rank is not None:
+        _check_int(call, "rank", rank, "rank=None (this process's rank)")
     if "sampler" in loader_kwargs or "shuffle" in loader_kwargs or "batch_sampler" in loader_kwargs:
         raise ValueError("distributed_loader() builds the sampler itself; pass shuffle= and seed=, not sampler=")
     sampler = ResumableDistributedSampler(
@@ -98,18 +127,28 @@ def epoch_batches(loader: DataLoader[Any], *, start_step: int = 0) -> Iterator[S
     Calls ``set_epoch`` on the sampler before every epoch and, when ``start_step`` falls
     inside an epoch, skips that epoch's first batches without loading them. The loader
     must come from :func:`distributed_loader` (or use a :class:`ResumableDistributedSampler`).
+    Its arguments are checked when it is called, before the first batch is asked for.
     """
-    sampler = loader.sampler
-    if not isinstance(sampler, ResumableDistributedSampler):
+    sampler = getattr(loader, "sampler", None)
+    if not isinstance(loader, DataLoader) or not isinstance(sampler, ResumableDistributedSampler):
+        got = f"a {type(sampler).__name__}" if isinstance(loader, DataLoader) else f"{loader!r} ({type(loader).__name__})"
         raise TypeError(
-            f"epoch_batches() needs a loader made by distributed_loader() (a ResumableDistributedSampler), "
-            f"got a {type(sampler).__name__}"
+            f"epoch_batches() needs a loader made by distributed_loader() (a ResumableDistributedSampler), got {got}"
         )
+    _check_int("epoch_batches()", "start_step", start_step, "start_step=0 (or the global step to resume at)")
     if start_step < 0:
-        raise ValueError(f"start_step must be >= 0, got {start_step}")
+        raise ValueError(
+            f"epoch_batches(): start_step must be >= 0, got {start_step}; pass 0 or the global step to resume at"
+        )
     batch_size = loader.batch_size
     if batch_size is None:
         raise TypeError("epoch_batches() needs a loader with a batch_size (not a batch_sampler)")
+    return _batches(loader, sampler, batch_size, int(start_step))
+
+
+def _batches(
+    loader: DataLoader[Any], sampler: ResumableDistributedSampler, batch_size: int, start_step: int
+) -> Iterator[StepBatch]:
     sampler.set_start(0)
     per_epoch = len(loader)
     if per_epoch == 0:

@@ -35,7 +35,12 @@ from mixprec.fp8.scaling import (
     history_amax,
 )
 
-__all__ = ["CurrentScaling", "DelayedScaling", "Fp8Recipe"]
+__all__ = ["MAX_AMAX_HISTORY_LEN", "CurrentScaling", "DelayedScaling", "Fp8Recipe"]
+
+#: The longest amax history a :class:`DelayedScaling` recipe keeps: 65,536 past iterations
+#: (256 KiB per tensor kind and layer). TransformerEngine's default is 1024; a longer
+#: window only delays the scale's response to a shrinking range.
+MAX_AMAX_HISTORY_LEN = 2**16
 
 _FMT_CHOICES = "'hybrid' (E4M3 forward, E5M2 gradients), 'e4m3' (E4M3 everywhere) or 'e5m2' (E5M2 everywhere)"
 
@@ -95,7 +100,8 @@ class DelayedScaling(Fp8Recipe):
             :class:`Fp8Format`.
         margin: headroom in powers of two: ``scale = (fmt_max / amax) / 2**margin``; an int
             from 0 to :data:`~mixprec.fp8.MAX_MARGIN` (64).
-        amax_history_len: how many past iterations' amaxes each layer keeps.
+        amax_history_len: how many past iterations' amaxes each layer keeps, an int from 1
+            to :data:`MAX_AMAX_HISTORY_LEN` (65,536).
         amax_compute_algo: ``"max"`` (largest finite amax in the history) or
             ``"most_recent"`` (the previous iteration's amax).
         amax_init: while a layer's history is still empty (its first iteration, or after
@@ -128,6 +134,12 @@ class DelayedScaling(Fp8Recipe):
             raise ValueError(
                 f"DelayedScaling(amax_history_len={n!r}): expected an int >= 1 (the number of past "
                 "iterations whose amax is kept); use 1 to scale from the previous iteration only"
+            )
+        if n > MAX_AMAX_HISTORY_LEN:
+            raise ValueError(
+                f"DelayedScaling(amax_history_len={n!r}): at most {MAX_AMAX_HISTORY_LEN} (2**16) past "
+                "iterations are kept (each layer holds that many fp32 amaxes per tensor kind); pass e.g. "
+                "amax_history_len=1024 (TransformerEngine's default) or 16"
             )
         algo = self.amax_compute_algo
         if not isinstance(algo, str) or algo not in AMAX_COMPUTE_ALGOS:

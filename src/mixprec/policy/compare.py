@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mixprec.policy.tables import TABLES_TORCH_VERSION, default_table
+from mixprec.policy.tables import TABLES_TORCH_VERSION, check_device_type, default_table
 
 __all__ = ["TableDiff", "compare_with_torch", "torch_autocast_ops"]
 
@@ -21,9 +21,14 @@ def torch_autocast_ops(device_type: str) -> frozenset[str] | None:
     """Op names the installed PyTorch gives an autocast kernel on ``device_type``.
 
     Read from the dispatcher (overloads folded); None when this PyTorch does not
-    expose its registrations.
+    expose its registrations. A name torch does not know as a device type is a ValueError.
     """
-    key = "Autocast" + torch._C._dispatch_key_for_device(device_type)
+    try:
+        key = "Autocast" + torch._C._dispatch_key_for_device(check_device_type(device_type))
+    except RuntimeError:
+        raise ValueError(
+            f"device_type={device_type!r} is not a device type torch knows; pass e.g. 'cpu' or 'cuda'"
+        ) from None
     try:
         registered = torch._C._dispatch_get_registrations_for_dispatch_key(key)
     except (AttributeError, RuntimeError):
@@ -74,10 +79,10 @@ def compare_with_torch(device_type: str) -> TableDiff | None:
     >>> diff is None or isinstance(str(diff), str)
     True
     """
+    pinned = default_table(device_type, torch.bfloat16).ops  # refuses a device type without tables
     registered = torch_autocast_ops(device_type)
     if registered is None:
         return None
-    pinned = default_table(device_type, torch.bfloat16).ops
     return TableDiff(
         device_type=device_type,
         torch_version=torch.__version__,

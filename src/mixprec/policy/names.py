@@ -25,6 +25,7 @@ from mixprec.policy.tables import OP_ALIASES, all_table_ops
 __all__ = [
     "ModuleRule",
     "as_module_rules",
+    "as_op_name",
     "as_op_names",
     "known_op_names",
     "normalize_op_name",
@@ -70,11 +71,18 @@ def normalize_op_name(name: str) -> str:
     >>> normalize_op_name("__rmatmul__"), normalize_op_name("aten::linear")
     ('matmul', 'linear')
     """
+    if not isinstance(name, str):
+        raise TypeError(
+            f"an op name is a str such as 'linear' or 'aten::softmax', got {name!r} of type {type(name).__name__}"
+        )
     name = name.strip().removeprefix("aten::")
     return OP_ALIASES.get(name, name)
 
 
-def _check_op_name(name: object, field: str) -> str:
+def as_op_name(name: object, field: str) -> str:
+    """``name`` validated and normalized: TypeError unless a str, ValueError (with the close
+    matches) unless mixprec's tables or torch.ops.aten know it. ``field`` names the
+    argument in the messages."""
     if not isinstance(name, str):
         raise TypeError(
             f"{field} takes op names (str) such as 'linear' or 'softmax', got {name!r} "
@@ -111,7 +119,7 @@ def as_op_names(value: Iterable[str] | str, field: str) -> tuple[str, ...]:
         items = tuple(items)
     except TypeError:
         raise TypeError(f"{field} must be a sequence of op names, got {value!r}") from None
-    return tuple(dict.fromkeys(_check_op_name(v, field) for v in items))
+    return tuple(dict.fromkeys(as_op_name(v, field) for v in items))
 
 
 def as_module_rules(value: Iterable[ModuleRule] | ModuleRule) -> tuple[ModuleRule, ...]:

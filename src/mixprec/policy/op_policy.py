@@ -16,7 +16,7 @@ import torch
 
 from mixprec.dtypes import LOW_PRECISION_DTYPES, dtype_name, parse_dtype
 from mixprec.formatting import Text
-from mixprec.policy.names import ModuleRule, as_module_rules, as_op_names, normalize_op_name
+from mixprec.policy.names import ModuleRule, as_module_rules, as_op_name, as_op_names
 from mixprec.policy.registered import registered_ops
 from mixprec.policy.tables import (
     TABLES_TORCH_VERSION,
@@ -62,7 +62,10 @@ class OpPolicy:
     fp32_modules: tuple[ModuleRule, ...] = ()
 
     def __post_init__(self) -> None:
-        dtype = parse_dtype(self.dtype)
+        try:
+            dtype = parse_dtype(self.dtype)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"OpPolicy(dtype={self.dtype!r}): {exc}; pass torch.bfloat16 or torch.float16") from None
         if dtype not in LOW_PRECISION_DTYPES:
             raise ValueError(
                 f"OpPolicy dtype must be a low-precision dtype (bf16 or fp16), got "
@@ -89,8 +92,9 @@ class OpPolicy:
         return default_table(device_type, self.dtype)
 
     def precision_of(self, op: str, device_type: str = "cpu") -> Precision | None:
-        """The class ``op`` runs in under this policy (None: left to its inputs)."""
-        op = normalize_op_name(op)
+        """The class ``op`` runs in under this policy (None: left to its inputs). An op name
+        that neither the tables nor torch know is a ValueError naming close matches."""
+        op = as_op_name(op, "precision_of()")
         if op in self.fp32_ops:
             return Precision.FP32
         if op in self.lower_ops:

@@ -35,6 +35,7 @@ __all__ = [
     "OpTable",
     "Precision",
     "all_table_ops",
+    "check_device_type",
     "default_table",
 ]
 
@@ -219,6 +220,18 @@ _TABLES: dict[tuple[str, torch.dtype], OpTable] = {
 }
 
 
+def check_device_type(device_type: object) -> str:
+    """``device_type`` if it is a str (the tables then say whether they cover it); a
+    TypeError naming the value and the fix otherwise."""
+    if not isinstance(device_type, str):
+        fix = "device.type" if isinstance(device_type, torch.device) else "e.g. 'cpu' or 'cuda'"
+        raise TypeError(
+            f"device_type must be a device type name (str) such as 'cpu' or 'cuda', got {device_type!r} "
+            f"({type(device_type).__name__}); pass {fix}"
+        )
+    return device_type
+
+
 def default_table(device_type: str, dtype: torch.dtype | str = torch.bfloat16) -> OpTable:
     """The pinned default table for ``device_type`` ("cpu" / "cuda") and ``dtype``.
 
@@ -229,6 +242,7 @@ def default_table(device_type: str, dtype: torch.dtype | str = torch.bfloat16) -
     >>> "softmax" in default_table("cpu", torch.bfloat16).fp32
     False
     """
+    check_device_type(device_type)
     key = (device_type, parse_dtype(dtype))
     try:
         return _TABLES[key]

@@ -41,6 +41,7 @@ from mixprec.scaling._checks import (
     SCALE_FLOOR,
     boolean,
     check_optimizer,
+    check_process_group,
     new_scale_value,
     parse_device,
     scale_value,
@@ -93,7 +94,7 @@ class LossScaler(GradScalerCompat):
         # The device torch's GradScaler was asked for. The state moves to the loss's device on
         # the first scale() (as torch initialises it lazily there), so no device is touched here.
         self._device_hint = parse_device(device)
-        self._process_group = process_group
+        self._process_group = check_process_group(process_group)
         self._scale = torch.full((), value, dtype=torch.float32)
         # Counters: what the host knows stays a Python int; overflows are a tensor (no sync).
         self._steps = 0

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.diagnostics import _args as check
 from mixprec.diagnostics.memory.live import LiveStorages
 from mixprec.diagnostics.memory.results import PERSISTENT_CLASSES, MemoryEstimate
 from mixprec.diagnostics.memory.state import (
@@ -125,6 +126,8 @@ def estimate_memory(
 
     from mixprec.session import MixedPrecision
 
+    check.model(model, "estimate_memory()")
+    check.criterion(criterion, "estimate_memory()")
     # A private copy: the fake model must leave nothing in the caller's plan (an fp8
     # recipe keeps scaling state that would then hold fake tensors).
     plan = copy.deepcopy(get_plan(plan))

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.diagnostics import _args as check
 from mixprec.diagnostics.memory.live import LiveStorages
 from mixprec.diagnostics.memory.results import MemoryEstimate
 from mixprec.diagnostics.memory.state import (
@@ -62,12 +63,15 @@ def measure_memory(
     """
     from mixprec.session import MixedPrecision
 
+    check.factory(model_factory, "model_factory", "measure_memory()", "model", "MyModel()")
+    check.factory(batch_fn, "batch_fn", "measure_memory()", "batch", "torch.randn(8, 32)")
+    check.criterion(criterion, "measure_memory()")
     plan = get_plan(plan)
     make_opt = optimizer_factory(optimizer)
     if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
         raise ValueError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
     mp = MixedPrecision(plan, **_session_options(session_options))  # every option checked before a model is built
-    model = model_factory()
+    model = built_model(model_factory, "measure_memory()")
     opt = make_opt(model.parameters())
     if criterion is not None:
         model, opt, crit = mp.prepare(model, opt, criterion=criterion)
@@ -108,6 +112,17 @@ def measure_memory(
     by_class = {**state, "grads": grads, "grad_accumulation": grad_accumulation, "activations": activations}
     n = sum(p.numel() for p in unique_tensors(model.parameters()))
     return MemoryEstimate(plan.name, "measured", by_class, int(live.peak), n)
+
+
+def built_model(model_factory: Callable[[], Any], call: str) -> nn.Module:
+    """``model_factory()``, refused unless it is an ``nn.Module``."""
+    model = model_factory()
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"{call}: model_factory() returned {check.show(model)}, not a torch.nn.Module; it must build and "
+            "return a fresh model, e.g. model_factory=lambda: MyModel()"
+        )
+    return model
 
 
 def _session_options(options: Any) -> dict[str, Any]:

@@ -7,8 +7,9 @@ from typing import Any
 
 from torch import nn
 
+from mixprec.diagnostics import _args as check
 from mixprec.diagnostics.memory.estimate import estimate_memory
-from mixprec.diagnostics.memory.measure import measure_memory
+from mixprec.diagnostics.memory.measure import built_model, measure_memory
 from mixprec.diagnostics.memory.results import MemoryEstimate, MemoryReport
 from mixprec.diagnostics.memory.state import OptimizerSpec
 from mixprec.plans import Plan, get_plan
@@ -35,12 +36,23 @@ def memory_report(
     >>> print(str(report).splitlines()[0])
     class               fp32 est  fp32 meas  bf16-master est  bf16-master meas
     """
+    call = "memory_report()"
+    check.factory(model_factory, "model_factory", call, "model", "MyModel()")
+    if batch_fn is not None:
+        check.factory(batch_fn, "batch_fn", call, "batch", "torch.randn(8, 32)")
+    check.criterion(criterion, call)
+    check.flag(measure, "measure", call)
+    if isinstance(plans, str | Plan) or not isinstance(plans, Sequence):
+        example = f"({plans!r},)" if isinstance(plans, str) else "('fp32', 'bf16-mixed')"
+        raise TypeError(
+            f"{call}: plans must be a sequence of plan names or Plans, got {check.show(plans)}; pass e.g. plans={example}"
+        )
+    chosen = [get_plan(p) for p in plans]  # every name checked before anything runs
     estimates: dict[str, MemoryEstimate] = {}
     measurements: dict[str, MemoryEstimate] = {}
-    model = model_factory()
+    model = built_model(model_factory, call)
     batch = batch_fn() if batch_fn is not None else None
-    for p in plans:
-        plan = get_plan(p)
+    for plan in chosen:
         estimates[plan.name] = estimate_memory(model, plan, optimizer=optimizer, batch=batch, criterion=criterion)
         if measure and batch_fn is not None:
             measurements[plan.name] = measure_memory(

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.diagnostics import _args as check
 from mixprec.diagnostics.memory.results import STATE_CLASSES
 from mixprec.optim import WrappedOptimizer
 from mixprec.optim.footprint import (
@@ -54,6 +55,11 @@ def optimizer_factory(optimizer: OptimizerSpec) -> Callable[[Iterable[nn.Paramet
     """``params -> optimizer`` for a name (``"adamw"``, ``"adam"``, ``"sgd"``, ``"sgd-momentum"``) or a callable."""
     if callable(optimizer):
         return optimizer
+    if not isinstance(optimizer, str):
+        raise TypeError(
+            f"optimizer must be one of {', '.join(repr(k) for k in _OPTIMIZERS)} or a callable params -> "
+            f"torch.optim.Optimizer, got {optimizer!r} ({type(optimizer).__name__}); pass e.g. optimizer='adamw'"
+        )
     if isinstance(optimizer, str):
         key = optimizer.strip().lower().replace("_", "-")
         if key in _OPTIMIZERS:
@@ -153,6 +159,8 @@ def training_state_bytes_per_param(model: nn.Module, optimizer: torch.optim.Opti
     >>> training_state_bytes_per_param(model, opt)["total"]  # 4 weight + 4 grad + 8 AdamW state
     16.0009765625
     """
+    check.model(model, "training_state_bytes_per_param()")
+    check.optimizer(optimizer, "training_state_bytes_per_param()")
     state = state_bytes(model, optimizer)
     n = max(sum(p.numel() for p in unique_tensors(model.parameters())), 1)
     out: dict[str, Any] = {k: v / n for k, v in state.items()}
