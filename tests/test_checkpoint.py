@@ -19,6 +19,7 @@ import mixprec.checkpoint as ckpt
 import mixprec.checkpoint.files as ckpt_files
 from mixprec import MixedPrecision, load_checkpoint, save_checkpoint
 from mixprec.checkpoint import unwrap_model
+from mixprec.checkpoint.integrity import checksums
 
 
 class _HasModuleAttr(nn.Module):
@@ -123,8 +124,10 @@ def test_extra_must_be_a_mapping(tmp_path):
 
 # ------------------------------------------------------------ all-or-nothing
 def _rewrite(path, change):
+    """A crafted checkpoint: ``change`` applied, the checksums stamped again (so the checks behind them run)."""
     payload = torch.load(path, weights_only=True)
     change(payload)
+    payload["checksum"] = checksums(payload)
     torch.save(payload, path)
 
 

@@ -17,9 +17,33 @@ from typing import Any
 
 import torch
 
+from mixprec.checkpoint.convert import ROUNDING_KEY
+from mixprec.optim import LowPrecisionOptimizer, WrappedOptimizer
+from mixprec.optim.checks import check_group_keys
+from mixprec.optim.loads import check_rounding_state
 from mixprec.session import MixedPrecision
 
-__all__ = ["check_model", "check_mp", "check_optimizer", "check_rng"]
+__all__ = ["check_model", "check_mp", "check_optimizer", "check_rng", "optimizer_class"]
+
+
+def _innermost(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer inside mixprec's wrappers and those of frameworks that keep it as
+    ``.optimizer`` (Accelerate's ``AcceleratedOptimizer``)."""
+    for _ in range(8):
+        inner = opt.optimizer if isinstance(opt, WrappedOptimizer) else getattr(opt, "optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer) or inner is opt:
+            break
+        opt = inner
+    return opt
+
+
+def optimizer_class(opt: torch.optim.Optimizer) -> str:
+    """The class of the optimizer that does the update (inside mixprec's wrappers), by name:
+    ``"torch.optim.AdamW"``, recorded by :func:`~mixprec.save_checkpoint`."""
+    cls = type(_innermost(opt))
+    if getattr(torch.optim, cls.__name__, None) is cls:
+        return f"torch.optim.{cls.__name__}"
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def check_model(path: str, module: torch.nn.Module, state: dict[str, Any]) -> None:
@@ -54,11 +78,20 @@ def check_model(path: str, module: torch.nn.Module, state: dict[str, Any]) -> No
             )
 
 
-def check_optimizer(path: str, i: int, opt: torch.optim.Optimizer, state: Any) -> None:
-    """``state`` is a state_dict of ``opt``'s kind, with its groups, parameter counts and state shapes."""
+def check_optimizer(path: str, i: int, opt: torch.optim.Optimizer, state: Any, saved_class: str | None = None) -> None:
+    """``state`` is a state_dict of ``opt``'s kind (of the class ``saved_class`` names, when the
+    checkpoint recorded it), with its groups, hyper-parameters, parameter counts and state shapes."""
     where = f"checkpoint {path!r}: optimizers[{i}]"
     if not isinstance(state, dict) or "state" not in state or "param_groups" not in state:
         raise ValueError(f"{where} is not an optimizer state_dict (needs 'state' and 'param_groups')")
+    now = optimizer_class(opt)
+    if saved_class is not None and saved_class != now:
+        raise ValueError(
+            f"{where} was saved from a {saved_class}, this run's optimizer is a {now}: its state and "
+            "hyper-parameters belong to another update rule. Pass the optimizer class that was saved; to change "
+            "optimizers on purpose, load only the model (model.load_state_dict(torch.load(path, "
+            "weights_only=True)['model'])) and start the optimizer fresh"
+        )
     own = opt.state_dict()
     missing = sorted(set(own) - set(state))
     if missing:
@@ -73,6 +106,12 @@ def check_optimizer(path: str, i: int, opt: torch.optim.Optimizer, state: Any) -
             raise ValueError(
                 f"{where} group {g} has {got} parameters, the optimizer's has {len(own_g['params'])}"
             )
+    try:
+        check_group_keys(_innermost(opt), groups)
+        if isinstance(opt, LowPrecisionOptimizer) and isinstance(state.get(ROUNDING_KEY), dict):
+            check_rounding_state(state[ROUNDING_KEY], opt.rounding, type(opt).__name__)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
     saved_state, own_state = state["state"], own["state"]
     if not isinstance(saved_state, dict):
         raise ValueError(f"{where}['state'] is a {type(saved_state).__name__}, expected a dict")

@@ -18,7 +18,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["check_inner_state_dict", "check_master_weights", "check_param_shaped_state", "check_state_shapes"]
+__all__ = [
+    "check_group_keys",
+    "check_inner_state_dict",
+    "check_master_weights",
+    "check_param_shaped_state",
+    "check_state_shapes",
+]
 
 # torch's own optimizers whose per-parameter state tensors are either scalars (step
 # counters) or shaped like the parameter; loading checks that shape.
@@ -58,12 +64,61 @@ def check_inner_state_dict(optimizer: torch.optim.Optimizer, state_dict: Any) ->
             )
         if not all(isinstance(k, str) for k in saved):
             raise TypeError(f"the optimizer state_dict's param_groups[{i}] has non-string keys")
+    check_group_keys(optimizer, groups)
     ids = {pid for g in groups for pid in g["params"]}
     for pid, value in state_dict["state"].items():
         if pid not in ids:
             raise ValueError(f"the optimizer state_dict's 'state' names parameter {pid!r}, which no group holds")
         if not isinstance(value, dict):
             raise TypeError(f"the optimizer state_dict's state[{pid!r}] must be a dict, got {type(value).__name__}")
+
+
+# Group entries that choose the update rule itself, not a setting of it: torch loads them
+# from the state_dict, so a state of torch.optim.Adam would turn an AdamW into Adam.
+_RULE_KEYS = ("decoupled_weight_decay",)
+
+
+def _groups_as_loaded(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> list[set[str]] | None:
+    """The keys of ``groups`` once the optimizer's ``__setstate__`` has filled in the defaults
+    of options newer than the state_dict (what torch's ``load_state_dict`` does); None when
+    that cannot be told without loading (an optimizer whose ``__setstate__`` needs more)."""
+    try:
+        probe = object.__new__(type(optimizer))
+        probe.__setstate__({
+            "defaults": dict(optimizer.defaults),
+            "state": {},
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} | {"params": []} for g in groups],
+        })
+        return [set(g) for g in probe.param_groups]
+    except Exception:
+        return None
+
+
+def check_group_keys(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> None:
+    """Raise ValueError if the saved param ``groups`` lack a hyper-parameter of ``optimizer``
+    (a key of its ``defaults``, which its step reads: ``betas`` of an SGD state loaded into
+    AdamW would fail there with a KeyError, after the load replaced the optimizer's groups
+    and state), or were saved by an optimizer with another update rule (Adam vs AdamW).
+    Keys others add to a group (a scheduler's ``initial_lr``) are not required."""
+    name = type(optimizer).__name__
+    loaded = _groups_as_loaded(optimizer, groups)
+    for i, (saved, live) in enumerate(zip(groups, optimizer.param_groups, strict=True)):
+        keys = loaded[i] if loaded is not None else set(saved)
+        missing = sorted(k for k in live if k in optimizer.defaults and k not in keys and k != "params")
+        if missing:
+            held = sorted(k for k in saved if k != "params")
+            raise ValueError(
+                f"the optimizer state_dict's param_groups[{i}] has no {', '.join(map(repr, missing))}, which this "
+                f"{name} needs (the saved group holds {held}): it was saved from another kind of optimizer, and "
+                f"its next step would fail. Load a state saved by a {name}, or start the optimizer fresh"
+            )
+        for key in _RULE_KEYS:
+            if key in saved and key in live and saved[key] != live[key]:
+                raise ValueError(
+                    f"the optimizer state_dict's param_groups[{i}][{key!r}] is {saved[key]!r}, this {name}'s is "
+                    f"{live[key]!r}: it was saved from an optimizer with another update rule (torch.optim.Adam "
+                    f"has {key}=False, AdamW True). Load a state saved by a {name}, or start the optimizer fresh"
+                )
 
 
 def check_master_weights(saved: Any, masters: Sequence[torch.Tensor]) -> None:
