@@ -39,13 +39,18 @@ import torch
 from mixprec.distributed.ddp import is_ddp, wrap_ddp
 from mixprec.distributed.frontdoor import ddp_arguments, plan_for_model
 from mixprec.dtypes import cast_floating
-from mixprec.islands import apply_fp32_islands, install_input_cast
+from mixprec.islands import (
+    apply_fp32_islands,
+    fp32_island_names,
+    install_input_cast,
+    match_fp32_modules,
+)
 from mixprec.nested import first_tensor
 from mixprec.optim.follow import Seeds, install_load_hooks, register
 from mixprec.plans import Plan
 from mixprec.tracing import OverflowTracer
 
-__all__ = ["Fp32Criterion", "PreparedModel", "check_optimizers", "prepare_model", "wrap_optimizers"]
+__all__ = ["Fp32Criterion", "PreparedModel", "check_optimizers", "check_parameters", "check_shared", "prepare_model", "wrap_optimizers"]
 
 
 @dataclass
@@ -67,6 +72,8 @@ class PreparedModel:
         hooks: hook handles installed on the model (input casting, loads that masters follow).
         tracer: the overflow tracer, when asked for.
         parameters: the converted model's parameters (optimizers must hold only these).
+        dtypes: a parameter of each dtype the conversion left (the first one met), to find a
+            cast of the whole model after ``prepare`` cheaply (:meth:`check_dtypes`).
     """
 
     model: torch.nn.Module
@@ -79,6 +86,61 @@ class PreparedModel:
     hooks: list[Any] = field(default_factory=list)
     tracer: OverflowTracer | None = None
     parameters: set[torch.Tensor] = field(default_factory=set)
+    dtypes: tuple[tuple[torch.Tensor, torch.dtype], ...] = ()
+
+    def check_dtypes(self, caller: str) -> None:
+        """Refuse to train on after the model was cast (``model.to(dtype)``, ``.half()``,
+        ``.float()``) since :func:`prepare_model`: the optimizers' masters, compensation and
+        state, the input cast and the fp32 islands describe the dtypes it prepared.
+        A few dtype reads: the first parameter of each prepared dtype is checked."""
+        for param, dtype in self.dtypes:
+            if param.dtype != dtype:
+                self._cast_error(param, dtype, caller)
+
+    def _cast_error(self, param: torch.Tensor, dtype: torch.dtype, caller: str) -> None:
+        name = next((n for n, p in self.model.named_parameters() if p is param), "?")
+        raise RuntimeError(
+            f"{caller}: parameter {name!r} was prepared as {dtype} for plan {self.plan.name!r} and is "
+            f"{param.dtype} now: the model was cast after prepare() (model.to(dtype), .half(), .float() or "
+            ".bfloat16()), and the optimizers' master weights, compensation and state, the input cast and the "
+            "fp32 islands no longer match it. Cast the model before prepare(), or prepare it again for its "
+            "new dtypes: a new MixedPrecision(...).prepare(model, optimizer) with an optimizer built over "
+            "model.parameters() (carry training state over with state_dict()/load_state_dict())"
+        )
+
+
+def _sparse_modules(model: torch.nn.Module, plan: Plan) -> list[str]:
+    """Trainable ``sparse=True`` embeddings the plan would cast down (outside fp32 islands)."""
+    islands = fp32_island_names(model)
+    if plan.policy is not None and plan.policy.fp32_modules:
+        islands += match_fp32_modules(model, plan.policy)
+    found = []
+    for name, module in model.named_modules():
+        if (
+            isinstance(module, torch.nn.Embedding | torch.nn.EmbeddingBag)
+            and module.sparse
+            and module.weight.requires_grad
+            and not any(name == i or name.startswith(f"{i}.") or i == "" for i in islands)
+        ):
+            found.append(f"{type(module).__name__} {name!r}")
+    return found
+
+
+def check_parameters(model: torch.nn.Module, plan: Plan) -> None:
+    """Refuse, before anything is converted, parameters ``plan`` cannot train: sparse
+    gradients where its optimizer wrapper expands them densely (pure, Kahan and
+    stochastic-rounding plans: :attr:`Plan.supports_sparse_grads`)."""
+    if plan.supports_sparse_grads:
+        return
+    sparse = _sparse_modules(model, plan)
+    if sparse:
+        raise ValueError(
+            f"plan {plan.name!r} cannot train sparse gradients: {', '.join(sparse)} "
+            "(nn.Embedding(sparse=True) / nn.EmbeddingBag(sparse=True)) would get a low-precision weight "
+            "whose optimizer wrapper expands every gradient to fp32 densely. Build it with sparse=False, keep "
+            "it in fp32 (get_plan(name, fp32_modules=[...])), or use a plan with fp32 weights or masters "
+            "('bf16-mixed', 'bf16-master', 'fp32')"
+        )
 
 
 def _model_device(model: torch.nn.Module, device: torch.device | None) -> torch.device:
@@ -110,6 +172,7 @@ def prepare_model(
     device = _model_device(model, device)
     ddp_kwargs = ddp_arguments(ddp, process_group) if ddp is not False else None
     plan = plan_for_model(plan, model, ddp=ddp_kwargs is not None)
+    check_parameters(model, plan)
     fp32_values = plan.convert_model(model)
     if plan.policy is not None and plan.policy.fp32_modules:
         # After the conversion: islands turn their own parameters back to fp32.
@@ -128,6 +191,10 @@ def prepare_model(
         # Parameters no optimizer holds (frozen ones, say): their gradients are cleared too.
         uncovered=[p for p in model.parameters() if p.requires_grad],
     )
+    firsts: dict[torch.dtype, torch.Tensor] = {}
+    for p in model.parameters():
+        firsts.setdefault(p.dtype, p)
+    prepared.dtypes = tuple((p, dtype) for dtype, p in firsts.items())
     if trace_overflow:  # on the inner model, before DDP/compile wrap it
         prepared.tracer = OverflowTracer(model)
     if plan.input_dtype is not None:
@@ -142,7 +209,9 @@ def prepare_model(
 def check_optimizers(
     prepared: PreparedModel, optimizers: Sequence[Any], existing: Sequence[torch.optim.Optimizer], caller: str
 ) -> None:
-    """Refuse what is not a torch optimizer over ``prepared``'s parameters, or is given twice."""
+    """Refuse what is not a torch optimizer over ``prepared``'s parameters, is given twice, or
+    holds a parameter another optimizer holds (its gradient would be unscaled, clipped and
+    stepped once per optimizer, and a master plan would keep two diverging masters)."""
     seen = {id(o) for o in existing} | {id(getattr(o, "optimizer", o)) for o in existing}
     for opt in optimizers:
         if not isinstance(opt, torch.optim.Optimizer):
@@ -161,6 +230,53 @@ def check_optimizers(
                 "parameters of the prepared model (was the optimizer built over another model or a copy?). "
                 "Build the optimizer over model.parameters() of the model you pass to prepare()"
             )
+    check_shared(prepared.model, optimizers, caller, _holders(prepared, existing), start=len(existing) + 1)
+
+
+def _holders(prepared: PreparedModel, existing: Sequence[torch.optim.Optimizer]) -> dict[int, str]:
+    """``id(param)`` -> which of the optimizers prepared so far holds it (groups added since
+    included; a master-weight wrapper holds the parameters it keeps masters of)."""
+    held: dict[int, str] = {}
+    for index, opt in enumerate(existing, start=1):
+        label = _owner_label(getattr(opt, "optimizer", opt), index)
+        held.update(dict.fromkeys((id(p) for g in opt.param_groups for p in g["params"]), label))
+        master_of = getattr(opt, "master_of", None)
+        if callable(master_of):
+            held.update({id(p): label for p in prepared.parameters if master_of(p) is not None})
+    return held
+
+
+def check_shared(
+    model: torch.nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer],
+    caller: str,
+    owners: Mapping[int, str] | None = None,
+    start: int = 1,
+) -> None:
+    """Refuse a parameter held by two of ``optimizers`` (numbered from ``start``), or by one of
+    them and an optimizer already prepared (``owners``: ``id(param)`` -> which). Each step
+    unscales, clips and steps every optimizer's gradients once, so a shared parameter would be
+    unscaled twice (fp16 plans) or get two diverging fp32 masters (master plans). The front
+    door checks before it converts anything."""
+    held = dict(owners or {})
+    unique = {id(opt): opt for opt in optimizers}  # one passed twice is refused as such
+    for index, opt in enumerate(unique.values(), start=start):
+        label = _owner_label(opt, index)
+        for p in (p for g in opt.param_groups for p in g["params"]):
+            if id(p) in held and held[id(p)] != label:
+                name = next((n for n, q in model.named_parameters() if q is p), "?")
+                raise ValueError(
+                    f"parameter {name!r} is held by two optimizers ({held[id(p)]} and {label}, passed to "
+                    f"{caller}): mixprec unscales, clips and steps each optimizer's gradients once per step, so a "
+                    "shared parameter would be unscaled twice (fp16 plans) or get two diverging fp32 masters "
+                    "(master plans). Give each parameter to one optimizer (param groups give parts of it "
+                    "other settings)"
+                )
+            held[id(p)] = label
+
+
+def _owner_label(opt: torch.optim.Optimizer, index: int) -> str:
+    return f"the {type(opt).__name__} that is optimizer {index}"
 
 
 def wrap_optimizers(

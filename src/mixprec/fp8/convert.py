@@ -39,10 +39,11 @@ _FP8_MULTIPLE = 16
 
 
 def default_module_filter(name: str, module: nn.Module) -> bool:
-    """Eligible for fp8: an exact ``nn.Linear`` with in and out features multiples of 16.
+    """Eligible for fp8: an exact ``nn.Linear`` with in and out features positive multiples of 16.
 
     Subclasses of ``nn.Linear`` are left alone: they may not call their own ``forward``
-    (``nn.MultiheadAttention`` reads ``out_proj.weight`` directly).
+    (``nn.MultiheadAttention`` reads ``out_proj.weight`` directly). So are empty layers
+    (0 in or out features): there is no GEMM to speed up.
 
     >>> import torch
     >>> default_module_filter("head", torch.nn.Linear(64, 10))
@@ -52,6 +53,8 @@ def default_module_filter(name: str, module: nn.Module) -> bool:
         type(module) is nn.Linear
         and module.in_features % _FP8_MULTIPLE == 0
         and module.out_features % _FP8_MULTIPLE == 0
+        and module.in_features > 0
+        and module.out_features > 0
     )
 
 

@@ -111,7 +111,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         update: bool,
     ) -> torch.Tensor:
         with _no_autocast(x.device.type):
-            x2 = x.reshape(-1, x.shape[-1])
+            x2 = x.reshape(x.shape[:-1].numel(), x.shape[-1])  # (not -1: a dimension may be 0)
             qx, wide_x = layer._quantize(_INPUT, x2, update, wide=not native)
             qw, wide_w = layer._quantize(_WEIGHT, weight, update, wide=not native)
             a = qx.data if wide_x is None else wide_x
@@ -130,7 +130,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         grad_x = grad_w = grad_b = None
         with _no_autocast(grad_out.device.type):
-            g2 = grad_out.reshape(-1, grad_out.shape[-1])
+            g2 = grad_out.reshape(grad_out.shape[:-1].numel(), grad_out.shape[-1])
             if need_x or need_w:
                 qg, wide_g = ctx.layer._quantize(_GRAD, g2, ctx.update, wide=not ctx.native)
                 # The emulation widens the fp8 gradient once for both GEMMs (exact either way).
@@ -238,7 +238,7 @@ class Fp8Linear(nn.Linear):
         return new
 
     def _use_native(self, x: torch.Tensor) -> bool:
-        if self.emulate is True:
+        if self.emulate is True or self.weight.numel() == 0:  # an empty layer: no GEMM to run natively
             return False
         available = native_fp8_available(x.device)
         if self.emulate is False and not available:

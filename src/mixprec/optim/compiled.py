@@ -11,11 +11,12 @@ eager fast path (see :func:`use_compiled_route`).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
-from mixprec.compiling import COMPILE_ERRORS, compile_works, compiled, recompile_headroom
+from mixprec.compiling import compile_errors, compile_works, compiled, recompile_headroom
 from mixprec.optim.fast import init_adam_state, scalar_value
 
 __all__ = [
@@ -52,6 +53,40 @@ def reserve_layout(key: str) -> bool:
         return False
     _LAYOUTS.add(key)
     return True
+
+
+@dataclass(frozen=True)
+class LayoutReservation:
+    """A layout admitted to the compiled route for one update, and which budgets it took
+    anew (the wrapper's checkpointed set, the process's): :func:`release_layout` gives
+    those back when the update did not run."""
+
+    key: str
+    new_here: bool
+    new_in_process: bool
+
+
+def reserve_layouts(compiled_layouts: set[str], key: str, auto: bool) -> LayoutReservation | None:
+    """Admit layout ``key`` of a wrapper whose compiled layouts are ``compiled_layouts``
+    (recorded there, and in the process budget); None: it steps eagerly (``auto`` and
+    :data:`AUTO_MAX_LAYOUTS` new layouts reached, or the process budget spent)."""
+    known = key in compiled_layouts
+    if not known and auto and len(compiled_layouts) >= AUTO_MAX_LAYOUTS:
+        return None
+    new_in_process = key not in _LAYOUTS
+    if not reserve_layout(key):
+        return None
+    compiled_layouts.add(key)
+    return LayoutReservation(key, not known, new_in_process)
+
+
+def release_layout(compiled_layouts: set[str], reservation: LayoutReservation) -> None:
+    """The compiled update of ``reservation`` did not run (its compilation failed or was
+    interrupted): the layout is no longer recorded as compiled where it was new."""
+    if reservation.new_here:
+        compiled_layouts.discard(reservation.key)
+    if reservation.new_in_process:
+        _LAYOUTS.discard(reservation.key)
 
 
 def check_compile_setting(value: object, owner: str = "compile") -> CompileSetting:
@@ -256,7 +291,7 @@ def compiled_adam_step(
         # Nearly always while compiling (seconds, before anything ran; a Ctrl-C lands there
         # too): give the step counts back so that nothing is half-counted.
         torch._foreach_sub_(steps, 1.0)
-        if isinstance(exc, COMPILE_ERRORS):
+        if isinstance(exc, compile_errors()):
             raise CompileRouteFailed(exc) from exc
         raise
     if counter is not None and rounding == "stochastic":

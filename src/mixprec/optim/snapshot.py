@@ -177,12 +177,13 @@ def masters_nonfinite(
     """
     by_threshold: dict[tuple[torch.device, float], list[torch.Tensor]] = {}
     for p, m in pairs:
-        by_threshold.setdefault((m.device, _inf_threshold(p.dtype)), []).append(m)
+        if m.numel():  # an empty tensor holds nothing non-finite (and has no inf-norm)
+            by_threshold.setdefault((m.device, _inf_threshold(p.dtype)), []).append(m)
     direct = {id(m) for _, m in pairs}
     fp32_max = _inf_threshold(torch.float32)
     for group in optimizer.param_groups:
         for q in group["params"]:
-            if id(q) not in direct and q.is_floating_point():
+            if id(q) not in direct and q.is_floating_point() and q.numel():
                 by_threshold.setdefault((q.device, fp32_max), []).append(q)
     flags = []
     device = None

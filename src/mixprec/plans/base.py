@@ -114,6 +114,10 @@ class Plan:
     #: ``MixedPrecision(optimizer_in_backward=True)`` works: the plan's optimizer wrapper can
     #: update one parameter at a time inside backward.
     supports_optimizer_in_backward: ClassVar[bool] = False
+    #: Sparse gradients (``nn.Embedding(sparse=True)``) of the low-precision weights train:
+    #: False where the optimizer wrapper expands gradients to fp32 densely, so ``prepare``
+    #: refuses such a model with the fix.
+    supports_sparse_grads: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         if self.policy is not None and self.policy.dtype != self.compute_dtype and self.uses_autocast:

@@ -58,7 +58,7 @@ class Fp8Plan(MixedPlan):
             return user_filter is None or bool(user_filter(name, module))
 
         convert_to_fp8(model, self.recipe, module_filter=outside_islands, emulate=self.emulate)
-        return {}
+        return super().convert_model(model)  # fp32 weights, as bf16-mixed: a half-precision model is upcast
 
     def before_unscale(self, model: torch.nn.Module, process_group: Any) -> None:
         """Every rank computes the next fp8 scales from the same (MAX-reduced) amaxes."""

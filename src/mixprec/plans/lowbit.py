@@ -37,6 +37,7 @@ class LowBitPlan(Plan):
 
     family: ClassVar[str] = "lowbit"
     supports_optimizer_in_backward: ClassVar[bool] = True
+    supports_sparse_grads: ClassVar[bool] = False  # the wrapper expands gradients to fp32 densely
     summary: ClassVar[str] = "bf16 weights and compute, compensated updates, no fp32 master"
 
     def __post_init__(self) -> None:

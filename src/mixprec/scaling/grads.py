@@ -59,7 +59,9 @@ def unscale_and_check(
     with torch.no_grad():
         groups = by_device_dtype(grad_tensors(optimizer))
         per_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-        for (grad_device, _dtype), grads in groups.items():
+        for (grad_device, dtype), grads in groups.items():
+            if dtype.is_complex:  # unscaled and checked as their real and imaginary parts
+                grads = [torch.view_as_real(g) for g in grads]
             if grad_device not in per_device:
                 per_device[grad_device] = (
                     torch.zeros((), dtype=torch.float32, device=grad_device),
