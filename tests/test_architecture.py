@@ -19,7 +19,8 @@ SRC = pathlib.Path(__file__).resolve().parents[1] / "src"
 
 # Bottom to top. Components on one level are peers: they must not import each other.
 LEVELS: list[tuple[str, tuple[str, ...]]] = [
-    ("foundation", ("mixprec.nested", "mixprec.formatting", "mixprec.process_groups", "mixprec.compiling")),
+    ("foundation", ("mixprec.nested", "mixprec.formatting", "mixprec.process_groups", "mixprec.compiling",
+                    "mixprec.startup")),
     ("dtypes", ("mixprec.dtypes",)),
     ("hardware", ("mixprec.hardware",)),
     ("formats", ("mixprec.fp8.formats",)),
@@ -31,9 +32,11 @@ LEVELS: list[tuple[str, tuple[str, ...]]] = [
     ("plans", ("mixprec.plans",)),
     ("distributed", ("mixprec.distributed",)),
     ("prepare", ("mixprec.prepare",)),
+    ("step state", ("mixprec.ledger", "mixprec.phases")),
     ("step", ("mixprec.step", "mixprec.options")),
     ("resume", ("mixprec.resume",)),
     ("composable", ("mixprec.composable",)),
+    ("stepping", ("mixprec.stepping",)),
     ("session", ("mixprec.session",)),
     ("diagnostics", ("mixprec.diagnostics",)),
     ("checkpoint", ("mixprec.checkpoint",)),

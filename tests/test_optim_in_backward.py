@@ -159,3 +159,161 @@ def test_each_update_in_backward_finds_its_group_through_an_index():
     new.grad = torch.ones_like(new)
     opt.step_selected({new})  # a new group: found after re-indexing, stepped with its lr
     assert opt.state[new]["step"] == 1 and float(new.detach().float().mean()) < -0.4
+
+
+def _reference_step(ref_model, ref, step: int) -> None:
+    _loss(ref_model, step).backward()
+    ref.step()
+    ref.zero_grad()
+
+
+@pytest.mark.parametrize("late", ["unfrozen", "added"])
+def test_a_parameter_without_a_hook_is_updated_by_finish_then_hooked(late):
+    """Unfrozen after the hooks were installed, or added with add_param_group: its gradient is
+    applied by finish(), in the same step and with the same undo copies, and begin() (or that
+    finish) hooks it, so the next backward releases its gradient as it goes."""
+
+    def make():
+        model = _model()
+        if late == "unfrozen":
+            model[0].requires_grad_(False)
+            params = list(model.parameters())
+        else:
+            params = list(model[1:].parameters())
+        return model, KahanOptimizer(torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1))
+
+    (ref_model, ref), (model, opt) = make(), make()
+    in_bwd = InBackwardOptimizer(opt)
+    for m, o in ((ref_model, ref), (model, opt)):
+        if late == "unfrozen":
+            m[0].requires_grad_(True)
+        else:
+            o.add_param_group({"params": list(m[0].parameters()), "lr": 3e-3})
+    for step in range(3):
+        _reference_step(ref_model, ref, step)
+        _loss(model, step).backward()
+        released = [p.grad is None for p in model[0].parameters()]
+        assert released == [step > 0] * 2  # the first finish hooked them
+        assert in_bwd.finish()
+        assert all(p.grad is None for p in model.parameters())
+        _assert_equal_states(_state(model, opt), _state(ref_model, ref), f"{late}, step {step}")
+
+
+def test_a_missed_parameter_with_an_inf_gradient_undoes_the_whole_backward():
+    model = _model()
+    model[0].requires_grad_(False)
+    opt = KahanOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    in_bwd = InBackwardOptimizer(opt)
+    _loss(model, 0).backward()
+    assert in_bwd.finish()
+    before = _state(model, opt)
+    model[0].requires_grad_(True)  # no hook: its (inf) gradient is found by finish()
+    handle = model[0].weight.register_hook(lambda g: g * float("inf"))
+    _loss(model, 1).backward()
+    handle.remove()
+    assert not in_bwd.finish()
+    _assert_equal_states(_state(model, opt), before, "after the refused backward")
+
+
+def _interrupting(exc: type[BaseException]):
+    def hook(g):
+        raise exc("stopped mid-backward")
+
+    return hook
+
+
+@pytest.mark.parametrize("cls", WRAPPERS)
+@pytest.mark.parametrize("exc", [ValueError, KeyboardInterrupt])
+def test_an_interrupted_backward_is_undone_by_guard(cls, exc):
+    model = _model()
+    opt = cls(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    in_bwd = InBackwardOptimizer(opt)
+    _loss(model, 0).backward()
+    assert in_bwd.finish()
+    before, extra = _state(model, opt), copy.deepcopy(opt.extra_state())
+    handle = model[0].weight.register_hook(_interrupting(exc))  # the last gradient: the rest is updated
+    with pytest.raises(exc, match="stopped mid-backward"), in_bwd.guard():
+        _loss(model, 1).backward()
+    handle.remove()
+    assert in_bwd.undo_bytes() == 0
+    _assert_equal_states(_state(model, opt), before, f"{cls.__name__} after the interrupted backward")
+    assert str(opt.extra_state()) == str(extra)
+    assert all(p.grad is None for p in model.parameters())
+    _loss(model, 1).backward()  # the retry
+    assert in_bwd.finish()
+
+
+def test_an_interrupted_backward_outside_guard_is_undone_by_begin_or_refused_by_finish():
+    ref_model, model = _model(), _model()
+    ref = KahanOptimizer(torch.optim.AdamW(ref_model.parameters(), lr=1e-2))
+    opt = KahanOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    in_bwd = InBackwardOptimizer(opt)
+    _reference_step(ref_model, ref, 0)
+    _loss(model, 0).backward()
+    assert in_bwd.finish()
+    before = _state(model, opt)
+    handle = model[0].weight.register_hook(_interrupting(ValueError))
+    with pytest.raises(ValueError, match="stopped mid-backward"):
+        _loss(model, 1).backward()
+    with pytest.raises(RuntimeError, match=re.escape(
+        "finish() called after a backward that did not complete (an exception or KeyboardInterrupt stopped it): "
+        "its updates were undone; run the backward again"
+    )):
+        in_bwd.finish()
+    _assert_equal_states(_state(model, opt), before, "after finish() refused it")
+    with pytest.raises(ValueError, match="stopped mid-backward"):
+        _loss(model, 1).backward()
+    handle.remove()
+    in_bwd.begin()  # the retry's begin() undoes it
+    _assert_equal_states(_state(model, opt), before, "after begin()")
+    _reference_step(ref_model, ref, 1)
+    _loss(model, 1).backward()
+    assert in_bwd.finish()
+    _assert_equal_states(_state(model, opt), _state(ref_model, ref), "the retried step")
+
+
+def test_a_held_backward_refuses_the_next_until_released():
+    model = _model()
+    opt = KahanOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    in_bwd = InBackwardOptimizer(opt)
+    _loss(model, 0).backward()
+    assert in_bwd.finish(hold=True)
+    held = _state(model, opt)
+    again = (
+        " before step(): under optimizer_in_backward=True the last backward already updated the weights and "
+        "counts as one step, so another backward cannot join it (no gradient accumulation); call mp.step() "
+        "after each backward"
+    )
+    with pytest.raises(RuntimeError, match=re.escape("a second backward ran" + again)):
+        _loss(model, 1).backward()
+    with pytest.raises(RuntimeError, match=re.escape("begin() called again" + again)):
+        in_bwd.begin()
+    _assert_equal_states(_state(model, opt), held, "after the refused backward")
+    assert all(p.grad is None for p in model.parameters())
+    assert in_bwd.release()
+    _loss(model, 1).backward()
+    assert in_bwd.finish(hold=True)
+
+
+def test_a_parameter_whose_gradient_arrives_in_two_parts_is_refused():
+    """Reentrant activation checkpointing over a layer also used outside it: the layer's
+    gradient accumulates in the outer backward and again in the nested one."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(8, 8, bias=False).bfloat16()
+    opt = KahanOptimizer(torch.optim.AdamW(layer.parameters(), lr=1e-2))
+    in_bwd = InBackwardOptimizer(opt)
+    before = _state(layer, opt)
+    x = torch.randn(4, 8, dtype=torch.bfloat16, requires_grad=True)
+    with pytest.raises(RuntimeError, match=re.escape(
+        "a parameter of shape (8, 8) got its gradient in two parts within one backward (reentrant activation "
+        "checkpointing over a parameter also used outside it): under optimizer_in_backward=True it would be "
+        "updated twice; use torch.utils.checkpoint.checkpoint(..., use_reentrant=False) or "
+        "optimizer_in_backward=False"
+    )), in_bwd.guard():
+        layer(checkpoint(layer, x, use_reentrant=True)).float().sum().backward()
+    _assert_equal_states(_state(layer, opt), before, "after the refused backward")
+    y = layer(checkpoint(layer, x, use_reentrant=False)).float().sum()
+    y.backward()  # non-reentrant: one accumulation per parameter
+    assert in_bwd.finish()

@@ -463,3 +463,77 @@ def test_trace_overflow_option_names_the_first_overflowing_module():
     result = mp.step()
     assert result.skipped and result.overflow is not None
     assert result.overflow.module == "2" and result.overflow.direction == "forward"
+
+
+def _overflow_every_tenth_step(steps: int, **mp_kwargs):
+    """fp16-mixed with torch's default scaler settings and an inf gradient every 10th step:
+    the scale backs off every 10 steps and never grows back (growth_interval=2000).
+    Yields each StepResult."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    mp = MixedPrecision("fp16-mixed", **mp_kwargs)
+    model, _ = mp.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    x, y = torch.randn(32, 8), torch.randn(32, 4)
+    for step in range(steps):
+        with mp.autocast():
+            loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        mp.backward(loss)
+        if step % 10 == 9:
+            model[0].weight.grad[0, 0] = float("inf")
+        yield mp, mp.step()
+
+
+def test_a_collapsed_loss_scale_raises_instead_of_training_on_zero_gradients():
+    """Before: the scale fell to the 2**-126 floor and 1,467 of 1,800 steps ran on all-zero
+    gradients with one warning."""
+    zero_steps, mp = 0, None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the one zero-gradient warning
+        with pytest.raises(RuntimeError, match=re.escape(
+            "20 consecutive optimizer steps ran on all-zero gradients with the loss scale collapsed to"
+        )) as caught:
+            for session, result in _overflow_every_tenth_step(1800):
+                mp = session
+                zero_steps += result.stepped and result.grad_norm == 0.0
+    assert zero_steps == 19  # the 20th raised: at most max_zero_grad_steps steps ran on nothing
+    assert "MixedPrecision(on_scale_collapse='reset') restarts the scale at 65536" in str(caught.value)
+    assert mp is not None and mp.state_dict()["optimizer_steps"] == mp.optimizer_steps  # the step was finished
+
+
+def test_on_scale_collapse_reset_restarts_the_scale_with_the_diagnosis():
+    zero_steps, resets = 0, 0
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always", RuntimeWarning)
+        for _, result in _overflow_every_tenth_step(900, max_zero_grad_steps=5, on_scale_collapse="reset"):
+            zero_steps += result.stepped and result.grad_norm == 0.0
+            resets += result.scale == 65536.0 and result.stepped and result.grad_norm == 0.0
+    collapsed = [w for w in seen if "restarting it now" in str(w.message)]
+    assert len(collapsed) == resets >= 1
+    assert "5 consecutive optimizer steps ran on all-zero gradients" in str(collapsed[0].message)
+    assert zero_steps == 5 * resets  # never more than 5 in a row before the scale restarts
+    with pytest.raises(ValueError, match=re.escape("max_zero_grad_steps must be an integer >= 1 or None (only warn), got 0")):
+        MixedPrecision("fp16-mixed", max_zero_grad_steps=0)
+    with pytest.raises(ValueError, match=re.escape("on_scale_collapse must be one of ('raise', 'reset'), got 'skip'")):
+        MixedPrecision("fp16-mixed", on_scale_collapse="skip")
+    with pytest.warns(RuntimeWarning, match="an optimizer step ran on all-zero gradients"):  # None: the warning only
+        quiet = list(_overflow_every_tenth_step(450, max_zero_grad_steps=None))
+    assert sum(r.stepped and r.grad_norm == 0.0 for _, r in quiet) > 20
+
+
+def test_the_zero_gradient_count_is_checkpointed():
+    """A run saved and resumed in the middle of a collapse raises where the uninterrupted run does."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for mp, result in _overflow_every_tenth_step(1800):
+            if result.stepped and result.grad_norm == 0.0 and mp._ledger.zero_grad_steps == 7:
+                break
+    state = mp.state_dict()
+    assert state["zero_grad_steps"] == 7
+    fresh = MixedPrecision("fp16-mixed")
+    fresh.load_state_dict(state)
+    assert fresh._ledger.zero_grad_steps == 7
+    with pytest.raises(ValueError, match=re.escape("state_dict['zero_grad_steps'] must be a non-negative integer, got -1")):
+        fresh.load_state_dict({**state, "zero_grad_steps": -1})
+    old = {k: v for k, v in state.items() if k != "zero_grad_steps"}  # a checkpoint from before the guard
+    fresh.load_state_dict(old)
+    assert fresh._ledger.zero_grad_steps == 0

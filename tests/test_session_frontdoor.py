@@ -487,3 +487,254 @@ def test_the_device_lookup_walks_the_model_once_while_nothing_changes(monkeypatc
     assert walks.count(model) == 1  # (the walk recurses through the same function)
     model[0][0] = torch.nn.Linear(2, 2)
     assert mp.device == torch.device("cpu") and walks.count(model) == 2
+
+
+# ------------------------------------------------------------ the step's state machine
+def _tiny(plan: str, *, seed: int = 0, lr: float = 1.0, two: bool = False, **mp_kwargs):
+    """A two-layer model with SGD (one optimizer, or one per layer with ``two``) under ``plan``."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    if two:
+        opts = [torch.optim.SGD(model[0].parameters(), lr=lr), torch.optim.SGD(model[2].parameters(), lr=lr)]
+    else:
+        opts = [torch.optim.SGD(model.parameters(), lr=lr)]
+    mp = MixedPrecision(plan, **mp_kwargs)
+    model, *opts = mp.prepare(model, *opts)
+    return mp, model, opts
+
+
+def _mse(mp: MixedPrecision, model: torch.nn.Module, i: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(i)
+    x, y = torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
+    with mp.autocast():
+        return torch.nn.functional.mse_loss(model(x).float(), y)
+
+
+def _same(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("plan", ALL_PLANS)
+def test_clipping_twice_or_also_in_step_clips_once(plan):
+    """clip_grad_norm_(0.05) twice, or with MixedPrecision(clip_grad_norm=0.05), is one clip.
+    Before: the second clip divided by the remembered norm before the first (update norm 0.002)."""
+    ref_mp, ref, _ = _tiny(plan)
+    ref_mp.backward(_mse(ref_mp, ref, 0))
+    ref_norm = ref_mp.clip_grad_norm_(0.05)
+    assert ref_mp.step().stepped
+    for how in ("twice", "and in step()"):
+        mp, model, _ = _tiny(plan, clip_grad_norm=0.05 if how == "and in step()" else None)
+        before = [p.detach().float().clone() for p in model.parameters()]
+        mp.backward(_mse(mp, model, 0))
+        norm = mp.clip_grad_norm_(0.05)
+        if how == "twice":
+            assert torch.equal(mp.clip_grad_norm_(0.05), norm)  # the norm before clipping, again
+            assert torch.equal(mp.clip_grad_norm_(1.0), norm)  # a looser bound: nothing to clip
+        result = mp.step()
+        assert result.stepped and result.grad_norm == float(norm) == float(ref_norm) > 0.05, (plan, how)
+        assert _same(model, ref), (plan, how)
+        if plan == "fp32":  # SGD with lr=1: the update is the clipped gradient
+            update = torch.cat([(b - p.detach()).reshape(-1) for b, p in zip(before, model.parameters(), strict=True)])
+            assert float(update.norm()) == pytest.approx(0.05, rel=1e-4), how
+
+
+def test_a_second_tighter_clip_or_a_clip_above_the_sessions_is_refused_and_changes_nothing():
+    mp, model, _ = _tiny("fp16-mixed")
+    ref_mp, ref, _ = _tiny("fp16-mixed")
+    for m, r in ((mp, model), (ref_mp, ref)):
+        m.backward(_mse(m, r, 0))
+        m.clip_grad_norm_(1.0)
+    with pytest.raises(RuntimeError, match=re.escape(
+        "clip_grad_norm_() would clip this step's gradients to 0.05 after they were clipped to 1: a second clip"
+    )):
+        mp.clip_grad_norm_(0.05)
+    assert mp.step().stepped and ref_mp.step().stepped and _same(model, ref)
+
+    mp, model, _ = _tiny("bf16-mixed", clip_grad_norm=0.05)
+    mp.backward(_mse(mp, model, 0))
+    with pytest.raises(ValueError, match=re.escape(
+        "clip_grad_norm_(1.0) with MixedPrecision(clip_grad_norm=0.05): step() would clip these gradients a second time"
+    )):
+        mp.clip_grad_norm_(1.0)
+    assert mp.phase.value == "backward done"  # refused before anything changed
+
+
+@pytest.mark.parametrize("plan", ["bf16-mixed", "fp16-master", "bf16-kahan"])
+def test_a_boundary_the_framework_declares_is_where_step_steps(plan):
+    """micro_batch_done(boundary=True) after 2 of 4 micro-batches: step() steps there, as
+    grad_accum_steps=2 would. Before: accumulating=True, no step."""
+    ref_mp, ref, _ = _tiny(plan, grad_accum_steps=2, lr=0.1)
+    mp, model, _ = _tiny(plan, grad_accum_steps=4, lr=0.1)
+    for i in range(2):
+        ref_mp.backward(_mse(ref_mp, ref, i))
+        with mp.backward_context():
+            mp.scale_loss(_mse(mp, model, i) / 2).backward()  # the framework divides by its own window
+        mp.micro_batch_done(boundary=i == 1)
+        if i == 0:
+            assert mp.step().accumulating
+    result = mp.step()
+    assert result.stepped and result.optimizer_steps == 1 and not result.accumulating
+    assert ref_mp.step().stepped and _same(model, ref)
+    assert mp.phase.value == "stepped"
+
+
+def test_micro_batch_done_without_a_backward_counts_nothing():
+    """Before: the next step() counted a real step and advanced the scheduler."""
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    mp = MixedPrecision("bf16-mixed")
+    model, opt, sched = mp.prepare(model, opt, scheduler=sched)
+    message = "micro_batch_done() called without a backward since the last one: nothing would be counted"
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        mp.micro_batch_done()
+    with pytest.raises(RuntimeError, match=re.escape("step() called before any backward()")):
+        mp.step()
+    assert mp.optimizer_steps == 0 and sched.get_last_lr() == [0.1]
+    mp.backward(model(torch.ones(1, 4)).sum())
+    with pytest.raises(RuntimeError, match=re.escape(message)):  # backward() counted its own micro-batch
+        mp.micro_batch_done()
+    assert mp.step().stepped and mp.optimizer_steps == 1 and sched.get_last_lr() == [0.05]
+
+
+def test_calls_out_of_order_raise_errors_that_name_the_order():
+    mp, model, _ = _tiny("fp16-mixed", grad_accum_steps=2)
+    with pytest.raises(RuntimeError, match=re.escape("unscale_() called before any backward()")):
+        mp.unscale_()
+    mp.backward(_mse(mp, model, 0))
+    for call, name in ((mp.unscale_, "unscale_()"), (mp.grad_norm, "grad_norm()"), (lambda: mp.clip_grad_norm_(1.0), "clip_grad_norm_()")):
+        with pytest.raises(RuntimeError, match=re.escape(
+            f"{name} called in the middle of gradient accumulation (1 of 2 micro-batches): the gradients are partial sums"
+        )):
+            call()
+    mp.backward(_mse(mp, model, 1))
+    with pytest.raises(RuntimeError, match=re.escape(
+        "backward() called after the accumulation boundary (2 of 2 micro-batches) without step()"
+    )):
+        mp.backward(_mse(mp, model, 2))
+    loss = _mse(mp, model, 2)
+    mp.grad_norm()
+    with pytest.raises(RuntimeError, match=re.escape("a backward after unscale_() in the same step")):
+        mp.scale_loss(loss)
+    assert mp.step().stepped
+    with pytest.raises(RuntimeError, match=re.escape("step() called again with no backward since the last step()")):
+        mp.step()
+    mp.scale_loss(_mse(mp, model, 3)).backward()
+    with pytest.raises(RuntimeError, match=re.escape("step() called between scale_loss() and micro_batch_done()")):
+        mp.step()
+    with pytest.raises(TypeError, match=re.escape("boundary= must be True, False or None, got 1")):
+        mp.micro_batch_done(boundary=1)  # type: ignore[arg-type]
+
+
+def test_grad_norm_after_step_names_grad_norm_in_its_error():
+    """Before: the error named unscale_()."""
+    mp, model, _ = _tiny("bf16-mixed")
+    mp.backward(_mse(mp, model, 0))
+    mp.step()
+    with pytest.raises(RuntimeError, match=re.escape(
+        "grad_norm() called after step() with no backward since: step() used and cleared that step's gradients. "
+        "Call grad_norm() between the backward and step()"
+    )):
+        mp.grad_norm()
+
+
+def _interrupt_once(obj: object, name: str, exc: type[BaseException] = KeyboardInterrupt) -> None:
+    """Make ``obj.name(...)`` raise ``exc`` once, before it does anything."""
+    real = getattr(obj, name)
+    state = {"armed": True}
+
+    def wrapper(*args, **kwargs):
+        if state["armed"]:
+            state["armed"] = False
+            raise exc("interrupted")
+        return real(*args, **kwargs)
+
+    setattr(obj, name, wrapper)
+
+
+@pytest.mark.parametrize("plan", ["bf16-mixed", "fp16-master", "bf16-kahan"])
+def test_a_step_interrupted_before_its_update_saves_and_then_finishes_exactly(plan, tmp_path):
+    """Ctrl-C in step(): a save works (the state as of the last step), step() again finishes it.
+    Before: state_dict() refused ('in the middle of gradient accumulation')."""
+    from mixprec import save_checkpoint
+
+    ref_mp, ref, _ = _tiny(plan, lr=0.1)
+    mp, model, (opt,) = _tiny(plan, lr=0.1)
+    for m, r in ((mp, model), (ref_mp, ref)):
+        m.backward(_mse(m, r, 0))
+        assert m.step().stepped
+        m.backward(_mse(m, r, 1))
+    saved = ref_mp.state_dict(mid_accumulation=True)
+    _interrupt_once(opt, "step")
+    with pytest.raises(KeyboardInterrupt):
+        mp.step()
+    assert mp.state_dict() == saved  # what a Ctrl-C handler saves: the last finished step
+    save_checkpoint(tmp_path / "interrupted.pt", model=model, optimizers=[opt], mp=mp)
+    result = mp.step()
+    assert result.stepped and result.optimizer_steps == 2 and ref_mp.step() == result
+    assert _same(model, ref)
+
+
+def test_a_step_interrupted_between_optimizers_refuses_a_save_and_then_steps_each_once():
+    ref_mp, ref, _ = _tiny("fp16-master", two=True, lr=0.1)
+    mp, model, (_, second) = _tiny("fp16-master", two=True, lr=0.1)
+    for m, r in ((mp, model), (ref_mp, ref)):
+        m.backward(_mse(m, r, 0))
+    _interrupt_once(second, "step", RuntimeError)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        mp.step()  # the first optimizer stepped, the second did not
+    with pytest.raises(RuntimeError, match=re.escape(
+        "state_dict(): step() was interrupted after the update began and the update of 1 optimizer(s)"
+    )):
+        mp.state_dict()
+    with pytest.raises(RuntimeError, match=re.escape("call step() again to finish that step first")):
+        mp.backward(_mse(mp, model, 1))
+    assert mp.step() == ref_mp.step() and _same(model, ref)  # the first optimizer did not step twice
+    assert mp.state_dict() == ref_mp.state_dict()
+
+
+def test_a_step_interrupted_while_unscaling_finishes_exactly(monkeypatch):
+    """An interruption between the optimizers' unscaling: step() again unscales only the rest."""
+    ref_mp, ref, _ = _tiny("fp16-master", two=True, lr=0.1)
+    mp, model, (_, second) = _tiny("fp16-master", two=True, lr=0.1)
+    for m, r in ((mp, model), (ref_mp, ref)):
+        m.backward(_mse(m, r, 0))
+    real = mp.scaler.unscale_
+    armed = [True]
+
+    def unscale_(opt, **kwargs):
+        if opt is second and armed[0]:
+            armed[0] = False
+            raise KeyboardInterrupt
+        return real(opt, **kwargs)
+
+    monkeypatch.setattr(mp.scaler, "unscale_", unscale_)
+    with pytest.raises(KeyboardInterrupt):
+        mp.step()
+    assert mp.state_dict() == ref_mp.state_dict(mid_accumulation=True)
+    assert mp.step() == ref_mp.step() and _same(model, ref)
+
+
+@pytest.mark.parametrize("plan", ["bf16-mixed", "fp16-master"])
+def test_an_exception_inside_backward_discards_the_step_and_a_retry_is_exact(plan):
+    """The gradients of a backward stopped halfway are partial: the step starts again.
+    Before: the retry added a full backward to the partial gradients."""
+    ref_mp, ref, _ = _tiny(plan, lr=0.1, grad_accum_steps=2)
+    mp, model, _ = _tiny(plan, lr=0.1, grad_accum_steps=2)
+    mp.backward(_mse(mp, model, 5))  # a micro-batch of the window that fails
+    loss = _mse(mp, model, 0)
+
+    def boom(p):
+        raise RuntimeError("boom")
+
+    hook = model[2].weight.register_post_accumulate_grad_hook(boom)  # the first layer gets no gradient
+    with pytest.raises(RuntimeError, match="boom"):
+        mp.backward(loss)
+    hook.remove()
+    assert all(p.grad is None for p in model.parameters())
+    saved = mp.state_dict()  # nothing of the dropped step is in flight
+    for m, r in ((mp, model), (ref_mp, ref)):
+        for i in range(2):
+            m.backward(_mse(m, r, i))
+    assert mp.step() == ref_mp.step() and _same(model, ref)
+    assert saved["optimizer_steps"] == 0 and mp.phase.value == "stepped"

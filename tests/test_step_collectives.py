@@ -73,7 +73,7 @@ def test_a_norm_that_overflows_fp32_on_finite_gradients_skips_but_leaves_the_sca
     mp = MixedPrecision("fp16-mixed", scaler=DynamicLossScaler(init_scale=1.0, growth_interval=1))
     model = nn.ParameterList([w])
     model, opt = mp.prepare(model, torch.optim.SGD([w], lr=0.1))
-    (w.sum() * 0).backward()  # a backward so the step has something to decide
+    mp.scale_loss(w.sum() * 0).backward()  # a backward so the step has something to decide
     mp.micro_batch_done()
     w.grad = torch.full((4,), 3e38)  # finite, but the sum of squares overflows fp32
     result = mp.step()

@@ -6,7 +6,8 @@ loop calls instead of ``mp.backward`` and friends: :meth:`~ComposableSteps.scale
 :meth:`~ComposableSteps.unscale_`, :meth:`~ComposableSteps.grad_norm`,
 :meth:`~ComposableSteps.clip_grad_norm_`. ``MixedPrecision`` builds on it (the one-line
 path calls these too); the state it reads is set up by ``MixedPrecision.__init__`` and
-``prepare``.
+``prepare``. Each goes through the step's state machine (:class:`mixprec.phases.StepPhases`):
+a call out of order raises an error naming the order.
 
 >>> import torch
 >>> from mixprec import MixedPrecision
@@ -28,12 +29,15 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from mixprec.nested import by_device_dtype
+from mixprec.optim import InBackwardOptimizer
 from mixprec.options import check_ready
+from mixprec.phases import Phase, StepPhases
 from mixprec.plans import Plan
 from mixprec.process_groups import world_size
 from mixprec.scaling import LossScaler
@@ -62,6 +66,16 @@ def _first_parameter(module: torch.nn.Module) -> list[tuple[dict[str, Any], str,
         if child is not None and (below := _first_parameter(child)) is not None:
             return [(module._modules, name, child), *below]
     return None
+
+
+@contextlib.contextmanager
+def _guarded(
+    context: contextlib.AbstractContextManager[Any], in_backward: InBackwardOptimizer, on_undo: Callable[[], None]
+) -> Iterator[Any]:
+    """``context`` inside ``in_backward.guard()``: a backward an exception stops is undone, and
+    ``on_undo`` drops it from the step."""
+    with in_backward.guard(on_undo), context as value:
+        yield value
 
 
 class FirstParameter:
@@ -106,14 +120,13 @@ class ComposableSteps:
     process_group: Any
     grad_accum_steps: int
     last_result: StepResult | None
+    clip_grad_norm: float | None
     _decision: SkipDecision
     _norm_memo: NormMemo
-    _micro: int
-    _loose: bool  # a finished backward's gradients sit in .grad, not yet in fp32 accumulators
-    _unscaled: bool
-    _published: bool
+    _phases: StepPhases  # where the step stands: every half goes through it
     _ddp: bool
     _first: FirstParameter
+    _in_backward: InBackwardOptimizer | None  # optimizer_in_backward=True: the updates run inside backward
 
     @property
     def device(self) -> torch.device | None:
@@ -129,9 +142,21 @@ class ComposableSteps:
         device = self.device
         return "cpu" if device is None else device.type
 
+    @property
+    def _micro(self) -> int:
+        """Backwards counted since the last step."""
+        return self._phases.micro
+
+    @property
+    def phase(self) -> Phase:
+        """Where the current step stands (:class:`mixprec.phases.Phase`): ``IDLE``,
+        ``ACCUMULATING``, ``BACKWARD_DONE``, ``UNSCALED``, ``CLIPPED``, then ``STEPPED`` or
+        ``SKIPPED``. A call out of order raises an error naming the order."""
+        return self._phases.phase
+
     def is_accumulating(self) -> bool:
         """True when the next backward() is not at an accumulation boundary."""
-        return (self._micro + 1) % self.grad_accum_steps != 0
+        return (self._phases.micro + 1) % self.grad_accum_steps != 0
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss to call ``.backward()`` on, for frameworks that run backward themselves.
@@ -144,24 +169,29 @@ class ComposableSteps:
 
     def _scale_loss(self, loss: torch.Tensor, caller: str) -> torch.Tensor:
         check_loss(loss, caller)
-        if self._unscaled:
-            raise RuntimeError(
-                "a backward after unscale_() in the same step would mix scaled and unscaled gradients; "
-                "call step() first"
-            )
+        if self._in_backward is not None:  # one backward per step; undo one an exception stopped
+            self._in_backward.begin(caller)
+        phases = self._phases
+        phases.check_backward(caller, self.grad_accum_steps)
         self._decision.record_loss(loss)
-        if self._loose and not self.is_ddp and world_size() == 1:
+        if (phases.loose or phases.pending) and not self.is_ddp and world_size() == 1:
             # another backward in this step (manual accumulation: Lightning's manual optimisation,
-            # Fabric, two backward() calls): move the last one's gradients into the wrappers' wide
-            # accumulators first, so micro-batches add up in fp32 however the loop marks boundaries.
+            # Fabric, two backward() calls, or two before one micro_batch_done()): move the last one's
+            # gradients into the wrappers' wide accumulators first, so micro-batches add up in fp32
+            # however the loop marks boundaries.
             # Not across ranks: a DDP / FSDP wrapper a framework put around the model reduces .grad.
             call_hook(self.optimizers, "accumulate_grads")
-        self._loose = False
-        return self.scaler.scale(loss)
+        phases.loose = False
+        scaled = self.scaler.scale(loss)
+        phases.pending += 1
+        return scaled
 
     def backward_context(self) -> contextlib.AbstractContextManager[Any]:
         """The context a backward runs in (the plan's): a custom op policy also holds where
-        backward recomputes the forward (activation checkpointing); tf32 stays on."""
+        backward recomputes the forward (activation checkpointing); tf32 stays on. Under
+        ``optimizer_in_backward=True``, a backward that an exception stops inside it is undone."""
+        if self._in_backward is not None:
+            return _guarded(self.plan.backward_context(self.device_type), self._in_backward, self._phases.backward_failed)
         return self.plan.backward_context(self.device_type)
 
     def micro_batch_done(self, boundary: bool | None = None) -> None:
@@ -169,15 +199,26 @@ class ComposableSteps:
         wrappers move low-precision gradients into wider accumulators (not under DDP).
 
         ``boundary`` says whether this backward ends the accumulation window; by default
-        ``grad_accum_steps`` decides. A framework that decides the boundary itself passes it.
+        ``grad_accum_steps`` decides. A framework that decides the boundary itself passes it:
+        ``step()`` then steps there (after 2 of 4 micro-batches too), and more backwards
+        before that ``step()`` add to the same step. Called without a backward since the last
+        one (no :meth:`scale_loss`), it is an error: nothing is counted without a backward.
+        Under ``optimizer_in_backward=True`` every backward is a boundary, and this reads
+        whether its updates stood (one host read).
         """
-        self._micro += 1
-        if boundary is None:
-            boundary = self._micro % self.grad_accum_steps == 0
-        if not boundary and not self.is_ddp:
+        self._phases.check_done("micro_batch_done()", boundary)
+        if self._in_backward is not None:
+            if boundary is False:
+                raise ValueError(
+                    "micro_batch_done(boundary=False) under optimizer_in_backward=True: each backward already "
+                    "updated the weights, so gradients cannot accumulate over micro-batches; call step() after "
+                    "each backward, or use optimizer_in_backward=False to accumulate"
+                )
+            self._in_backward.finish(hold=True, caller="micro_batch_done()")  # step() reads the outcome
+        if not self._phases.backward_done(boundary, self.grad_accum_steps) and not self.is_ddp:
             call_hook(self.optimizers, "accumulate_grads")
         else:
-            self._loose = True
+            self._phases.loose = True
 
     @property
     def is_ddp(self) -> bool:
@@ -199,25 +240,33 @@ class ComposableSteps:
 
         Afterwards the optimizers' and the model's parameters hold true gradients (a
         master-weight wrapper copies them back), for a framework's clipping, logging and
-        hooks; :meth:`step` does not unscale again and gathers in-place changes.
+        hooks; :meth:`step` does not unscale again and gathers in-place changes. Only at the
+        accumulation boundary (between the last backward and :meth:`step`): anywhere else it
+        is an error naming the order.
         """
-        self._unscale()
-        if not self._published:
+        if self._in_backward is not None:
+            self._in_backward.refuse_gradients("unscale_()")
+        self._unscale("unscale_()")
+        if not self._phases.published:
             call_hook(self.optimizers, "publish_grads")
-            self._published = True
+            self._phases.published = True
 
-    def _unscale(self) -> None:
-        if self._unscaled:  # (checked when it was set)
+    def _unscale(self, caller: str) -> None:
+        phases = self._phases
+        if phases.phase is Phase.UNSCALED or phases.phase is Phase.CLIPPED:  # (checked when it was set)
             return
-        check_ready(self.model, self.optimizers, "unscale_()")
-        if self._micro == 0:
-            raise RuntimeError("unscale_() called before any backward(); call mp.backward(loss) first")
-        unscale_all(self.plan, self.model, self.optimizers, self.scaler, self.process_group)  # type: ignore[arg-type]
-        self._unscaled = True
+        check_ready(self.model, self.optimizers, caller)
+        phases.gradients_ready(caller, self.grad_accum_steps)
+        again, phases.unscale_started = phases.unscale_started, True  # again: an earlier call was interrupted
+        unscale_all(self.plan, self.model, self.optimizers, self.scaler, self.process_group, again=again)  # type: ignore[arg-type]
+        phases.unscaled()
 
     def grad_norm(self) -> torch.Tensor:
-        """The true (unscaled) total 2-norm of every optimizer's gradients (unscales first)."""
-        self._unscale()
+        """The true (unscaled) total 2-norm of every optimizer's gradients (unscales first);
+        after :meth:`clip_grad_norm_`, the norm before clipping (what ``step()`` reports)."""
+        if self._in_backward is not None:
+            self._in_backward.refuse_gradients("grad_norm()")
+        self._unscale("grad_norm()")
         return self._norm(self._grads(), remember=True)
 
     def _norm(self, grads: list[torch.Tensor], *, remember: bool) -> torch.Tensor:
@@ -234,26 +283,65 @@ class ComposableSteps:
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Unscale, then clip the true gradients to a total norm of ``max_norm``; returns the norm
         before clipping (as ``torch.nn.utils.clip_grad_norm_``). A non-finite norm clips nothing:
-        the step will be skipped."""
+        the step will be skipped.
+
+        Once per step: called again with the same (or a larger) ``max_norm`` it changes nothing
+        (the gradients are within it already) and returns the same norm; a smaller one would
+        clip a second time and is an error, as is a ``max_norm`` above
+        ``MixedPrecision(clip_grad_norm=...)``, which ``step()`` would clip again. Gradients
+        changed in place after the clip are measured and clipped again as new gradients.
+        """
+        if self._in_backward is not None:
+            self._in_backward.refuse_gradients("clip_grad_norm_()")
         if not isinstance(max_norm, int | float) or isinstance(max_norm, bool) or not max_norm > 0:
             raise ValueError(f"max_norm must be a positive number, got {max_norm!r}")
-        self._unscale()
-        grads = self._grads()
-        norm = self._norm(grads, remember=False)
-        clip_(grads, norm, float(max_norm))
-        self._norm_memo.remember(grads, norm)  # the clipped gradients are finite exactly when the norm is
+        limit = self.clip_grad_norm
+        if limit is not None and max_norm > limit:
+            raise ValueError(
+                f"clip_grad_norm_({max_norm!r}) with MixedPrecision(clip_grad_norm={limit!r}): step() would clip "
+                f"these gradients a second time, to {limit!r}. Clip in one place: drop one of the two, or pass "
+                f"max_norm <= {limit!r}"
+            )
+        self._unscale("clip_grad_norm_()")
+        norm = self._clip(self._grads(), float(max_norm), "clip_grad_norm_()", None)
+        self._phases.clipped_by_caller()
         return norm
+
+    def _clip(self, grads: list[torch.Tensor], max_norm: float, caller: str, norm: torch.Tensor | None) -> torch.Tensor:
+        """Clip ``grads`` to ``max_norm`` once per step; returns their norm before any clipping.
+
+        ``norm``: their norm, when the caller measured it (the skip decision); None: from the
+        memo, or measured now. Gradients already clipped to ``max_norm`` or less are left as
+        they are; a tighter second clip is refused (it would clip twice)."""
+        memo = self._norm_memo
+        before = memo.get(grads)
+        if before is not None and memo.clipped_to is not None:
+            if max_norm >= memo.clipped_to:
+                return before
+            raise RuntimeError(
+                f"{caller} would clip this step's gradients to {max_norm:g} after they were clipped to "
+                f"{memo.clipped_to:g}: a second clip. Clip once per step, with the smallest max_norm "
+                "(MixedPrecision(clip_grad_norm=...) clips in step(), after any clip_grad_norm_())"
+            )
+        if before is None:
+            before = norm if norm is not None else self._norm(grads, remember=False)
+        clip_(grads, before, max_norm)
+        if norm is None:  # a framework's clip: step() reads the norm, and knows they are clipped
+            memo.remember(grads, before, clipped_to=max_norm)  # finite exactly when the norm is
+        return before
 
     def clip_grad_value_(self, clip_value: float) -> None:
         """Unscale, then clamp every true gradient to ``[-clip_value, clip_value]`` (as
         ``torch.nn.utils.clip_grad_value_``; inf/NaN gradients still skip the step)."""
+        if self._in_backward is not None:
+            self._in_backward.refuse_gradients("clip_grad_value_()")
         if (
             not isinstance(clip_value, int | float)
             or isinstance(clip_value, bool)
             or not 0 < clip_value < math.inf
         ):
             raise ValueError(f"clip_value must be a positive finite number, got {clip_value!r}")
-        self._unscale()
+        self._unscale("clip_grad_value_()")
         for gs in by_device_dtype(self._grads()).values():
             torch._foreach_clamp_min_(gs, -float(clip_value))
             torch._foreach_clamp_max_(gs, float(clip_value))

@@ -17,7 +17,9 @@ from mixprec.plans import Plan
 from mixprec.process_groups import is_distributed
 from mixprec.scaling import LossScaler
 
-__all__ = ["check_in_backward", "check_ready", "check_session_options"]
+__all__ = ["check_collapse_options", "check_in_backward", "check_ready", "check_session_options"]
+
+SCALE_COLLAPSE_ACTIONS = ("raise", "reset")
 
 
 def check_session_options(
@@ -43,6 +45,21 @@ def check_session_options(
     for name, flag in flags.items():
         if not isinstance(flag, bool):
             raise TypeError(f"{name}= must be True or False, got {flag!r}")
+
+
+def check_collapse_options(max_zero_grad_steps: Any, on_scale_collapse: Any) -> None:
+    """Refuse bad scale-collapse settings of :class:`~mixprec.MixedPrecision`, naming the value and the fix."""
+    if max_zero_grad_steps is not None and (
+        not isinstance(max_zero_grad_steps, int) or isinstance(max_zero_grad_steps, bool) or max_zero_grad_steps < 1
+    ):
+        raise ValueError(
+            f"max_zero_grad_steps must be an integer >= 1 or None (only warn), got {max_zero_grad_steps!r}"
+        )
+    if on_scale_collapse not in SCALE_COLLAPSE_ACTIONS:
+        raise ValueError(
+            f"on_scale_collapse must be one of {SCALE_COLLAPSE_ACTIONS}, got {on_scale_collapse!r}: 'raise' stops "
+            "with the diagnosis, 'reset' warns and restarts the loss scale"
+        )
 
 
 def check_in_backward(plan: Plan, scaler: LossScaler, grad_accum_steps: int, clip_grad_norm: float | None) -> None:

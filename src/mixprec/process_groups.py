@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_reduce_max", "is_distributed", "rank", "resolve_group", "world_size"]
+__all__ = ["all_reduce_max", "check_group", "is_distributed", "rank", "resolve_group", "world_size"]
 
 
 _AVAILABLE = dist.is_available()  # fixed by how torch was built
@@ -25,6 +25,19 @@ _AVAILABLE = dist.is_available()  # fixed by how torch was built
 def is_distributed() -> bool:
     """True when torch.distributed is initialised with more than one rank."""
     return _AVAILABLE and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def check_group(process_group: Any, what: str = "process_group") -> Any:
+    """``process_group`` itself if it is None or a torch.distributed ProcessGroup; else a
+    TypeError naming the value and the fix (refused where it is given, not at the first
+    collective mid-training)."""
+    if process_group is None or (_AVAILABLE and isinstance(process_group, dist.ProcessGroup)):
+        return process_group
+    raise TypeError(
+        f"{what} must be a torch.distributed.ProcessGroup or None, got {process_group!r} "
+        f"({type(process_group).__name__}); pass None (the default group when torch.distributed runs "
+        "more than one rank) or a group object, e.g. torch.distributed.group.WORLD or torch.distributed.new_group(...)"
+    )
 
 
 def resolve_group(process_group: Any = None) -> Any:

@@ -23,6 +23,8 @@ import torch
 
 from mixprec.dtypes import LOW_PRECISION_DTYPES
 from mixprec.optim import LowPrecisionOptimizer, MasterWeightOptimizer, WrappedOptimizer
+from mixprec.optim.checks import check_inner_state_dict
+from mixprec.optim.loads import load_inner
 from mixprec.plans import Plan
 from mixprec.scaling import LossScaler
 from mixprec.step import StepLedger
@@ -32,6 +34,7 @@ __all__ = [
     "STATE_FORMAT",
     "fingerprint_diffs",
     "fp32_state_dict",
+    "fp32_value",
     "load_plain_optimizer_state",
     "session_state",
     "validated_scaler_state",
@@ -54,6 +57,7 @@ def session_state(plan: Plan, scaler: LossScaler, ledger: StepLedger, scheduler:
         "scaler": scaler.state_dict(),
         "optimizer_steps": ledger.optimizer_steps,
         "consecutive_skips": ledger.consecutive_skips,
+        "zero_grad_steps": ledger.zero_grad_steps,
     }
     if scheduler is not None:
         sd["scheduler"] = scheduler.state_dict()
@@ -80,6 +84,12 @@ def validated_scaler_state(
             "not a MixedPrecision state_dict (missing or wrong 'format'); pass what MixedPrecision.state_dict() returned"
         )
     saved_fp, ours = state_dict.get("fingerprint"), plan.fingerprint()
+    if saved_fp is not None and not isinstance(saved_fp, Mapping):
+        raise ValueError(
+            f"state_dict['fingerprint'] must be a dict (what Plan.fingerprint() returns), got {saved_fp!r:.80} "
+            f"({type(saved_fp).__name__}): the checkpoint is corrupt or was not written by MixedPrecision.state_dict(); "
+            "load an intact checkpoint"
+        )
     if saved_fp != ours and not allow_plan_change:
         diffs = fingerprint_diffs(saved_fp, plan)
         auto = (
@@ -93,7 +103,7 @@ def validated_scaler_state(
             "purpose, load the model weights, start the optimizer fresh, and call "
             f"load_state_dict(sd, allow_plan_change=True).{auto}"
         )
-    for key in ("optimizer_steps", "consecutive_skips"):
+    for key in ("optimizer_steps", "consecutive_skips", "zero_grad_steps"):
         value = state_dict.get(key, 0)
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ValueError(f"state_dict[{key!r}] must be a non-negative integer, got {value!r}")
@@ -151,7 +161,10 @@ def _plain_module(model: torch.nn.Module) -> torch.nn.Module:
 
 
 @torch.no_grad()
-def _fp32_of(tensor: torch.Tensor, master: torch.Tensor | None) -> torch.Tensor:
+def fp32_value(tensor: torch.Tensor, master: torch.Tensor | None) -> torch.Tensor:
+    """The fp32 value a weight stands for: its fp32 ``master`` where the master rounds to the
+    weight, the weight upcast elsewhere (written after the last step); fp32/fp64 and
+    non-floating tensors as they are."""
     value = tensor.detach()
     if not value.is_floating_point() or value.dtype in (torch.float32, torch.float64):
         return value
@@ -196,7 +209,7 @@ def fp32_state_dict(model: torch.nn.Module, optimizers: Sequence[torch.optim.Opt
         fp32 = converted.get(id(value))
         if fp32 is None:
             master = next((m for opt in masters if (m := opt.master_of(value)) is not None), None)
-            fp32 = converted[id(value)] = _fp32_of(value, master)
+            fp32 = converted[id(value)] = fp32_value(value, master)
         out[key] = fp32
     return out
 
@@ -245,7 +258,15 @@ def load_plain_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: Map
     if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
         raise ValueError("not an optimizer state_dict (it needs 'state' and 'param_groups'); pass what optimizer.state_dict() returned")
     if not isinstance(optimizer, WrappedOptimizer):
-        optimizer.load_state_dict(dict(state_dict))
+        kept = sorted(k for k in state_dict if isinstance(k, str) and k.startswith("mixprec_"))
+        if kept:
+            raise ValueError(
+                f"this optimizer state_dict holds {', '.join(map(repr, kept))}, kept by a mixprec optimizer of another "
+                f"plan (fp32 masters, Kahan compensation), which this run's plain {type(optimizer).__name__} cannot "
+                "keep: loading it would drop them silently. Resume it under the plan that saved it"
+            )
+        check_inner_state_dict(optimizer, dict(state_dict))  # all or nothing: refused before anything changes
+        load_inner(optimizer, dict(state_dict))
         return
     own = _own_entries(optimizer)
     foreign = sorted(k for k in state_dict if isinstance(k, str) and k.startswith("mixprec_") and k not in own)

@@ -26,19 +26,25 @@ import torch
 
 from mixprec.buffers import BufferGuard
 from mixprec.compiling import check_environment
-from mixprec.composable import ComposableSteps, FirstParameter
+from mixprec.composable import FirstParameter
 from mixprec.optim import InBackwardOptimizer
-from mixprec.options import check_in_backward, check_ready, check_session_options
+from mixprec.options import (
+    check_collapse_options,
+    check_in_backward,
+    check_session_options,
+)
+from mixprec.phases import StepPhases
 from mixprec.plans import Plan, get_plan
 from mixprec.plans.auto import is_auto
 from mixprec.prepare import (
     Fp32Criterion,
     PreparedModel,
     check_optimizers,
+    check_shared,
     prepare_model,
     wrap_optimizers,
 )
-from mixprec.process_groups import is_distributed, resolve_group
+from mixprec.process_groups import check_group, is_distributed, resolve_group
 from mixprec.resume import fp32_state_dict, session_state, validated_scaler_state
 from mixprec.scaling import LossScaler
 from mixprec.step import (
@@ -46,14 +52,13 @@ from mixprec.step import (
     SkipDecision,
     StepLedger,
     StepResult,
-    apply_update,
-    clip_,
 )
+from mixprec.stepping import StepRunner
 
 __all__ = ["MixedPrecision", "StepResult"]
 
 
-class MixedPrecision(ComposableSteps):
+class MixedPrecision(StepRunner):
     """Run any model and any torch optimizer under a precision plan.
 
     Args:
@@ -77,13 +82,26 @@ class MixedPrecision(ComposableSteps):
             gradient is complete and free the gradient (peak memory drops by the gradient
             bytes); plans with ``supports_optimizer_in_backward``, one optimizer, one process,
             no accumulation or clipping. An inf/NaN step is still skipped exactly
-            (:class:`mixprec.optim.InBackwardOptimizer`).
+            (:class:`mixprec.optim.InBackwardOptimizer`), whichever entry runs the backward
+            (:meth:`backward` or the halves); one backward per step, and a backward an
+            exception stops is undone.
+        max_zero_grad_steps: a loss scale that collapsed (overflows backed it off below 1
+            until the fp16 gradients underflow to zero) is caught after this many consecutive
+            optimizer steps on all-zero gradients (None: only a warning at the first one).
+        on_scale_collapse: then ``"raise"`` a RuntimeError with the diagnosis, or ``"reset"``:
+            warn with it and restart the loss scale at the scale it had when this
+            MixedPrecision was created.
 
     The one-line path is :meth:`prepare`, :meth:`autocast`, :meth:`backward`, :meth:`step`.
     Frameworks that own the loop use the halves: :meth:`prepare_model`,
     :meth:`prepare_optimizers`, :meth:`scale_loss` (or :meth:`backward`), :meth:`unscale_`
     (then clip or log true gradients) and :meth:`step`; :attr:`last_step_skipped` tells a
-    scheduler or logger whether the update happened.
+    scheduler or logger whether the update happened. One state machine
+    (:class:`mixprec.phases.StepPhases`, :attr:`phase`) orders them all: a call out of
+    order raises an error naming the order. An exception or Ctrl-C inside :meth:`step`
+    leaves a state from which :meth:`state_dict` saves the last finished step and
+    :meth:`step` again finishes the interrupted one exactly; an exception inside
+    :meth:`backward` discards the step's gradients (the next backward starts it again).
     """
 
     def __init__(
@@ -99,13 +117,17 @@ class MixedPrecision(ComposableSteps):
         process_group: Any = None,
         trace_overflow: bool = False,
         optimizer_in_backward: bool = False,
+        max_zero_grad_steps: int | None = 20,
+        on_scale_collapse: str = "raise",
     ) -> None:
+        check_group(process_group)  # before "auto" broadcasts over it
         self._auto = is_auto(plan)
         self.plan = self._rank0_choice(get_plan(plan, device=device), process_group) if self._auto else get_plan(plan)
         check_session_options(
             grad_accum_steps, clip_grad_norm, max_consecutive_skips, scaler,
             {"compile": compile, "trace_overflow": trace_overflow, "optimizer_in_backward": optimizer_in_backward},
         )
+        check_collapse_options(max_zero_grad_steps, on_scale_collapse)
         check_environment()  # MIXPREC_COMPILE is read at the first compilation: refuse a bad value now
         self.grad_accum_steps = grad_accum_steps
         self.clip_grad_norm = None if clip_grad_norm is None else float(clip_grad_norm)
@@ -127,14 +149,10 @@ class MixedPrecision(ComposableSteps):
         self._decision = SkipDecision(process_group)
         self._norm_memo = NormMemo()
         self._buffers = BufferGuard()
-        self._ledger = StepLedger()
-        self._micro = 0
-        self._loose = False
-        self._unscaled = False
-        self._published = False
+        self._ledger = StepLedger(max_zero_grad_steps, on_scale_collapse, self.scaler.get_scale())
+        self._phases = StepPhases()
         self._ddp = False
         self._in_backward: InBackwardOptimizer | None = None
-        self._in_backward_ok = True
         if optimizer_in_backward:
             check_in_backward(self.plan, self.scaler, grad_accum_steps, self.clip_grad_norm)
 
@@ -164,6 +182,7 @@ class MixedPrecision(ComposableSteps):
                     f"prepare() expects torch optimizers after the model, got {type(opt).__name__}; "
                     "pass scheduler= and criterion= by keyword"
                 )
+        check_shared(model, optimizers, "prepare()")
         prepared = self.prepare_model(model, ddp=ddp)
         wrapped = self._wrap_optimizers(optimizers, "prepare()")
         self.scheduler = scheduler
@@ -202,6 +221,7 @@ class MixedPrecision(ComposableSteps):
         plan = self._rank0_choice(get_plan("auto", device=device, model=model), self.process_group)
         if plan.scaling.kind != self.plan.scaling.kind and self._scaler_from_plan:
             self.scaler = plan.make_scaler(self.process_group)
+            self._ledger.restart_scale = self.scaler.get_scale()
         self.plan = plan
 
     @staticmethod
@@ -255,6 +275,8 @@ class MixedPrecision(ComposableSteps):
         Under DDP it also skips the gradient all-reduce on micro-batches that are
         not accumulation boundaries.
         """
+        if self._prepared is not None:  # a model cast since prepare() would fail inside torch
+            self._prepared.check_dtypes("autocast()")
         if not (self.is_accumulating() and self.model is not None and hasattr(self.model, "no_sync")):
             with self.plan.autocast(self.device_type):
                 yield
@@ -268,91 +290,15 @@ class MixedPrecision(ComposableSteps):
         scaled = self._scale_loss(loss, "backward()")
         if self.grad_accum_steps > 1:
             scaled = scaled / self.grad_accum_steps
-        with self.backward_context():
-            scaled.backward(**kwargs)
-        if self._in_backward is not None:  # the updates ran in backward; one host read: did they stand?
-            self._in_backward_ok = self._in_backward.finish()
-        self.micro_batch_done()
-
-    # ------------------------------------------------------------------ step
-    def step(self, *, zero_grad: bool = True) -> StepResult:
-        """At an accumulation boundary: unscale, check, clip, step every optimizer (or none), clear grads.
-
-        ``zero_grad=False`` leaves the gradients to a framework that clears them itself
-        (Lightning does, before the next backward; freeing them twice costs page faults).
-        """
-        if not isinstance(zero_grad, bool):
-            raise TypeError(f"zero_grad= must be True or False, got {zero_grad!r}")
-        check_ready(self.model, self.optimizers, "step()")
-        if self._micro == 0:
-            raise RuntimeError("step() called before any backward(); call mp.backward(loss) first")
-        if self._micro % self.grad_accum_steps != 0:
-            return StepResult(
-                stepped=False, skipped=False, scale=self.scaler.get_scale(), grad_norm=None,
-                accumulating=True, optimizer_steps=self._ledger.optimizer_steps,
-            )
-        if self._in_backward is not None:  # the parameters were updated (or restored) during backward
-            reason, norm = self._in_backward_outcome(), None
-        else:
-            reason, norm = self._decide_and_update()
-        self.last_result = self._finish(reason, norm, zero_grad)
-        return self.last_result
-
-    def _decide_and_update(self) -> tuple[str | None, float | None]:
-        """Unscale, measure, decide once for all optimizers and ranks, then clip and update."""
-        self._unscale()
-        grads = self._grads()
-        norm = self._norm(grads, remember=False)
-        reason = self._decision.decide(norm, self.plan.nonfinite_flag(self.model), self.scaler, self.optimizers)  # type: ignore[arg-type]
-        if reason is None and self.clip_grad_norm is not None:
-            clip_(grads, norm, self.clip_grad_norm)
-        if reason is None:
-            reason = apply_update(self.optimizers, self.process_group)
-        return reason, self._decision.norm
-
-    def _in_backward_outcome(self) -> str | None:
-        if self._in_backward_ok:
-            return None
-        return "nonfinite_loss" if self._decision.loss_was_nonfinite() else "overflow"
-
-    def _finish(self, reason: str | None, norm: float | None, zero_grad: bool) -> StepResult:
-        """After the decision: scheduler, tracer, buffers and plan; reset the step; count it."""
-        overflow = self.tracer.first_overflow() if reason is not None and self.tracer is not None else None
-        if reason is None:
-            if self.scheduler is not None:
-                self.scheduler.step()
-            if self.tracer is not None:
-                self.tracer.reset()
-        else:
-            self._buffers.restore()
-        self.plan.after_step(self.model)  # type: ignore[arg-type]
-        self._buffers.commit()
-        self._reset_step()
-        if zero_grad:
-            self._clear_grads()
-        return self._ledger.record(reason, norm, self.scaler, self.max_consecutive_skips, overflow)
-
-    def _reset_step(self) -> None:
-        self._micro = 0
-        self._loose = False
-        self._norm_memo.forget()
-        self._decision.reset()
-        self._unscaled = False
-        self._published = False
-        self._in_backward_ok = True
-
-    def _clear_grads(self) -> None:
-        for opt in self.optimizers:  # the wrappers also clear the model gradients they stand for
-            opt.zero_grad(set_to_none=True)
-        for p in self._prepared.uncovered if self._prepared is not None else ():
-            p.grad = None
+        try:
+            with self.backward_context():  # under optimizer_in_backward, undoes a backward an exception stops
+                scaled.backward(**kwargs)
+        except BaseException:
+            self._discard_step()  # partial gradients: a retry starts this step again
+            raise
+        self.micro_batch_done()  # under optimizer_in_backward: one host read, did the updates stand?
 
     # ------------------------------------------------------------ checkpoint
-    @property
-    def optimizer_steps(self) -> int:
-        """Real optimizer steps taken so far (skipped steps not counted)."""
-        return self._ledger.optimizer_steps
-
     def state_dict(self, *, mid_accumulation: bool = False) -> dict[str, Any]:
         """Scaler state, counters, plan fingerprint and the scheduler given to prepare().
 
@@ -362,11 +308,23 @@ class MixedPrecision(ComposableSteps):
         unless ``mid_accumulation=True``: for a framework that owns accumulation and saves
         anywhere (Accelerate's ``save_state``), it is then the state as of the last step.
         """
-        if self._micro != 0 and not mid_accumulation:
+        if self._in_backward is not None:
+            if self._in_backward.settle():  # a backward an exception stopped is undone before anything is saved
+                self._phases.backward_failed()
+            if self._micro != 0 or self._phases.pending:
+                raise RuntimeError(
+                    "state_dict() called between a backward and its step() under optimizer_in_backward=True: the "
+                    "weights already hold that backward's update; call step() first, then save"
+                )
+        phases = self._phases
+        if (unfinished := phases.mid_update()) is not None:
+            raise RuntimeError(f"state_dict(): {unfinished}")
+        if (phases.micro or phases.pending) and not mid_accumulation and not phases.interrupted:
+            done = phases.micro + phases.pending
             raise RuntimeError(
-                f"state_dict() called in the middle of gradient accumulation ({self._micro} backward(s) since "
-                "the last step()); save after step(), or pass mid_accumulation=True for the state as of the "
-                "last step (the partial gradients are not in it)"
+                f"state_dict() called in the middle of gradient accumulation ({done} backward(s) since the last "
+                "step()); save after step(), or pass mid_accumulation=True for the state as of the last step "
+                "(the partial gradients are not in it)"
             )
         return session_state(self.plan, self.scaler, self._ledger, self.scheduler)
 

@@ -17,52 +17,22 @@ from __future__ import annotations
 
 import math
 import operator
-import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from mixprec.distributed.fsdp import has_dtensor, total_grad_norm
+from mixprec.ledger import StepLedger, StepResult, skip_error, warn_zero_grads
 from mixprec.nested import by_device_dtype
 from mixprec.plans import Plan
 from mixprec.process_groups import all_reduce_max, resolve_group
 from mixprec.scaling import LossScaler
 
 __all__ = [
-    "NormMemo", "SkipDecision", "StepLedger", "StepResult", "apply_update", "call_hook", "check_loss", "clip_", "skip_error", "total_norm", "unscale_all", "warn_zero_grads",
+    "NormMemo", "SkipDecision", "StepLedger", "StepResult", "apply_update", "call_hook", "check_loss", "clip_",
+    "skip_error", "total_norm", "unscale_all", "warn_zero_grads",
 ]
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """What :meth:`MixedPrecision.step` did.
-
-    Attributes:
-        stepped: the optimizers updated the parameters.
-        skipped: an accumulation boundary was reached but the update was skipped
-            (``skip_reason`` says why: ``"overflow"`` for inf/NaN gradients,
-            ``"nonfinite_loss"`` for an inf/NaN loss, ``"nonfinite_plan"`` for an inf/NaN
-            value only the plan saw (an fp8 layer's input or output gradient),
-            ``"nonfinite_weights"`` for an update that would have written inf/NaN into
-            low-precision weights; a skipped step changes nothing).
-        scale: the loss scale after this step (what ``get_scale()`` returns next).
-        grad_norm: the true (unscaled) gradient norm before clipping; None while
-            accumulating.
-        accumulating: not an accumulation boundary; nothing was done.
-        optimizer_steps: real optimizer steps taken so far.
-        overflow: diagnostics of the first non-finite module when overflow tracing is on.
-    """
-
-    stepped: bool
-    skipped: bool
-    scale: float
-    grad_norm: float | None
-    skip_reason: str | None = None
-    accumulating: bool = False
-    optimizer_steps: int = 0
-    overflow: Any = None
 
 
 # ------------------------------------------------------------------ gradients
@@ -95,16 +65,21 @@ def unscale_all(
     optimizers: Sequence[torch.optim.Optimizer],
     scaler: LossScaler,
     process_group: Any = None,
+    *,
+    again: bool = False,
 ) -> None:
     """Bring every optimizer's gradients to their true values, once per step.
 
     The plan acts first (fp8: every rank computes the next scales from the same amaxes),
     then the scaler has each wrapper gather its gradients (masters: the model's gradients
     into the fp32 masters) and unscales them without a collective: :class:`SkipDecision`
-    makes the only one.
+    makes the only one. ``again``: an earlier call was interrupted; optimizers the scaler
+    already unscaled are left as they are (gathering again changes nothing).
     """
-    plan.before_unscale(model, process_group)
+    plan.before_unscale(model, process_group)  # an all-reduce of maxima: the same when repeated
     for opt in optimizers:
+        if again and scaler.found_inf(opt) is not None:
+            continue
         scaler.unscale_(opt, sync=False)
 
 
@@ -138,8 +113,14 @@ def total_norm(grads: Sequence[torch.Tensor], device: torch.device | None) -> to
 
 
 def _norm_of(grads: list[torch.Tensor]) -> torch.Tensor:
-    """The fp32 2-norm of tensors of one device and dtype (one foreach kernel)."""
+    """The fp32 2-norm of tensors of one device and dtype (one foreach kernel); fp64 and
+    complex gradients are measured in their own precision, then the norm is cast to fp32."""
+    if grads[0].dtype not in _FP32_NORM:
+        return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0).to(torch.float32)
     return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)), 2.0)
+
+
+_FP32_NORM = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class NormMemo:
@@ -164,14 +145,16 @@ class NormMemo:
     _grads: list[torch.Tensor]
     _versions: list[int]
     _norm: torch.Tensor | None
+    clipped_to: float | None  # the max_norm these gradients were clipped to (valid while get() holds)
 
     def __init__(self) -> None:
         self.forget()
 
-    def remember(self, grads: Sequence[torch.Tensor], norm: torch.Tensor) -> None:
+    def remember(self, grads: Sequence[torch.Tensor], norm: torch.Tensor, clipped_to: float | None = None) -> None:
         self._grads = list(grads)
         self._versions = [g._version for g in self._grads]
         self._norm = norm
+        self.clipped_to = clipped_to
 
     def get(self, grads: Sequence[torch.Tensor]) -> torch.Tensor | None:
         """The remembered norm if ``grads`` are the very tensors measured, unchanged; else None."""
@@ -183,7 +166,7 @@ class NormMemo:
         return self._norm
 
     def forget(self) -> None:
-        self._grads, self._versions, self._norm = [], [], None
+        self._grads, self._versions, self._norm, self.clipped_to = [], [], None, None
 
 
 def clip_(grads: Sequence[torch.Tensor], norm: torch.Tensor, max_norm: float) -> None:
@@ -288,17 +271,21 @@ def _step_nonfinite(opt: torch.optim.Optimizer) -> torch.Tensor | None:
     return check() if check is not None else None
 
 
-def apply_update(optimizers: Sequence[torch.optim.Optimizer], process_group: Any = None) -> str | None:
+def apply_update(optimizers: Sequence[torch.optim.Optimizer], process_group: Any = None, progress: Any = None) -> str | None:
     """Step every optimizer; undo them all if one refused a non-finite low-precision weight.
 
     The decision is made and gradients are unscaled, so each optimizer steps directly.
-    Returns ``"nonfinite_weights"`` when the update was undone, else None.
+    Returns ``"nonfinite_weights"`` when the update was undone, else None. ``progress``
+    (an object with an int ``updated``, e.g. :class:`mixprec.phases.StepPhases`) counts the
+    optimizers whose ``step()`` returned: after an interruption a second call steps only
+    the others.
     """
-    refusals = []
-    for opt in optimizers:
+    start = 0 if progress is None else progress.updated
+    for opt in optimizers[start:] if start else optimizers:
         opt.step()
-        if (flag := _step_nonfinite(opt)) is not None:
-            refusals.append(flag)
+        if progress is not None:
+            progress.updated += 1
+    refusals = [flag for opt in optimizers if (flag := _step_nonfinite(opt)) is not None]
     if not refusals:
         return None
     refused = torch.stack([_fp32_scalar(f, refusals[0].device) for f in refusals]).amax()
@@ -309,91 +296,3 @@ def apply_update(optimizers: Sequence[torch.optim.Optimizer], process_group: Any
         if flag is None or not bool(flag):
             opt.undo_step()  # type: ignore[attr-defined]
     return "nonfinite_weights"
-
-
-# ------------------------------------------------------------------ accounting
-class StepLedger:
-    """The counters steps leave behind and what they imply: the scaler's update, the
-    consecutive-skip limit, the zero-gradient warning, the :class:`StepResult`."""
-
-    def __init__(self) -> None:
-        self.optimizer_steps = 0
-        self.consecutive_skips = 0
-        self._warned_zero_grads = False
-
-    def record(
-        self,
-        reason: str | None,
-        grad_norm: float | None,
-        scaler: LossScaler,
-        max_consecutive_skips: int,
-        overflow: Any = None,
-    ) -> StepResult:
-        """Count a decided step; raise after ``max_consecutive_skips`` skips in a row."""
-        enabled = scaler.is_enabled()
-        if reason is None or (reason == "overflow" and enabled):
-            if enabled:
-                scaler.update()  # an overflow backs the scale off
-        else:
-            scaler.skip()  # scaling cannot fix a forward overflow: keep the scale
-        if reason is None:
-            self.optimizer_steps += 1
-            self.consecutive_skips = 0
-        else:
-            self.consecutive_skips += 1
-        if reason is not None and self.consecutive_skips >= max_consecutive_skips:
-            raise skip_error(reason, self.consecutive_skips, grad_norm, scaler.get_scale())
-        scale = scaler.get_scale()
-        if reason is None and grad_norm == 0.0 and enabled and not self._warned_zero_grads:
-            self._warned_zero_grads = True
-            warn_zero_grads(scale)
-        return StepResult(
-            stepped=reason is None, skipped=reason is not None, scale=scale, grad_norm=grad_norm,
-            skip_reason=reason, optimizer_steps=self.optimizer_steps, overflow=overflow,
-        )
-
-    def load(self, state: Any) -> None:
-        """Take the counters from a (validated) session state dict."""
-        self.optimizer_steps = int(state.get("optimizer_steps", 0))
-        self.consecutive_skips = int(state.get("consecutive_skips", 0))
-
-
-# ------------------------------------------------------------------ messages
-def skip_error(reason: str, n: int, norm: float | None, scale: float) -> RuntimeError:
-    """The error raised after ``n`` consecutive skipped steps, naming the cause and the fix."""
-    if reason == "nonfinite_loss":
-        return RuntimeError(
-            f"{n} consecutive steps were skipped because the loss itself was inf/NaN: the forward pass "
-            "overflows, which loss scaling cannot fix. Look for activations beyond the dtype's range "
-            "(mixprec.trace_overflow names the first module), keep that part in fp32 with "
-            "OpPolicy(fp32_modules=...), or lower the learning rate."
-        )
-    if reason == "nonfinite_plan":
-        return RuntimeError(
-            f"{n} consecutive steps were skipped because the plan's layers saw inf/NaN values (for "
-            "fp8-mixed: an input, weight or output gradient of an fp8 linear layer). Look for the first "
-            "non-finite activation (MixedPrecision(trace_overflow=True)), check the data, or keep that "
-            "layer out of fp8 (convert_to_fp8(module_filter=...))."
-        )
-    if reason == "nonfinite_weights":
-        return RuntimeError(
-            f"{n} consecutive steps were skipped because the update would have written inf/NaN into "
-            "the low-precision weights: they outgrow the dtype's range. Lower the learning rate, add "
-            "weight decay, or use a bf16 or master-weight plan."
-        )
-    return RuntimeError(
-        f"{n} consecutive steps were skipped because the gradients were inf/NaN (last norm {norm}); "
-        f"the loss scale is now {scale:g}. The gradients overflow whatever the scale: "
-        "check the learning rate and the data, or use a bf16 plan."
-    )
-
-
-def warn_zero_grads(scale: float) -> None:
-    """Warn (once per session, the caller decides) that a scaled step ran on all-zero gradients."""
-    warnings.warn(
-        f"an optimizer step ran on all-zero gradients with loss scale {scale:g}: "
-        "with fp16 the gradients may have underflowed (the scale is too small or the loss is zero). "
-        "Check the loss, raise min_scale= of the DynamicLossScaler, or use a bf16 plan.",
-        RuntimeWarning,
-        stacklevel=5,
-    )

@@ -35,7 +35,7 @@ The rounding variants live in :mod:`mixprec.optim.kahan` and :mod:`mixprec.optim
 from __future__ import annotations
 
 import ast
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -46,16 +46,18 @@ from mixprec.optim import footprint
 from mixprec.optim.base import WrappedOptimizer
 from mixprec.optim.checks import check_inner_state_dict, check_state_shapes
 from mixprec.optim.compiled import (
-    AUTO_MAX_LAYOUTS,
     CompileRouteFailed,
     CompileSetting,
+    LayoutReservation,
     check_compile_setting,
     compiled_adam_step,
-    reserve_layout,
+    release_layout,
+    reserve_layouts,
     uniform_steps,
     use_compiled_route,
 )
 from mixprec.optim.fast import Piece, default_chunk_numel, fast_kind, fast_step, fused_available
+from mixprec.optim.loads import check_rounding_state, keep_state_dtype, split_wrapper_state
 from mixprec.optim.snapshot import ParamSnapshot, became_nonfinite, restore_params, snapshot_params
 
 __all__ = ["LowPrecisionOptimizer"]
@@ -216,9 +218,9 @@ class LowPrecisionOptimizer(WrappedOptimizer):
                 if (
                     kind == "adam"
                     and use_compiled_route(self.compile, self.rounding, active, whole_step=selected is None)
-                    and self._compiled_layout_ok(group, active)
+                    and (reserved := self._compiled_layout_ok(group, active))
                 ):
-                    active = group["params"] = self._compiled_step(group, active)
+                    active = group["params"] = self._compiled_step(group, active, reserved)
                 if active and kind is not None:
                     fast_step(
                         self.optimizer, group, active, kind=kind, state_dtype=self.state_dtype,
@@ -260,20 +262,21 @@ class LowPrecisionOptimizer(WrappedOptimizer):
             picked[where[0]].append(param)
         return picked
 
-    def _compiled_layout_ok(self, group: dict[str, Any], active: list[torch.nn.Parameter]) -> bool:
+    def _compiled_layout_ok(self, group: dict[str, Any], active: list[torch.nn.Parameter]) -> LayoutReservation | None:
         """Whether this step of ``active`` may take the compiled route.
 
         The compiled update takes one step count (a group whose parameters got gradients at
         different times, as in a mixture of experts, steps eagerly) and compiles once per
         layout (shapes, dtypes, options). ``compile="auto"`` compiles at most
-        :data:`AUTO_MAX_LAYOUTS` layouts per wrapper: a set of parameters with gradients
+        :data:`~mixprec.optim.compiled.AUTO_MAX_LAYOUTS` layouts per wrapper: a set of parameters with gradients
         that keeps changing stays eager instead of compiling again and again. The layouts
         compiled so far are checkpointed, so a resumed run takes the same routes (and, with
         stochastic rounding, draws the same noise) as an uninterrupted one. The process
-        also keeps its own budget (:func:`~mixprec.optim.compiled.reserve_layout`).
+        also keeps its own budget (:func:`~mixprec.optim.compiled.reserve_layouts`; a layout
+        whose compilation fails or is interrupted is given back, not recorded as compiled).
         """
         if not uniform_steps(self.optimizer, active):
-            return False
+            return None
         options = (
             bool(group["amsgrad"]), bool(group["maximize"]), group["weight_decay"] != 0,
             bool(group.get("decoupled_weight_decay", isinstance(self.optimizer, torch.optim.AdamW))),
@@ -292,16 +295,9 @@ class LowPrecisionOptimizer(WrappedOptimizer):
                 tuple((tuple(p.shape), str(p.dtype), str(p.grad.dtype) if p.grad is not None else "") for p in active),
                 *options, *self._layout_key_suffix(active[0].device.type),
             ))
-        if key not in self._compiled_layouts:
-            if self.compile == "auto" and len(self._compiled_layouts) >= AUTO_MAX_LAYOUTS:
-                return False
-            if not reserve_layout(key):
-                return False
-            self._compiled_layouts.add(key)
-            return True
-        return reserve_layout(key)
+        return reserve_layouts(self._compiled_layouts, key, self.compile == "auto")
 
-    def _compiled_step(self, group: dict[str, Any], active: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+    def _compiled_step(self, group: dict[str, Any], active: list[torch.nn.Parameter], reserved: LayoutReservation) -> list[torch.nn.Parameter]:
         """The compiled route for ``active``; returns the parameters it left unstepped
         (none, unless compilation failed under ``compile="auto"``)."""
         comps, counter = self._compiled_rounding_inputs()
@@ -310,10 +306,13 @@ class LowPrecisionOptimizer(WrappedOptimizer):
                 self.optimizer, group, active, state_dtype=self.state_dtype, rounding=self.rounding,
                 comps=comps, counter=counter,
             )
-        except CompileRouteFailed as failed:
+        except BaseException as exc:  # nothing was stepped (an interrupt too): the layout is not compiled
+            release_layout(self._compiled_layouts, reserved)
+            if not isinstance(exc, CompileRouteFailed):
+                raise
             if self.compile is True:
-                raise failed.cause from None
-            mark_compile_failed(active[0].device, failed.cause)
+                raise exc.cause from None
+            mark_compile_failed(active[0].device, exc.cause)
             return active  # nothing was stepped: all go the eager way
         return []
 
@@ -458,31 +457,15 @@ class LowPrecisionOptimizer(WrappedOptimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load the inner optimizer's state and this wrapper's own (compensation, rounding
         noise); all or nothing: a refused state_dict (ValueError/TypeError) changes nothing."""
-        if not isinstance(state_dict, Mapping):
-            raise TypeError(f"state_dict must be a dict (from {type(self).__name__}.state_dict()), got {type(state_dict).__name__}")
-        sd = dict(state_dict)
-        extra = sd.pop(self._STATE_KEY, None)
-        if extra is None:
-            raise ValueError(
-                f"this optimizer state_dict has no {self._STATE_KEY!r} entry: it was not saved by a "
-                f"{type(self).__name__}; load it into the optimizer that saved it"
-            )
-        if not isinstance(extra, dict):
-            raise TypeError(f"the state_dict's {self._STATE_KEY!r} entry must be a dict, got {type(extra).__name__}")
+        sd, extra = split_wrapper_state(state_dict, self._STATE_KEY, type(self).__name__)
+        check_rounding_state(extra, self.rounding, type(self).__name__)
         check_inner_state_dict(self.optimizer, sd)
         params = list(self.params())
-        order = [pid for group in sd["param_groups"] for pid in group["params"]]
         check_state_shapes(params, sd)
         old_state, old_groups, old_attrs = self.optimizer.state, self.optimizer.param_groups, dict(self.__dict__)
         try:
             self.optimizer.load_state_dict(sd)
-            # torch casts loaded state to the parameter dtype; restore the saved dtypes exactly.
-            for index, saved in sd["state"].items():
-                param = params[order.index(index)]
-                live = self.optimizer.state.get(param, {})
-                for key, value in saved.items():
-                    if _is_param_state(key, value, param):
-                        live[key] = value.detach().clone().to(param.device)
+            keep_state_dtype(self.optimizer, params, sd, self.state_dtype)  # torch cast it to the params' dtype
             self.load_extra_state(extra)
             layouts = extra.get("compiled_layouts", [])
             if not isinstance(layouts, list | tuple) or not all(isinstance(k, str) for k in layouts):

@@ -29,6 +29,7 @@ during a step.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -42,7 +43,8 @@ from mixprec.optim.checks import (
     check_master_weights,
     check_param_shaped_state,
 )
-from mixprec.optim.follow import WriteWatch, follow_masters, register, seed_master
+from mixprec.optim.follow import Seeds, WriteWatch, follow_masters, register, seed_master
+from mixprec.optim.loads import load_inner
 from mixprec.optim.master_grads import MasterGrads
 from mixprec.optim.snapshot import StepSnapshot, masters_nonfinite, restore_snapshot, take_snapshot
 
@@ -76,7 +78,9 @@ class MasterWeightOptimizer(WrappedOptimizer):
             faster than torch's default on CPU; False keeps the optimizer's settings as given.
 
     ``param_groups`` hold the masters (fp32 parameters are used directly, without a
-    copy). The masters are part of :meth:`state_dict`.
+    copy). The masters are part of :meth:`state_dict`. Parameters added later get masters
+    too, through :meth:`add_param_group` or the inner optimizer's own ``add_param_group``
+    (found at the next :meth:`prepare_grads`, :meth:`accumulate_grads` or :meth:`step`).
     """
 
     def __init__(
@@ -90,7 +94,8 @@ class MasterWeightOptimizer(WrappedOptimizer):
         super().__init__(optimizer)
         if guard_nonfinite is not None and not isinstance(guard_nonfinite, bool):
             raise TypeError(f"guard_nonfinite must be True, False or None, got {guard_nonfinite!r}")
-        self._values = master_values or {}
+        # prepare()'s seeds of the parameters no optimizer holds yet, for groups added later
+        self._seeds = weakref.ref(master_values) if isinstance(master_values, Seeds) else None
         self._guard_arg = guard_nonfinite
         self._grads = MasterGrads()
         self._pairs = self._grads.pairs  # (model parameter, fp32 master), shared with the gradient half
@@ -100,12 +105,18 @@ class MasterWeightOptimizer(WrappedOptimizer):
         self._fast_path = bool(fast_path)
         self._watch = WriteWatch()  # the model weights as this optimizer last wrote them
         for group in optimizer.param_groups:
-            group["params"] = self._masters_for(group["params"])
+            group["params"] = self._masters_for(group["params"], master_values or {})
             self._choose_implementation(group)
-        self._values = {}
+        self._layout = self._group_layout()
 
     # ----------------------------------------------------------------- masters
-    def _masters_for(self, params: Iterable[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+    def _masters_for(
+        self, params: Iterable[torch.nn.Parameter], values: Mapping[torch.Tensor, torch.Tensor] | None = None
+    ) -> list[torch.nn.Parameter]:
+        """Masters for the low-precision ``params``, started from ``values``; by default (a
+        group added later) from prepare()'s seeds where it kept them (each used once), else
+        from the weights."""
+        seeds = self._seeds() if values is None and self._seeds is not None else None
         out = []
         for p in params:
             if p.dtype not in LOW_PRECISION_DTYPES:
@@ -113,7 +124,7 @@ class MasterWeightOptimizer(WrappedOptimizer):
                 continue
             if id(p) in self._master_by_param:
                 raise ValueError("a parameter appears in more than one parameter group; list each parameter once")
-            source = self._values.get(p, p)
+            source = seeds.pop(p, p) if seeds is not None else (values or {}).get(p, p)
             if source.shape != p.shape:
                 raise ValueError(f"master value has shape {tuple(source.shape)} but the parameter {tuple(p.shape)}")
             master = torch.nn.Parameter(source.detach().to(torch.float32, copy=True), requires_grad=p.requires_grad)
@@ -125,6 +136,30 @@ class MasterWeightOptimizer(WrappedOptimizer):
             out.append(master)
         self._follow([p for p in params if id(p) in self._master_by_param])
         return out
+
+    def _group_layout(self) -> list[tuple[int, int]]:
+        return [(id(g["params"]), len(g["params"])) for g in self.optimizer.param_groups]
+
+    def _adopt_added(self) -> None:
+        """Masters for the low-precision parameters put into the inner optimizer's groups
+        since the last look (``opt.optimizer.add_param_group(...)``), as :meth:`add_param_group`
+        gives them: from prepare's fp32 seed where it kept one, else from the weight. While
+        the groups are as they were, this is a few ``id`` reads."""
+        layout = self._group_layout()
+        if layout == self._layout:
+            return
+        added = [p for g in self.optimizer.param_groups for p in g["params"] if p.dtype in LOW_PRECISION_DTYPES]
+        ids = [id(p) for p in added]
+        if len(set(ids)) != len(ids) or any(i in self._master_by_param for i in ids):
+            raise ValueError(
+                "a parameter added to the inner optimizer's param groups is already in a group (it has a "
+                "master, or was added twice); list each parameter once"
+            )
+        for group in self.optimizer.param_groups:
+            if any(p.dtype in LOW_PRECISION_DTYPES for p in group["params"]):
+                group["params"] = self._masters_for(group["params"])
+            self._choose_implementation(group)
+        self._layout = self._group_layout()
 
     def _follow(self, params: list[torch.nn.Parameter]) -> None:
         """From now on the masters of ``params`` follow writes into them (:mod:`mixprec.optim.follow`)."""
@@ -168,9 +203,11 @@ class MasterWeightOptimizer(WrappedOptimizer):
         group = dict(param_group)
         params = group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
+        self._adopt_added()
         group["params"] = self._masters_for(params)
         self.optimizer.add_param_group(group)
         self._choose_implementation(self.optimizer.param_groups[-1])
+        self._layout = self._group_layout()
 
     def _choose_implementation(self, group: dict[str, Any]) -> None:
         """Fused, else foreach, where the group leaves both to torch's default (see ``fast_path``)."""
@@ -205,6 +242,7 @@ class MasterWeightOptimizer(WrappedOptimizer):
         """
         self._snapshot = None  # a new step begins: the last one can no longer be undone
         self._nonfinite = None
+        self._adopt_added()
         self._grads.prepare()
 
     def publish_grads(self) -> None:
@@ -227,6 +265,7 @@ class MasterWeightOptimizer(WrappedOptimizer):
         :meth:`zero_grad` and :meth:`step` drop the buffers. Not under DDP: its reducer
         reads ``.grad`` at the boundary and must see the sum there.
         """
+        self._adopt_added()
         self._grads.accumulate()
 
     def gather_grads(self) -> None:
@@ -317,6 +356,7 @@ class MasterWeightOptimizer(WrappedOptimizer):
 
     # -------------------------------------------------------------- state dict
     def state_dict(self) -> dict[str, Any]:
+        self._adopt_added()
         sd = self.optimizer.state_dict()
         sd[_MASTER_KEY] = [m.detach().clone() for m in self.masters]
         return sd
@@ -327,6 +367,7 @@ class MasterWeightOptimizer(WrappedOptimizer):
         anything changes, and a failure leaves this optimizer and the model as they were."""
         if not isinstance(state_dict, Mapping):
             raise TypeError(f"state_dict must be a dict (from MasterWeightOptimizer.state_dict()), got {type(state_dict).__name__}")
+        self._adopt_added()  # groups added to the inner optimizer since: their masters are counted too
         sd = dict(state_dict)
         masters = sd.pop(_MASTER_KEY, None)
         if masters is None:
@@ -339,7 +380,7 @@ class MasterWeightOptimizer(WrappedOptimizer):
         check_master_weights(masters, self.masters)
         check_inner_state_dict(self.optimizer, sd)
         old_state, old_groups = self.optimizer.state, self.optimizer.param_groups
-        self.optimizer.load_state_dict(sd)  # builds new state and groups; raises before replacing them
+        load_inner(self.optimizer, sd)  # puts the old state and groups back if torch fails half-way
         try:
             check_param_shaped_state(self.optimizer)
         except (ValueError, TypeError):
@@ -355,7 +396,11 @@ class MasterWeightOptimizer(WrappedOptimizer):
             torch._foreach_copy_(targets, [t.to(m.device) for t, m in zip(masters, targets, strict=True)])
         self.sync_model()
 
+    def __getstate__(self) -> dict[str, Any]:
+        return {**super().__getstate__(), "_seeds": None}  # a weak reference to prepare()'s seeds
+
     def __setstate__(self, state: dict[str, Any]) -> None:
+        state = {"_seeds": None, "_layout": [], **state}
         super().__setstate__(state)
         self._master_by_param = {id(p): m for p, m in self._pairs}  # a copy has new parameters
         register(self, [p for p, _ in self._pairs])

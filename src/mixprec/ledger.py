@@ -1,0 +1,183 @@
+"""What a step leaves behind: the :class:`StepResult` and the :class:`StepLedger` of counters.
+
+The ledger counts each decided step, updates the loss scaler, and turns counts into
+diagnoses: too many skipped steps in a row, a scaled step on all-zero gradients, a loss
+scale that collapsed until the gradients underflow (see :class:`StepLedger`).
+
+>>> from mixprec.scaling import NoOpScaler
+>>> ledger = StepLedger()
+>>> ledger.record(None, 1.5, NoOpScaler()).optimizer_steps
+1
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mixprec.scaling import LossScaler
+
+__all__ = ["StepLedger", "StepResult", "collapse_message", "skip_error", "warn_zero_grads"]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What :meth:`MixedPrecision.step` did.
+
+    Attributes:
+        stepped: the optimizers updated the parameters.
+        skipped: an accumulation boundary was reached but the update was skipped
+            (``skip_reason`` says why: ``"overflow"`` for inf/NaN gradients,
+            ``"nonfinite_loss"`` for an inf/NaN loss, ``"nonfinite_plan"`` for an inf/NaN
+            value only the plan saw (an fp8 layer's input or output gradient),
+            ``"nonfinite_weights"`` for an update that would have written inf/NaN into
+            low-precision weights; a skipped step changes nothing).
+        scale: the loss scale after this step (what ``get_scale()`` returns next).
+        grad_norm: the true (unscaled) gradient norm before clipping; None while
+            accumulating.
+        accumulating: not an accumulation boundary; nothing was done.
+        optimizer_steps: real optimizer steps taken so far.
+        overflow: diagnostics of the first non-finite module when overflow tracing is on.
+    """
+
+    stepped: bool
+    skipped: bool
+    scale: float
+    grad_norm: float | None
+    skip_reason: str | None = None
+    accumulating: bool = False
+    optimizer_steps: int = 0
+    overflow: Any = None
+
+
+# ------------------------------------------------------------------ accounting
+class StepLedger:
+    """The counters steps leave behind and what they imply: the scaler's update, the
+    consecutive-skip limit, the zero-gradient warning, the scale-collapse guard, the
+    :class:`StepResult`.
+
+    Scale collapse: with fp16, overflows that come faster than the scale grows back it off
+    step after step, until the scaled gradients underflow to zero and the optimizer steps on
+    nothing (weight decay and momentum still move the weights). ``max_zero_grad_steps``
+    consecutive steps on all-zero gradients at a loss scale below 1 (only repeated
+    overflows take it there; the floor is 2**-126) are that diagnosis:
+    ``on_scale_collapse="raise"`` raises it, ``"reset"`` warns and restarts the scale at
+    ``restart_scale``. Skipped steps in between neither count nor break the run.
+    """
+
+    def __init__(
+        self, max_zero_grad_steps: int | None = None, on_scale_collapse: str = "raise", restart_scale: float = 2.0**16
+    ) -> None:
+        self.optimizer_steps = 0
+        self.consecutive_skips = 0
+        self.zero_grad_steps = 0
+        self.max_zero_grad_steps = max_zero_grad_steps
+        self.on_scale_collapse = on_scale_collapse
+        self.restart_scale = restart_scale
+        self._warned_zero_grads = False
+
+    def record(self, reason: str | None, grad_norm: float | None, scaler: LossScaler, overflow: Any = None) -> StepResult:
+        """Count a decided step (the scaler updates); :meth:`check` raises what it implies."""
+        enabled = scaler.is_enabled()
+        if reason is None or (reason == "overflow" and enabled):
+            if enabled:
+                scaler.update()  # an overflow backs the scale off
+        else:
+            scaler.skip()  # scaling cannot fix a forward overflow: keep the scale
+        if reason is None:
+            self.optimizer_steps += 1
+            self.consecutive_skips = 0
+        else:
+            self.consecutive_skips += 1
+        scale = scaler.get_scale()
+        if reason is None and enabled:
+            self.zero_grad_steps = self.zero_grad_steps + 1 if grad_norm == 0.0 and scale < 1.0 else 0
+            limit = self.max_zero_grad_steps
+            if limit is not None and self.zero_grad_steps >= limit and self.on_scale_collapse == "reset":
+                warnings.warn(
+                    collapse_message(self.zero_grad_steps, scale, self.restart_scale) + "; restarting it now",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+                scaler.update(new_scale=torch.tensor(self.restart_scale))  # clamped into the scaler's bounds
+                scale, self.zero_grad_steps = scaler.get_scale(), 0
+        return StepResult(
+            stepped=reason is None, skipped=reason is not None, scale=scale, grad_norm=grad_norm,
+            skip_reason=reason, optimizer_steps=self.optimizer_steps, overflow=overflow,
+        )
+
+    def check(self, result: StepResult, scaler: LossScaler, max_consecutive_skips: int) -> None:
+        """After a finished step: raise after ``max_consecutive_skips`` skips in a row or a
+        collapsed scale; warn (once) about a scaled step on all-zero gradients."""
+        if result.skipped and self.consecutive_skips >= max_consecutive_skips:
+            raise skip_error(result.skip_reason or "overflow", self.consecutive_skips, result.grad_norm, result.scale)
+        if not result.stepped or result.grad_norm != 0.0 or not scaler.is_enabled():
+            return
+        if not self._warned_zero_grads:
+            self._warned_zero_grads = True
+            warn_zero_grads(result.scale)
+        limit = self.max_zero_grad_steps
+        if limit is not None and self.zero_grad_steps >= limit:
+            raise RuntimeError(collapse_message(self.zero_grad_steps, result.scale, self.restart_scale))
+
+    def load(self, state: Any) -> None:
+        """Take the counters from a (validated) session state dict."""
+        self.optimizer_steps = int(state.get("optimizer_steps", 0))
+        self.consecutive_skips = int(state.get("consecutive_skips", 0))
+        self.zero_grad_steps = int(state.get("zero_grad_steps", 0))  # absent in checkpoints before the guard
+
+
+# ------------------------------------------------------------------ messages
+def skip_error(reason: str, n: int, norm: float | None, scale: float) -> RuntimeError:
+    """The error raised after ``n`` consecutive skipped steps, naming the cause and the fix."""
+    if reason == "nonfinite_loss":
+        return RuntimeError(
+            f"{n} consecutive steps were skipped because the loss itself was inf/NaN: the forward pass "
+            "overflows, which loss scaling cannot fix. Look for activations beyond the dtype's range "
+            "(mixprec.trace_overflow names the first module), keep that part in fp32 with "
+            "OpPolicy(fp32_modules=...), or lower the learning rate."
+        )
+    if reason == "nonfinite_plan":
+        return RuntimeError(
+            f"{n} consecutive steps were skipped because the plan's layers saw inf/NaN values (for "
+            "fp8-mixed: an input, weight or output gradient of an fp8 linear layer). Look for the first "
+            "non-finite activation (MixedPrecision(trace_overflow=True)), check the data, or keep that "
+            "layer out of fp8 (convert_to_fp8(module_filter=...))."
+        )
+    if reason == "nonfinite_weights":
+        return RuntimeError(
+            f"{n} consecutive steps were skipped because the update would have written inf/NaN into "
+            "the low-precision weights: they outgrow the dtype's range. Lower the learning rate, add "
+            "weight decay, or use a bf16 or master-weight plan."
+        )
+    return RuntimeError(
+        f"{n} consecutive steps were skipped because the gradients were inf/NaN (last norm {norm}); "
+        f"the loss scale is now {scale:g}. The gradients overflow whatever the scale: "
+        "check the learning rate and the data, or use a bf16 plan."
+    )
+
+
+def collapse_message(n: int, scale: float, restart_scale: float) -> str:
+    """The diagnosis of a collapsed loss scale (see :class:`StepLedger`)."""
+    return (
+        f"{n} consecutive optimizer steps ran on all-zero gradients with the loss scale collapsed to {scale:g}: "
+        "overflows backed it off faster than it grows back, until the scaled fp16 gradients underflow to zero and "
+        "nothing trains (weight decay and momentum still move the weights). Find what overflows "
+        "(MixedPrecision(trace_overflow=True) names the first module), bound the scale "
+        "(DynamicLossScaler(min_scale=...)) or let it grow back sooner (a smaller growth_interval), or use a bf16 "
+        f"plan; MixedPrecision(on_scale_collapse='reset') restarts the scale at {restart_scale:g} instead of raising"
+    )
+
+
+def warn_zero_grads(scale: float) -> None:
+    """Warn (once per session, the caller decides) that a scaled step ran on all-zero gradients."""
+    warnings.warn(
+        f"an optimizer step ran on all-zero gradients with loss scale {scale:g}: "
+        "with fp16 the gradients may have underflowed (the scale is too small or the loss is zero). "
+        "Check the loss, raise min_scale= of the DynamicLossScaler, or use a bf16 plan.",
+        RuntimeWarning,
+        stacklevel=4,  # warn_zero_grads <- StepLedger.check <- step() <- the loop
+    )
