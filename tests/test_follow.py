@@ -251,3 +251,54 @@ def test_a_copy_of_a_prepared_model_loads_without_touching_the_original() -> Non
     again = torch.load(buffer, weights_only=False)
     again.load_state_dict(_fp32_state(seed=8))
     assert all(torch.equal(a, b) for a, b in zip(masters, optimizer.masters, strict=True))
+
+
+# ------------------------------------------------------------- review: saves, skips, .data
+@pytest.mark.parametrize("plan", MASTER_PLANS)
+def test_a_save_after_a_write_holds_the_written_weights(plan: str) -> None:
+    """Before: state_dict() saved the stale masters, and a resume (model, then optimizer) wrote them back."""
+    model, optimizer, mp = _prepared(plan)
+    _train(model, mp, range(2))
+    with torch.no_grad():
+        model[0].weight.mul_(0.5)
+    ckpt = copy.deepcopy({"model": model.state_dict(), "opt": optimizer.state_dict(), "mp": mp.state_dict()})
+    expected = _train(model, mp, range(2, 4)), _weights(model)
+    model2, optimizer2, mp2 = _prepared(plan, seed=9)
+    model2.load_state_dict(ckpt["model"])
+    optimizer2.load_state_dict(ckpt["opt"])
+    mp2.load_state_dict(ckpt["mp"])
+    assert torch.equal(model2[0].weight, ckpt["model"]["0.weight"])
+    assert _train(model2, mp2, range(2, 4)) == expected[0]
+    assert all(torch.equal(a, b) for a, b in zip(_weights(model2), expected[1], strict=True))
+
+
+def test_writes_through_data_are_followed_on_request() -> None:
+    """``p.data.copy_`` bypasses the version counter: follow_model() takes such writes."""
+    model, optimizer, mp = _prepared("bf16-master", lr=0.0, opt=torch.optim.SGD)
+    _train(model, mp, range(2))
+    untouched = optimizer.master_of(model[3].weight).clone()
+    model[0].weight.data.copy_(torch.full_like(model[0].weight, 3.0))
+    optimizer.follow_model()
+    _train(model, mp, range(2, 3))
+    assert torch.equal(model[0].weight, torch.full_like(model[0].weight, 3.0))
+    assert torch.equal(optimizer.master_of(model[3].weight), untouched)
+
+
+@pytest.mark.parametrize("in_backward", [False, True])
+def test_a_skipped_kahan_step_does_not_bring_back_a_written_weights_residual(in_backward: bool) -> None:
+    """Before: the undo copy of the compensation was taken before the write was noticed, and a
+    skip restored the old residual onto the new weight."""
+    mp = MixedPrecision("bf16-kahan", optimizer_in_backward=in_backward)
+    model = _mlp(0)
+    model, optimizer = mp.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    _train(model, mp, range(2))
+    assert optimizer.compensation(model[0].weight) is not None
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0  # from here a step adds only what the compensation holds
+    with torch.no_grad():
+        model[0].weight.fill_(1e-3)  # small: an old residual (~1e-5) would move it by several ulps
+    written = model[0].weight.detach().clone()
+    mp.backward(_loss(model, mp, 2, scale=float("inf")))
+    assert mp.step().skipped
+    _train(model, mp, range(3, 5))
+    assert torch.equal(model[0].weight, written)  # no old residual added to the written weight

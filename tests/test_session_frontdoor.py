@@ -738,3 +738,28 @@ def test_an_exception_inside_backward_discards_the_step_and_a_retry_is_exact(pla
             m.backward(_mse(m, r, i))
     assert mp.step() == ref_mp.step() and _same(model, ref)
     assert saved["optimizer_steps"] == 0 and mp.phase.value == "stepped"
+
+
+def test_a_skip_the_scaler_refuses_to_count_ends_the_step():
+    """raise_at_min_scale (DeepSpeed's ZeRO behaviour) raises in the step's bookkeeping: before,
+    the session then refused every save and every new backward as an unfinished update."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    scaler = DynamicLossScaler(init_scale=1.0, min_scale=1.0, raise_at_min_scale=True)
+    mp = MixedPrecision("fp16-mixed", scaler=scaler)
+    model, _ = mp.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    before = [p.detach().clone() for p in model.parameters()]
+    with mp.autocast():
+        loss = model(torch.randn(2, 4)).float().mean()
+    mp.backward(loss)
+    for p in model.parameters():
+        p.grad.fill_(float("inf"))
+    with pytest.raises(RuntimeError, match="already at its minimum"):
+        mp.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    state = mp.state_dict()  # the state as of the last finished step
+    assert state["optimizer_steps"] == 0 and state["scaler"]["scale"] == 1.0
+    with mp.autocast():
+        loss = model(torch.randn(2, 4)).float().mean()
+    mp.backward(loss)  # a new step is accepted
+    assert mp.step().stepped

@@ -104,7 +104,14 @@ class StepRunner(ComposableSteps):
                 self._buffers.restore()
             self.plan.after_step(self.model)  # type: ignore[arg-type]
             self._buffers.commit()
-            phases.result = self._ledger.record(reason, norm, self.scaler, overflow)
+            try:
+                phases.result = self._ledger.record(reason, norm, self.scaler, overflow)
+            except BaseException:
+                if reason is not None:  # a skip the scaler refused to count (raise_at_min_scale): nothing was
+                    self._reset_step(stepped=False)  # updated, so the step ends here; a save and a new backward work
+                    if zero_grad:
+                        self._clear_grads()
+                raise
         result = phases.result
         if reason is None and self.scheduler is not None and not phases.scheduled:
             phases.scheduled = True  # (first: a scheduler that raises is not stepped twice)

@@ -193,6 +193,7 @@ class InBackwardOptimizer:
         saved_state = None if state is None else {
             k: (v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)) for k, v in state.items()
         }
+        self.optimizer.follow_writes([p])  # before the copy: an undo must not bring back a stale residual
         comp = self.optimizer.compensation(p)
         undo = _Undo(p, p.detach().clone(), saved_state, None if comp is None else comp.clone())
         self._undo.append(undo)

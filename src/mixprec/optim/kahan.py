@@ -140,6 +140,7 @@ class KahanOptimizer(LowPrecisionOptimizer):
 
     def extra_state(self) -> dict[str, Any]:
         params = list(self.params())
+        self.follow_writes([p for p in params if p in self._comp])  # a written weight's residual is not saved
         return {"compensation": {i: self._comp[p].clone() for i, p in enumerate(params) if p in self._comp}}
 
     def load_extra_state(self, extra: dict[str, Any]) -> None:

@@ -181,6 +181,7 @@ class LowPrecisionOptimizer(WrappedOptimizer):
         if closure is not None:
             raise ValueError(f"{type(self).__name__}.step() does not take a closure; compute the loss before step()")
         guarded = any(p.dtype == torch.float16 for p in self._low_params())
+        self.follow_writes(self._low_params())  # before the snapshot: an undo must not bring back a stale residual
         self._snapshot = snapshot_params(self.optimizer, self.params(), self.extra_state()) if guarded else None
         self._nonfinite = None
         result = self.step_selected(None)

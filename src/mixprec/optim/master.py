@@ -357,6 +357,8 @@ class MasterWeightOptimizer(WrappedOptimizer):
     # -------------------------------------------------------------- state dict
     def state_dict(self) -> dict[str, Any]:
         self._adopt_added()
+        if follow_masters(self._pairs, self._watch):  # weights written since the last step: save what they are
+            self._watch.record([p for p, _ in self._pairs])
         sd = self.optimizer.state_dict()
         sd[_MASTER_KEY] = [m.detach().clone() for m in self.masters]
         return sd
@@ -426,6 +428,14 @@ class MasterWeightOptimizer(WrappedOptimizer):
                 for q in group["params"]:
                     transient += q.numel() * 4 * (1 + footprint.param_shaped(layouts.get(id(q), {}), q))
         return transient
+
+    @torch.no_grad()
+    def follow_model(self) -> None:
+        """Bring every master in line with its weight now (:func:`~mixprec.optim.follow.seed_master`):
+        after writes through ``param.data``, which the version counter does not see."""
+        for p, m in self._pairs:
+            seed_master(p, m)
+        self._watch.record([p for p, _ in self._pairs])
 
     @torch.no_grad()
     def reset_masters_from_model(self) -> None:

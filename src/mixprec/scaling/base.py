@@ -359,7 +359,11 @@ class LossScaler(GradScalerCompat):
             )
         found, skipped = self._last_flag(records)
         found_bool = found > 0
-        self._update_scale(found, found_bool)  # first: it may refuse (raise_at_min_scale), changing nothing
+        try:
+            self._update_scale(found, found_bool)  # first: it may refuse (raise_at_min_scale)
+        except RuntimeError:
+            self._records.clear()  # the iteration is over all the same: scale and counters stay, the next one starts clean
+            raise
         self._steps += 1
         self._overflow_steps += found_bool.to(self._overflow_steps.device)
         self._last_skipped = skipped
