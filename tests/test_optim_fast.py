@@ -422,7 +422,7 @@ def test_auto_falls_back_to_the_eager_fast_path_when_compilation_fails(wrapper, 
 @pytest.mark.slow
 def test_auto_compiles_a_large_kahan_group_and_matches_eager(monkeypatch):
     import mixprec.optim.compiled as compiled
-    import mixprec.optim.lowbit as lowbit
+    import mixprec.optim.routing as routing
 
     pytest.importorskip("torch._inductor")
     from mixprec.compiling import compile_works
@@ -430,8 +430,8 @@ def test_auto_compiles_a_large_kahan_group_and_matches_eager(monkeypatch):
     if not compile_works("cpu"):
         pytest.skip("torch.compile does not work on this machine")
     calls = []
-    real = lowbit.compiled_adam_step
-    monkeypatch.setattr(lowbit, "compiled_adam_step", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = routing.compiled_adam_step
+    monkeypatch.setattr(routing, "compiled_adam_step", lambda *a, **k: calls.append(1) or real(*a, **k))
 
     def make(compile):
         w = torch.nn.Parameter(torch.linspace(-1, 1, compiled.AUTO_COMPILE_NUMEL).to(torch.bfloat16))

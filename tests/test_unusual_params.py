@@ -455,12 +455,12 @@ def test_interrupted_compile_records_no_layout(cls, monkeypatch):
 
 def test_failed_compile_records_no_layout_and_steps_eagerly(monkeypatch):
     import mixprec.optim.compiled as compiled
-    import mixprec.optim.lowbit as lowbit
+    import mixprec.optim.routing as routing
 
     monkeypatch.setattr(compiled, "_LAYOUTS", set())
     monkeypatch.setattr(compiled, "compiled", _raising(torch._dynamo.exc.TorchDynamoException("no compiler")))
-    monkeypatch.setattr(lowbit, "use_compiled_route", lambda *args, **kwargs: True)
-    monkeypatch.setattr(lowbit, "mark_compile_failed", lambda *args: None)  # keep the process's compiler usable
+    monkeypatch.setattr(routing, "use_compiled_route", lambda *args, **kwargs: True)
+    monkeypatch.setattr(routing, "mark_compile_failed", lambda *args: None)  # keep the process's compiler usable
     p, q = _large_param(), _large_param()
     with torch.no_grad():
         q.copy_(p)

@@ -34,28 +34,17 @@ The rounding variants live in :mod:`mixprec.optim.kahan` and :mod:`mixprec.optim
 
 from __future__ import annotations
 
-import ast
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import torch
 
-from mixprec.compiling import check_environment, mark_compile_failed
+from mixprec.compiling import check_environment
 from mixprec.dtypes import LOW_PRECISION_DTYPES, parse_dtype
-from mixprec.optim import footprint
+from mixprec.optim import footprint, routing
 from mixprec.optim.base import WrappedOptimizer
 from mixprec.optim.checks import check_inner_state_dict, check_state_shapes
-from mixprec.optim.compiled import (
-    CompileRouteFailed,
-    CompileSetting,
-    LayoutReservation,
-    check_compile_setting,
-    compiled_adam_step,
-    release_layout,
-    reserve_layouts,
-    uniform_steps,
-    use_compiled_route,
-)
+from mixprec.optim.compiled import CompileSetting, LayoutReservation, check_compile_setting
 from mixprec.optim.fast import Piece, default_chunk_numel, fast_kind, fast_step, fused_available
 from mixprec.optim.loads import check_rounding_state, keep_state_dtype, split_wrapper_state
 from mixprec.optim.snapshot import ParamSnapshot, became_nonfinite, restore_params, snapshot_params
@@ -216,12 +205,8 @@ class LowPrecisionOptimizer(WrappedOptimizer):
                     continue
                 group["params"] = active
                 kind = fast_kind(self.optimizer, group) if self.fast else None
-                if (
-                    kind == "adam"
-                    and use_compiled_route(self.compile, self.rounding, active, whole_step=selected is None)
-                    and (reserved := self._compiled_layout_ok(group, active))
-                ):
-                    active = group["params"] = self._compiled_step(group, active, reserved)
+                if kind == "adam":  # the compiled route (mixprec.optim.routing) steps what it takes
+                    active = group["params"] = routing.compiled_route(self, group, active, whole_step=selected is None)
                 if active and kind is not None:
                     fast_step(
                         self.optimizer, group, active, kind=kind, state_dtype=self.state_dtype,
@@ -264,58 +249,8 @@ class LowPrecisionOptimizer(WrappedOptimizer):
         return picked
 
     def _compiled_layout_ok(self, group: dict[str, Any], active: list[torch.nn.Parameter]) -> LayoutReservation | None:
-        """Whether this step of ``active`` may take the compiled route.
-
-        The compiled update takes one step count (a group whose parameters got gradients at
-        different times, as in a mixture of experts, steps eagerly) and compiles once per
-        layout (shapes, dtypes, options). ``compile="auto"`` compiles at most
-        :data:`~mixprec.optim.compiled.AUTO_MAX_LAYOUTS` layouts per wrapper: a set of parameters with gradients
-        that keeps changing stays eager instead of compiling again and again. The layouts
-        compiled so far are checkpointed, so a resumed run takes the same routes (and, with
-        stochastic rounding, draws the same noise) as an uninterrupted one. The process
-        also keeps its own budget (:func:`~mixprec.optim.compiled.reserve_layouts`; a layout
-        whose compilation fails or is interrupted is given back, not recorded as compiled).
-        """
-        if not uniform_steps(self.optimizer, active):
-            return None
-        options = (
-            bool(group["amsgrad"]), bool(group["maximize"]), group["weight_decay"] != 0,
-            bool(group.get("decoupled_weight_decay", isinstance(self.optimizer, torch.optim.AdamW))),
-        )
-        # the layout of the same parameters with the same options is worked out once; a parameter
-        # keeps its shape (its optimizer state has it) but a cast or a move changes dtype or device
-        ident = (
-            tuple(map(id, active)), tuple(p.dtype for p in active), tuple(p.grad.dtype for p in active if p.grad is not None),
-            active[0].device, options,
-        )
-        key = self._layout_keys.get(ident)
-        if key is None:
-            if len(self._layout_keys) >= 64:  # parameter sets that keep changing (experts)
-                self._layout_keys.clear()
-            key = self._layout_keys[ident] = repr((
-                tuple((tuple(p.shape), str(p.dtype), str(p.grad.dtype) if p.grad is not None else "") for p in active),
-                *options, *self._layout_key_suffix(active[0].device.type),
-            ))
-        return reserve_layouts(self._compiled_layouts, key, self.compile == "auto")
-
-    def _compiled_step(self, group: dict[str, Any], active: list[torch.nn.Parameter], reserved: LayoutReservation) -> list[torch.nn.Parameter]:
-        """The compiled route for ``active``; returns the parameters it left unstepped
-        (none, unless compilation failed under ``compile="auto"``)."""
-        comps, counter = self._compiled_rounding_inputs()
-        try:
-            compiled_adam_step(
-                self.optimizer, group, active, state_dtype=self.state_dtype, rounding=self.rounding,
-                comps=comps, counter=counter,
-            )
-        except BaseException as exc:  # nothing was stepped (an interrupt too): the layout is not compiled
-            release_layout(self._compiled_layouts, reserved)
-            if not isinstance(exc, CompileRouteFailed):
-                raise
-            if self.compile is True:
-                raise exc.cause from None
-            mark_compile_failed(active[0].device, exc.cause)
-            return active  # nothing was stepped: all go the eager way
-        return []
+        """See :func:`mixprec.optim.routing.compiled_layout_ok`."""
+        return routing.compiled_layout_ok(self, group, active)
 
     def _compiled_rounding_inputs(self) -> tuple[Callable[[torch.Tensor], torch.Tensor] | None, list[int] | None]:
         """(compensation of a parameter, noise counter) the compiled route rounds with; the
@@ -420,26 +355,8 @@ class LowPrecisionOptimizer(WrappedOptimizer):
 
     # ------------------------------------------------------------------------ checkpoints
     def _upgraded_layout(self, key: str, params: list[torch.nn.Parameter]) -> str:
-        """A layout key as :meth:`_compiled_layout_ok` writes it now. Earlier builds of
-        mixprec 0.1.0 saved ``(layout, *4 options)`` without the rounding, state dtype and
-        device type, which are this wrapper's own: they are appended, so a run resumed from
-        such a checkpoint takes the routes it took before. The old key does not say its
-        device: with parameters on several device types it is kept as it is (it matches no
-        layout, as before)."""
-        try:
-            parts = ast.literal_eval(key)
-        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-            return key  # not a key this wrapper wrote: it matches no layout, as before
-        if not isinstance(parts, tuple) or len(parts) != 5:
-            return key
-        device_types = {p.device.type for p in params}
-        if len(device_types) != 1:
-            return key
-        return repr((*parts, *self._layout_key_suffix(device_types.pop())))
-
-    def _layout_key_suffix(self, device_type: str) -> tuple[str, str, str]:
-        """What a layout key holds of this wrapper and the device after the layout and options."""
-        return self.rounding, str(self.state_dtype), device_type
+        """See :func:`mixprec.optim.routing.upgraded_layout`."""
+        return routing.upgraded_layout(self, key, params)
 
     def extra_state(self) -> dict[str, Any]:
         """This wrapper's own state besides the inner optimizer's (compensation buffers,
@@ -468,10 +385,7 @@ class LowPrecisionOptimizer(WrappedOptimizer):
             self.optimizer.load_state_dict(sd)
             keep_state_dtype(self.optimizer, params, sd, self.state_dtype)  # torch cast it to the params' dtype
             self.load_extra_state(extra)
-            layouts = extra.get("compiled_layouts", [])
-            if not isinstance(layouts, list | tuple) or not all(isinstance(k, str) for k in layouts):
-                raise TypeError(f"the state_dict's compiled_layouts must be a list of str, got {layouts!r}")
-            self._compiled_layouts = {self._upgraded_layout(key, params) for key in layouts}
+            self._compiled_layouts = routing.loaded_layouts(self, extra.get("compiled_layouts", []), params)
         except Exception as exc:
             self.optimizer.state, self.optimizer.param_groups = old_state, old_groups
             self.__dict__.clear()
