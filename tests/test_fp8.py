@@ -1096,3 +1096,26 @@ def test_fp8_plan_leaves_fp32_islands_out_of_fp8():
     plan = get_plan("fp8-mixed", policy=OpPolicy(dtype=torch.bfloat16, fp32_modules=("2",)))
     model, opt = MixedPrecision(plan).prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
     assert list(fp8_layers(model)) == ["0"]
+
+
+def test_the_bf16_gemm_probe_runs_on_real_tensors_when_first_asked_under_fake_tensors(monkeypatch) -> None:
+    """The memory estimator runs fp8 layers on fake tensors; when that was the first fp8 GEMM of
+    the process, the probe compared fake tensors and failed (DataDependentOutputException)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from mixprec.fp8 import gemm
+
+    class _Faster:
+        def faster(self, dtype: torch.dtype) -> bool:
+            return True
+
+    monkeypatch.setattr(gemm, "cpu_bf16_instructions", lambda: True)
+    monkeypatch.setattr(gemm, "device_facts", lambda device: _Faster())
+    gemm.cpu_bf16_gemm_available.cache_clear()
+    try:
+        expected = gemm._bf16_math_takes_effect()
+        with FakeTensorMode():
+            got = gemm.cpu_bf16_gemm_available()
+        assert got == expected
+    finally:
+        gemm.cpu_bf16_gemm_available.cache_clear()  # measured again, unpatched, when next asked

@@ -83,7 +83,10 @@ def cpu_bf16_gemm_available() -> bool:
     mkldnn = getattr(torch.backends, "mkldnn", None)
     if mkldnn is None or not hasattr(mkldnn, "matmul") or not cpu_bf16_instructions():
         return False
-    return device_facts("cpu").faster(torch.bfloat16) and _bf16_math_takes_effect()
+    # Measured on real tensors even when first asked inside a fake or dispatch mode (the memory
+    # estimator runs a model on fake tensors: a probe there would time nothing and fail to compare).
+    with torch.utils._python_dispatch._disable_current_modes():
+        return device_facts("cpu").faster(torch.bfloat16) and _bf16_math_takes_effect()
 
 
 def _bf16_math_takes_effect() -> bool:

@@ -50,8 +50,13 @@ __all__ = [
 ]
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def _stamp(param: torch.Tensor) -> tuple[int, int]:
     local = getattr(param, "_local_tensor", param)  # a DTensor's shard
+    if type(local) not in _PLAIN and (local.device.type == "meta" or type(local).__name__ == "FakeTensor"):
+        return local._version, id(local)  # no data (the memory estimator's fake models): the object stands in
     return local._version, local.data_ptr()
 
 
