@@ -24,6 +24,7 @@ import torch
 from mixprec.dtypes import LOW_PRECISION_DTYPES
 from mixprec.optim import LowPrecisionOptimizer, MasterWeightOptimizer, WrappedOptimizer
 from mixprec.optim.checks import check_inner_state_dict
+from mixprec.optim.follow import master_value
 from mixprec.optim.loads import load_inner
 from mixprec.plans import Plan
 from mixprec.scaling import LossScaler
@@ -171,8 +172,9 @@ def fp32_value(tensor: torch.Tensor, master: torch.Tensor | None) -> torch.Tenso
     if master is None:
         return value.to(torch.float32)
     # a weight written after the last step (and not by a load the master followed) is the truth
-    same = master.to(value.dtype) == value
-    return master.detach() if bool(same.all()) else torch.where(same, master, value.to(torch.float32))
+    if bool((master.to(value.dtype) == value).all()):
+        return master.detach()  # shares storage with the master, as state_dict() shares the model's
+    return master_value(value, master)
 
 
 def fp32_state_dict(model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer] = ()) -> dict[str, Any]:

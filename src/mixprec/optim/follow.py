@@ -46,7 +46,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from mixprec.dtypes import LOW_PRECISION_DTYPES
 
 __all__ = [
-    "Follower", "Seeds", "WriteWatch", "follow_masters", "install_load_hooks", "load_compensation", "register", "seed_master",
+    "Follower", "Seeds", "WriteWatch", "follow_masters", "install_load_hooks", "load_compensation", "master_value", "register", "seed_master",
 ]
 
 
@@ -157,11 +157,16 @@ def seed_master(param: torch.Tensor, master: torch.Tensor, loaded: torch.Tensor 
     """Bring ``master`` (fp32) in line with ``param``'s low-precision value, in place: elements
     whose rounding is the weight stay, elements of ``loaded`` (wider values just loaded)
     that round to it are taken, the rest start from the weight."""
-    weight = param.detach()
-    new = torch.where(master.to(weight.dtype) == weight, master, weight.to(master.dtype))
+    master.copy_(master_value(param, master, loaded))
+
+
+def master_value(weight: torch.Tensor, master: torch.Tensor, loaded: torch.Tensor | None = None) -> torch.Tensor:
+    """The master ``weight`` stands for now (the rule of :func:`seed_master`), as a new tensor."""
+    w = weight.detach()
+    new = torch.where(master.to(w.dtype) == w, master, w.to(master.dtype))
     if loaded is not None:
-        new = torch.where(loaded.to(weight.dtype) == weight, loaded.to(master.dtype), new)
-    master.copy_(new)
+        new = torch.where(loaded.to(w.dtype) == w, loaded.to(master.dtype), new)
+    return new
 
 
 def follow_masters(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], watch: WriteWatch) -> int:

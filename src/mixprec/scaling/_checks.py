@@ -13,7 +13,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 __all__ = ["SCALE_CEILING", "SCALE_FLOOR"]
 
@@ -108,18 +107,6 @@ def parse_device(device: object) -> torch.device | None:
         return torch.device(device)
     except RuntimeError:
         raise ValueError(f"device={show(device)} is not a device torch knows; pass e.g. device='cuda' or 'cpu'") from None
-
-
-def check_process_group(value: object) -> Any:
-    """``process_group``: None or a torch.distributed ProcessGroup (checked here, not at
-    the first all-reduce mid-training)."""
-    if value is None or (dist.is_available() and isinstance(value, dist.ProcessGroup)):
-        return value
-    raise TypeError(
-        f"process_group must be a torch.distributed.ProcessGroup or None, got {show(value)} "
-        f"({type(value).__name__}); pass None (the default group when torch.distributed runs more than "
-        "one rank) or a group object, e.g. torch.distributed.group.WORLD or torch.distributed.new_group(...)"
-    )
 
 
 def new_scale_value(new_scale: object) -> float:

@@ -35,13 +35,12 @@ from typing import Any, TypeVar
 import torch
 
 from mixprec.nested import first_tensor, map_tensors
-from mixprec.process_groups import all_reduce_max
+from mixprec.process_groups import all_reduce_max, check_group
 from mixprec.scaling._checks import (
     SCALE_CEILING,
     SCALE_FLOOR,
     boolean,
     check_optimizer,
-    check_process_group,
     new_scale_value,
     parse_device,
     scale_value,
@@ -94,7 +93,7 @@ class LossScaler(GradScalerCompat):
         # The device torch's GradScaler was asked for. The state moves to the loss's device on
         # the first scale() (as torch initialises it lazily there), so no device is touched here.
         self._device_hint = parse_device(device)
-        self._process_group = check_process_group(process_group)
+        self._process_group = check_group(process_group)
         self._scale = torch.full((), value, dtype=torch.float32)
         # Counters: what the host knows stays a Python int; overflows are a tensor (no sync).
         self._steps = 0
