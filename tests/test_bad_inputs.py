@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import stat
 import subprocess
 import sys
@@ -38,10 +39,16 @@ from mixprec.policy import compare_with_torch, default_table, normalize_op_name
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 
+def _default_sigint() -> None:
+    """In the child: Ctrl-C at its default, whatever the runner inherited (a job started in the
+    background by a shell ignores SIGINT, and Python then keeps ignoring it)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _python(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SRC), **(env or {})}
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          env=full_env, timeout=300)
+                          env=full_env, timeout=300, preexec_fn=_default_sigint)
 
 
 def _raises(exc: type[Exception], message: str, fn: Callable[[], Any]) -> None:

@@ -445,6 +445,12 @@ def test_an_interrupted_run_leaves_the_previous_report_whole(tmp_path: Path, cap
     assert "--seed 2" in (out / "report.md").read_text()
 
 
+def _default_sigint() -> None:
+    """In the child: Ctrl-C at its default, whatever the runner inherited (a job started in the
+    background by a shell ignores SIGINT, and Python then keeps ignoring it)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _wait_for(predicate: Callable[[], bool], proc: subprocess.Popen[str], what: str, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -468,7 +474,8 @@ def _maps(pid: int) -> str:
 def test_ctrl_c_while_the_command_loads_torch_is_one_line_and_status_130(tmp_path: Path, module: str) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", module, "demo", "--out", str(tmp_path / "report")],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=_default_sigint)
     # torch's shared library is mapped at the start of `import torch`, seconds before the
     # command's own code runs: the signal lands while mixprec is still being imported
     _wait_for(lambda: "libtorch" in _maps(proc.pid), proc, "torch loading")
@@ -502,7 +509,7 @@ def test_sigterm_while_the_report_is_written_removes_the_staging_folder(tmp_path
     (out / "report.md").write_text("the previous report")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-c", _SLOW_PUBLISH, str(out)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
+                            stderr=subprocess.PIPE, text=True, env=env, preexec_fn=_default_sigint)
     assert proc.stdout is not None
     line = proc.stdout.readline()  # blocks until the report is being written (or the process ended)
     assert line == "writing\n", proc.communicate()[1]
