@@ -129,6 +129,8 @@ ROWS: dict[str, Callable[[Any, torch.device], Setup]] = {
     "bf16-kahan eager": lambda t, d: _plan(t, d, "bf16-kahan", compile=False),
     "bf16-sr eager": lambda t, d: _plan(t, d, "bf16-sr", compile=False),
     "bf16-master": lambda t, d: _plan(t, d, "bf16-master"),
+    "fp16-master": lambda t, d: _plan(t, d, "fp16-master"),  # guarded: a snapshot before each step
+    "fp16-pure": lambda t, d: _plan(t, d, "fp16-pure"),  # guarded too
     "optimi-kahan": _optimi_kahan,
 }
 

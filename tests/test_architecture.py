@@ -198,3 +198,112 @@ def test_the_architecture_document_lists_every_level() -> None:
         for component in components:
             assert f"`{component}`" in rows[name], f"{component} is missing from the {name!r} row of docs/architecture.md"
     assert len(rows) - 1 == len(LEVELS), "docs/architecture.md has a level that tests/test_architecture.py does not"
+
+
+# ------------------------------------------------------------ the optim/ room (issue: one undo, one validator)
+OPTIM = SRC / "mixprec" / "optim"
+SNAPSHOT_MODULE = OPTIM / "snapshot.py"
+VALIDATOR_MODULE = OPTIM / "checks.py"
+_RESTORING_NAMES = ("restore", "undo", "rollback", "snapshot")
+_WRITES = ("copy_", "_foreach_copy_", "set_", "pop")
+
+
+def _functions(tree: ast.AST) -> Iterator[ast.FunctionDef | ast.AsyncFunctionDef]:
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            yield node
+
+
+def _state_writes(node: ast.AST) -> list[int]:
+    """Lines of ``node`` that write optimizer-owned state back: a copy into a tensor, a
+    ``.state[...] =`` / ``.state.pop``, or an assignment of ``.state`` / ``.param_groups``."""
+    lines = []
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Call) and isinstance(sub.func, ast.Attribute) and sub.func.attr in _WRITES:
+            owner = sub.func.value
+            if sub.func.attr != "pop" or (isinstance(owner, ast.Attribute) and owner.attr == "state"):
+                lines.append(sub.lineno)
+        targets = sub.targets if isinstance(sub, ast.Assign) else []
+        for t in targets:
+            if isinstance(t, ast.Subscript) and isinstance(t.value, ast.Attribute) and t.value.attr == "state":
+                lines.append(sub.lineno)
+            if isinstance(t, ast.Attribute) and t.attr in ("state", "param_groups"):
+                lines.append(sub.lineno)
+            if isinstance(t, ast.Tuple) and any(
+                isinstance(e, ast.Attribute) and e.attr in ("state", "param_groups") for e in t.elts
+            ):
+                lines.append(sub.lineno)
+    return lines
+
+
+def _undo_problems(paths: list[pathlib.Path]) -> list[str]:
+    """Code outside the snapshot module that puts optimizer state back itself: a function
+    named like an undo that writes state, or an exception handler that writes it back."""
+    problems = []
+    for path in paths:
+        if path == SNAPSHOT_MODULE:
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        for fn in _functions(tree):
+            if any(word in fn.name.lower() for word in _RESTORING_NAMES):
+                problems += [f"{path.name}:{line} {fn.name} writes state back itself" for line in _state_writes(fn)]
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ExceptHandler):
+                problems += [f"{path.name}:{line} an except handler puts state back" for line in _state_writes(node)]
+    return problems
+
+
+def _validator_problems(paths: list[pathlib.Path]) -> list[str]:
+    """Code outside the validator module that checks an optimizer state_dict itself: a
+    ``split_*_state`` function, a ``check_*`` / ``validate*`` one of a state (its name or an
+    argument says state, master, kind or saved), or a ``load_state_dict`` that raises its own refusal (re-raising is fine)."""
+    problems = []
+    for path in paths:
+        if path == VALIDATOR_MODULE:
+            continue
+        for fn in _functions(ast.parse(path.read_text(), str(path))):
+            name = fn.name.lstrip("_")
+            words = [name] + [a.arg for a in fn.args.args + fn.args.kwonlyargs]
+            about_state = any(w in word for word in words for w in ("state", "master", "kind", "saved"))
+            splits = name.startswith("split_") and name.endswith("_state")
+            if splits or (name.startswith(("check_", "validate")) and about_state):
+                problems.append(f"{path.name}:{fn.lineno} defines the validator {fn.name}")
+            if fn.name == "load_state_dict":
+                for sub in ast.walk(fn):
+                    if isinstance(sub, ast.Raise) and sub.exc is not None:
+                        problems.append(f"{path.name}:{sub.lineno} load_state_dict raises its own refusal")
+    return problems
+
+
+def test_only_the_snapshot_module_restores_optimizer_state() -> None:
+    assert _undo_problems(sorted(OPTIM.glob("*.py"))) == []
+
+
+def test_only_the_validator_module_validates_optimizer_state_dicts() -> None:
+    assert _validator_problems(sorted(OPTIM.glob("*.py"))) == []
+
+
+def test_the_optim_room_checkers_catch_a_second_copy(tmp_path: pathlib.Path) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text(
+        "def undo_step(self):\n"
+        "    self.param.copy_(self.saved)\n"
+        "def load(self, opt, sd):\n"
+        "    old = opt.state\n"
+        "    try:\n"
+        "        opt.load_state_dict(sd)\n"
+        "    except Exception:\n"
+        "        opt.state, opt.param_groups = old, []\n"
+        "        raise\n"
+        "def check_masters(sd):\n"
+        "    pass\n"
+        "class W:\n"
+        "    def load_state_dict(self, sd):\n"
+        "        raise ValueError('no')\n"
+    )
+    assert [p.split(" ", 1)[1] for p in _undo_problems([bad])] == [
+        "undo_step writes state back itself", "an except handler puts state back",
+    ]
+    assert [p.split(" ", 1)[1] for p in _validator_problems([bad])] == [
+        "defines the validator check_masters", "load_state_dict raises its own refusal",
+    ]

@@ -16,7 +16,12 @@ import re
 import pytest
 import torch
 
-from mixprec.optim import KahanOptimizer, LowPrecisionOptimizer, StochasticRoundingOptimizer
+from mixprec.optim import (
+    KahanOptimizer,
+    LowPrecisionOptimizer,
+    StochasticRoundingOptimizer,
+    routing,
+)
 from mixprec.optim.fast import fast_kind
 
 SHAPES = [(), (0,), (3,), (5, 7), (2, 3, 4), (40,), (1, 1)]
@@ -466,16 +471,16 @@ def test_auto_compiles_few_layouts_and_only_uniform_steps():
     opt = KahanOptimizer(torch.optim.AdamW(experts, lr=1e-2))
     group = opt.optimizer.param_groups[0]
     layouts = [experts[i : i + 2] for i in range(AUTO_MAX_LAYOUTS)]
-    assert all(opt._compiled_layout_ok(group, ps) for ps in layouts)
-    assert not opt._compiled_layout_ok(group, experts[6:8])  # one layout too many: eager
-    assert opt._compiled_layout_ok(group, layouts[0])  # a known layout stays compiled
+    assert all(routing.compiled_layout_ok(opt, group, ps) for ps in layouts)
+    assert not routing.compiled_layout_ok(opt, group, experts[6:8])  # one layout too many: eager
+    assert routing.compiled_layout_ok(opt, group, layouts[0])  # a known layout stays compiled
     opt.compile = True
-    assert opt._compiled_layout_ok(group, experts[6:8])  # explicit: no per-wrapper budget
+    assert routing.compiled_layout_ok(opt, group, experts[6:8])  # explicit: no per-wrapper budget
     opt.optimizer.state[experts[0]]["step"] = torch.tensor(3.0)
     opt.optimizer.state[experts[1]]["step"] = torch.tensor(2.0)
-    assert not opt._compiled_layout_ok(group, layouts[0])  # mixed step counts: eager
+    assert not routing.compiled_layout_ok(opt, group, layouts[0])  # mixed step counts: eager
     opt.optimizer.state[experts[1]]["step"] = torch.tensor(3.0)
-    assert opt._compiled_layout_ok(group, layouts[0])  # equal again: compiled
+    assert routing.compiled_layout_ok(opt, group, layouts[0])  # equal again: compiled
 
 
 def test_layouts_of_different_roundings_are_counted_apart():
@@ -487,7 +492,7 @@ def test_layouts_of_different_roundings_are_counted_apart():
     params[0].grad = torch.zeros_like(params[0])
     for cls in (KahanOptimizer, StochasticRoundingOptimizer):
         opt = cls(torch.optim.AdamW(params, lr=1e-2))
-        assert opt._compiled_layout_ok(opt.optimizer.param_groups[0], params)
+        assert routing.compiled_layout_ok(opt, opt.optimizer.param_groups[0], params)
     assert len(compiled._LAYOUTS) == 2
 
 
@@ -569,9 +574,9 @@ def test_old_layout_keys_of_parameters_on_several_device_types_are_kept_as_they_
     meta = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16, device="meta"))
     opt = StochasticRoundingOptimizer(torch.optim.AdamW([cpu]), compile="auto")
     old = repr(((((4,), "torch.bfloat16", "torch.bfloat16"),), 1, 2, 3, 4))
-    assert opt._upgraded_layout(old, [cpu]) == repr((*ast.literal_eval(old), "stochastic", "torch.bfloat16", "cpu"))
-    assert opt._upgraded_layout(old, [meta]).endswith("'meta')")
-    assert opt._upgraded_layout(old, [cpu, meta]) == old
+    assert routing.upgraded_layout(opt, old, [cpu]) == repr((*ast.literal_eval(old), "stochastic", "torch.bfloat16", "cpu"))
+    assert routing.upgraded_layout(opt, old, [meta]).endswith("'meta')")
+    assert routing.upgraded_layout(opt, old, [cpu, meta]) == old
 
 
 def test_an_interrupt_while_compiling_leaves_nothing_half_counted(monkeypatch):

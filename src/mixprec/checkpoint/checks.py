@@ -19,8 +19,7 @@ import torch
 
 from mixprec.checkpoint.convert import ROUNDING_KEY
 from mixprec.optim import LowPrecisionOptimizer, WrappedOptimizer
-from mixprec.optim.checks import check_group_keys
-from mixprec.optim.loads import check_rounding_state
+from mixprec.optim.checks import check_group_keys, check_rounding_state
 from mixprec.session import MixedPrecision
 
 __all__ = ["check_model", "check_mp", "check_optimizer", "check_rng", "optimizer_class"]

@@ -3,6 +3,7 @@
 from mixprec.optim.base import WrappedOptimizer
 from mixprec.optim.in_backward import InBackwardOptimizer
 from mixprec.optim.kahan import KahanOptimizer
+from mixprec.optim.kinds import StateKind
 from mixprec.optim.lowbit import LowPrecisionOptimizer
 from mixprec.optim.master import MasterWeightOptimizer
 from mixprec.optim.stochastic import StochasticRoundingOptimizer, stochastic_round
@@ -12,6 +13,7 @@ __all__ = [
     "KahanOptimizer",
     "LowPrecisionOptimizer",
     "MasterWeightOptimizer",
+    "StateKind",
     "StochasticRoundingOptimizer",
     "WrappedOptimizer",
     "stochastic_round",

@@ -8,17 +8,26 @@ working on the wrapper because it *is* an ``Optimizer`` whose ``param_groups`` a
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from mixprec.optim import footprint
+from mixprec.optim.kinds import KindStore, StateKind
 
 __all__ = ["WrappedOptimizer"]
 
 
 class WrappedOptimizer(torch.optim.Optimizer):
-    """Base of the precision wrappers: delegate everything to ``self.optimizer``."""
+    """Base of the precision wrappers: delegate everything to ``self.optimizer``.
+
+    Per-parameter state a wrapper keeps beside the inner optimizer's is described by its
+    :class:`~mixprec.optim.kinds.StateKind` entries (the class's ``state_kinds`` and those
+    added by :meth:`add_state_kind`), held in :attr:`kinds`.
+    """
+
+    #: the state kinds every instance of this wrapper keeps (:mod:`mixprec.optim.kinds`)
+    state_kinds: ClassVar[tuple[StateKind, ...]] = ()
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -28,6 +37,19 @@ class WrappedOptimizer(torch.optim.Optimizer):
                 f"{type(optimizer).__name__} is already a mixprec optimizer wrapper; pass the plain optimizer"
             )
         self.optimizer = optimizer
+        self.kinds = KindStore(type(self).state_kinds)
+
+    def add_state_kind(self, kind: StateKind) -> None:
+        """Keep ``kind`` for this optimizer's parameters from now on: checkpointed in
+        :meth:`state_dict`, checked by :meth:`load_state_dict`, put back with a step that is
+        undone, counted by :meth:`state_bytes`, and updated by its ``after_step`` rule after
+        each step that stands (wrappers that support kinds: the master, low-precision, Kahan
+        and stochastic-rounding wrappers)."""
+        self.kinds.add(kind)
+
+    def kind_params(self) -> list[torch.Tensor]:
+        """The parameters state kinds are kept for, in checkpoint order (the model's)."""
+        return list(self.params())
 
     # The Optimizer attributes, shared with the inner optimizer.
     @property  # type: ignore[override]
@@ -124,14 +146,23 @@ class WrappedOptimizer(torch.optim.Optimizer):
         ``"master_weights"`` accounts for every parameter of ``param_groups`` the model
         lacks; without that key the memory diagnostics count those as master weights.
 
-        The default: the inner optimizer's state (see :mod:`mixprec.optim.footprint`).
+        The default: the inner optimizer's state (see :mod:`mixprec.optim.footprint`) and the
+        state kinds' tensors (:meth:`kind_bytes`).
         """
-        return {"optimizer_state": footprint.optimizer_state_bytes(self.optimizer)}
+        return self.kind_bytes({"optimizer_state": footprint.optimizer_state_bytes(self.optimizer)})
+
+    def kind_bytes(self, out: dict[str, int]) -> dict[str, int]:
+        """``out`` plus the bytes of every state kind's tensors (predicted where not created yet)."""
+        for category, n in self.kinds.bytes_by_category(self.kind_params()).items():
+            out[category] = out.get(category, 0) + n
+        return out
 
     def state_tensors(self) -> Iterator[torch.Tensor]:
         """The tensors :meth:`state_bytes` counts that exist now (the parameters of
-        ``param_groups`` and their gradients excluded). The default: the inner optimizer's state."""
+        ``param_groups`` and their gradients excluded). The default: the inner optimizer's state
+        and the state kinds' tensors."""
         yield from footprint.state_tensors(self.optimizer)
+        yield from self.kinds.tensors()
 
     def step_transient_bytes(self) -> int:
         """Peak bytes of the temporaries one ``step()`` allocates besides the persistent state

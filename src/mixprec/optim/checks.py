@@ -1,7 +1,13 @@
-"""Validating optimizer state_dicts before anything is loaded (loading is all or nothing).
+"""The one validator of optimizer state_dicts: everything is checked before anything is loaded.
 
-Each check raises ValueError/TypeError naming the entry, what it holds and what was
-expected, and changes nothing.
+Every wrapper's ``load_state_dict`` (and the front door's resume) calls these checks, then
+loads inside :func:`mixprec.optim.snapshot.all_or_nothing`: the inner optimizer's state and
+groups (:func:`check_inner_state_dict`, :func:`check_group_keys`, :func:`check_state_shapes`),
+the wrapper's own entry (:func:`split_wrapper_state`), fp32 masters
+(:func:`check_master_weights`) and the tensors of every state kind
+(:func:`check_kind_state`, :mod:`mixprec.optim.kinds`). Each check raises
+ValueError/TypeError naming the entry, what it holds and what was expected, and changes
+nothing.
 
 >>> import torch
 >>> w = torch.nn.Parameter(torch.zeros(2))
@@ -13,17 +19,23 @@ ValueError: the optimizer state_dict has 0 parameter group(s), this optimizer 1;
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
+from mixprec.optim.kinds import MASTER, KindStore
+
 __all__ = [
     "check_group_keys",
     "check_inner_state_dict",
+    "check_kind_state",
     "check_master_weights",
     "check_param_shaped_state",
+    "check_rounding_state",
     "check_state_shapes",
+    "split_master_state",
+    "split_wrapper_state",
 ]
 
 # torch's own optimizers whose per-parameter state tensors are either scalars (step
@@ -121,8 +133,15 @@ def check_group_keys(optimizer: torch.optim.Optimizer, groups: list[dict[str, An
                 )
 
 
-def check_master_weights(saved: Any, masters: Sequence[torch.Tensor]) -> None:
-    """``saved`` (a state_dict's master weights) matches ``masters`` in count, shapes and dtype (fp32)."""
+def check_master_weights(saved: Any, masters: Sequence[torch.Tensor], key: str = "") -> None:
+    """``saved`` (a state_dict's master weights, under ``key``) matches ``masters`` in count, shapes
+    and dtype (:data:`~mixprec.optim.kinds.MASTER`'s: fp32)."""
+    if saved is None:
+        raise ValueError(
+            f"this optimizer state_dict has no fp32 master weights (key {key!r}): it was saved without master "
+            "weights. To start the masters from the current model weights instead, call "
+            "opt.optimizer.load_state_dict(sd) and then opt.reset_masters_from_model()."
+        )
     if not isinstance(saved, list | tuple) or len(saved) != len(masters):
         n = len(saved) if isinstance(saved, list | tuple) else type(saved).__name__
         raise ValueError(
@@ -137,9 +156,9 @@ def check_master_weights(saved: Any, masters: Sequence[torch.Tensor]) -> None:
                 f"master weight {i} in the state_dict has shape {tuple(value.shape)}, expected {tuple(m.shape)}; "
                 "was it saved from a different model?"
             )
-        if value.dtype != torch.float32:
+        if value.dtype != MASTER.dtype:
             raise ValueError(
-                f"master weight {i} in the state_dict has dtype {value.dtype}, expected torch.float32; "
+                f"master weight {i} in the state_dict has dtype {value.dtype}, expected {MASTER.dtype}; "
                 "save it with MasterWeightOptimizer.state_dict()"
             )
 
@@ -171,4 +190,108 @@ def check_state_shapes(params: Sequence[torch.Tensor], state_dict: dict[str, Any
                 raise ValueError(
                     f"the optimizer state_dict's state[{pid!r}][{key!r}] has shape {tuple(value.shape)}, but its "
                     f"parameter has shape {tuple(param.shape)}; was it saved from another model?"
+                )
+
+
+# ------------------------------------------------------------ the wrappers' own entries
+def split_wrapper_state(state_dict: Any, key: str, owner: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``state_dict`` as (the inner optimizer's state_dict, the wrapper's own entry ``key``),
+    refused (TypeError/ValueError naming ``owner``) when it is not a dict or lacks the entry."""
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"state_dict must be a dict (from {owner}.state_dict()), got {type(state_dict).__name__}")
+    sd = dict(state_dict)
+    extra = sd.pop(key, None)
+    if extra is None:
+        raise ValueError(
+            f"this optimizer state_dict has no {key!r} entry: it was not saved by a "
+            f"{owner}; load it into the optimizer that saved it"
+        )
+    if not isinstance(extra, dict):
+        raise TypeError(f"the state_dict's {key!r} entry must be a dict, got {type(extra).__name__}")
+    return sd, extra
+
+
+def check_rounding_state(extra: Mapping[str, Any], rounding: str, owner: str) -> None:
+    """Refuse to drop Kahan compensation: ``extra`` (a low-precision wrapper's own entry)
+    holds compensation buffers, the bits rounding dropped from the weights, and the
+    wrapper loading it (of ``rounding``) keeps none."""
+    comp = extra.get("compensation")
+    if rounding != "kahan" and comp:
+        raise ValueError(
+            f"this optimizer state_dict holds Kahan compensation for {len(comp)} low-precision weights (the bits "
+            f"rounding dropped from them), which a {owner} (rounding {rounding!r}) cannot keep: loading it would "
+            "drop them silently. Resume it under the plan that saved it ('bf16-kahan'), or, to change plans on "
+            "purpose, load only the model weights and start the optimizer fresh"
+        )
+
+
+#: the entry of a wrapper's own state naming the state kinds it saved
+KINDS_KEY = "state_kinds"
+
+
+def split_master_state(state_dict: Any, key: str, kinds_key: str) -> tuple[dict[str, Any], Any, dict[str, Any]]:
+    """A master wrapper's ``state_dict`` as (the inner optimizer's state_dict, the masters
+    saved under ``key``, its state kinds under ``kinds_key``: ``{}`` when it saved none);
+    the masters are checked by :func:`check_master_weights`."""
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(
+            f"state_dict must be a dict (from MasterWeightOptimizer.state_dict()), got {type(state_dict).__name__}"
+        )
+    sd = dict(state_dict)
+    masters = sd.pop(key, None)
+    extra = sd.pop(kinds_key, None)
+    if extra is not None and not isinstance(extra, dict):
+        raise TypeError(f"the state_dict's {kinds_key!r} entry must be a dict, got {type(extra).__name__}")
+    return sd, masters, extra or {}
+
+
+def check_kind_state(kinds: KindStore, extra: Mapping[str, Any], params: Sequence[torch.Tensor], owner: str) -> None:
+    """The state-kind tensors in ``extra`` (a wrapper's own entry: ``{kind: {index: tensor}}``,
+    and the names it saved under ``"state_kinds"``) fit this wrapper's ``kinds`` and ``params``:
+    no saved kind this wrapper lacks (it would be dropped), every index a parameter the kind
+    applies to, every tensor of the kind's shape and of a dtype it converts to exactly."""
+    saved_names = extra.get(KINDS_KEY, [])
+    if not isinstance(saved_names, list | tuple) or not all(isinstance(n, str) for n in saved_names):
+        raise TypeError(f"the state_dict's {KINDS_KEY!r} entry must be a list of names, got {saved_names!r}")
+    missing = [n for n in saved_names if n not in kinds.kinds and extra.get(n)]
+    if missing:
+        raise ValueError(
+            f"this optimizer state_dict holds state of kind {', '.join(map(repr, missing))}, which this {owner} "
+            f"does not keep (it keeps {sorted(kinds.kinds) or 'none'}): loading it would drop it silently. Add the "
+            "kind to the optimizer (opt.add_state_kind(...)) before loading, or resume under the setup that saved it"
+        )
+    for kind in kinds:
+        entries = extra.get(kind.name)
+        if entries is None:
+            continue
+        if not isinstance(entries, Mapping):
+            raise TypeError(f"the state_dict's {kind.name!r} entry must be a dict of tensors, got {type(entries).__name__}")
+        for index, value in entries.items():
+            if isinstance(index, bool) or not isinstance(index, int | str) or not str(index).isdigit() \
+                    or int(index) >= len(params):
+                raise ValueError(
+                    f"the state_dict's {kind.name!r} entry names parameter {index!r}; this {owner} has "
+                    f"{len(params)} (was it saved from another model?)"
+                )
+            param = params[int(index)]
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"the state_dict's {kind.name}[{index}] is a {type(value).__name__}, not a tensor")
+            if not kind.applies(param):
+                raise ValueError(
+                    f"the state_dict holds {kind.name} ({kind.describe}) for parameter {index}, a {param.dtype} "
+                    f"parameter this {owner} keeps none for; was it saved under another plan?"
+                )
+            shape = kind.shape_for(param)
+            if value.shape != shape:
+                raise ValueError(
+                    f"saved {kind.name} {index} has shape {tuple(value.shape)}, expected {tuple(shape)}; "
+                    "was it saved from another model?"
+                )
+            dtype = kind.dtype_for(param)
+            if value.is_floating_point() != dtype.is_floating_point or (
+                not dtype.is_floating_point and value.dtype != dtype
+            ):
+                raise ValueError(
+                    f"saved {kind.name} {index} has dtype {value.dtype}, this {owner} keeps it in {dtype}; "
+                    "was it saved under another plan?"
                 )

@@ -229,9 +229,11 @@ def low_precision_step_transient(
     compile: CompileSetting,
     chunk_numel: int | None,
     rounding: str,
+    snapshot_extra: int = 0,
 ) -> int:
     """Peak temporaries of one step of a low-precision wrapper over ``optimizer`` with these
-    settings (see :meth:`mixprec.optim.LowPrecisionOptimizer.step_transient_bytes`)."""
+    settings (see :meth:`mixprec.optim.LowPrecisionOptimizer.step_transient_bytes`);
+    ``snapshot_extra``: bytes of the wrapper's state-kind tensors a guarded step copies too."""
     inner = optimizer
     store_dtype = state_dtype or torch.float32
     state_low = store_dtype != torch.float32
@@ -278,5 +280,5 @@ def low_precision_step_transient(
         else:
             largest = max(q.numel() for q in low)
             scratch = max(scratch, largest * 4 * (2 + n_low_state + of_largest) + per_param * largest * 4)
-    return (snapshot if guarded else 0) + max(scratch, fp32_largest + fp32_all)
+    return (snapshot + snapshot_extra if guarded else 0) + max(scratch, fp32_largest + fp32_all)
 

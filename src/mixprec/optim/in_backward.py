@@ -57,8 +57,6 @@ the others are refused by the front door.
 from __future__ import annotations
 
 import contextlib
-import copy
-import dataclasses
 import functools
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -67,20 +65,9 @@ import torch
 
 from mixprec.optim import footprint
 from mixprec.optim.lowbit import LowPrecisionOptimizer
+from mixprec.optim.snapshot import Snapshot
 
 __all__ = ["InBackwardOptimizer"]
-
-
-@dataclasses.dataclass
-class _Undo:
-    """What one update in backward changed, as it was before, and the marks it left."""
-
-    param: torch.Tensor
-    value: torch.Tensor
-    state: dict[Any, Any] | None
-    compensation: torch.Tensor | None
-    version: int | None = None  # the parameter's version counter right after the update
-    state_after: Any = None  # the optimizer-state dict object right after the update
 
 
 class InBackwardOptimizer:
@@ -103,9 +90,8 @@ class InBackwardOptimizer:
         self.optimizer = optimizer
         self._inv_scale: torch.Tensor | None = None
         self._found: torch.Tensor | None = None
-        self._undo: list[_Undo] = []
+        self._undo: Snapshot | None = None  # what this backward's updates changed, as it was before
         self._updated: set[int] = set()  # ids of the parameters updated in this backward
-        self._extra: dict[str, Any] | None = None
         self._pending: set[int] = set()  # autograd graph tasks with updates whose end has not been seen
         self._held = False
         self._stood = True
@@ -147,11 +133,11 @@ class InBackwardOptimizer:
         """The context a backward runs in: if an exception (KeyboardInterrupt included) leaves it,
         every update made inside it is undone (then ``on_undo`` runs) before the exception
         propagates, whether autograd had finished the backward or not."""
-        start = len(self._undo)
+        start = len(self._undo or ())
         try:
             yield
         except BaseException:
-            if self._pending or len(self._undo) > start:
+            if self._pending or len(self._undo or ()) > start:
                 self._rollback()
                 if on_undo is not None:
                     on_undo()
@@ -187,16 +173,12 @@ class InBackwardOptimizer:
             grad.mul_(self._inv_scale.to(grad.device))
         bad = ~torch.isfinite(grad).all()
         self._found = bad if self._found is None else self._found | bad.to(self._found.device)
-        if self._extra is None:
-            self._extra = copy.deepcopy(self.optimizer.rounding_state())  # rounding-noise state: small
-        state = self.optimizer.state.get(p)
-        saved_state = None if state is None else {
-            k: (v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)) for k, v in state.items()
-        }
-        self.optimizer.follow_writes([p])  # before the copy: an undo must not bring back a stale residual
-        comp = self.optimizer.compensation(p)
-        undo = _Undo(p, p.detach().clone(), saved_state, None if comp is None else comp.clone())
-        self._undo.append(undo)
+        opt = self.optimizer
+        if self._undo is None:  # the rounding-noise state is copied once per backward (small)
+            self._undo = Snapshot(opt.optimizer, opt.kinds, extra=opt.rounding_state())
+        opt.follow_writes([p])  # before the copy: an undo must not bring back a stale residual
+        self._undo.add([p])
+        undo = self._undo.entries[-1]
         self._updated.add(id(p))
         self.optimizer.step_selected({p})
         # a finite weight that the update made non-finite (fp16 range) refuses the step too
@@ -228,10 +210,10 @@ class InBackwardOptimizer:
             for p in missed:
                 self._update(p)
             self._sync_hooks()
-        found, records, extra = self._take()
+        found, undo = self._take()
         self._held, self._stood = hold, found is None or not bool(found)
-        if not self._stood:
-            self._restore(records, extra)
+        if not self._stood and undo is not None:
+            self._restore(undo)
         return self._stood
 
     def release(self) -> bool:
@@ -264,52 +246,35 @@ class InBackwardOptimizer:
         )
 
     # ------------------------------------------------------------------ undo
-    def _take(self) -> tuple[torch.Tensor | None, list[_Undo], dict[str, Any] | None]:
-        found, records, extra = self._found, self._undo, self._extra
-        self._found, self._undo, self._extra = None, [], None
+    def _take(self) -> tuple[torch.Tensor | None, Snapshot | None]:
+        found, undo = self._found, self._undo
+        self._found, self._undo = None, None
         self._updated = set()
         self._pending.clear()
-        return found, records, extra
+        return found, undo
 
     def _rollback(self) -> None:
         """Undo an incomplete backward, unless the weights or state it wrote were written since
         (then the copies are stale and what was written stands); clear partial gradients."""
-        _, records, extra = self._take()
-        untouched = all(
+        _, undo = self._take()
+        untouched = undo is None or all(
             u.version is None or (u.param._version == u.version and self.optimizer.state.get(u.param) is u.state_after)
-            for u in records
+            for u in undo
         )
-        if untouched:
-            self._restore(records, extra)
+        if undo is not None and untouched:
+            self._restore(undo)
         for p in self.optimizer.params():
             p.grad = None
 
-    def _restore(self, records: list[_Undo], extra: dict[str, Any] | None) -> None:
-        with torch.no_grad():
-            for u in reversed(records):
-                u.param.copy_(u.value)
-                if u.state is None:
-                    self.optimizer.state.pop(u.param, None)
-                else:
-                    self.optimizer.state[u.param] = u.state
-                if u.compensation is not None:
-                    self.optimizer.set_compensation(u.param, u.compensation)
-                else:
-                    self.optimizer.drop_compensation(u.param)
-        if extra is not None:
-            self.optimizer.load_rounding_state(extra)
-        self.optimizer.note_written([u.param for u in records])
+    def _restore(self, undo: Snapshot) -> None:
+        if undo.restore():
+            self.optimizer.load_rounding_state(undo.extra)
+        self.optimizer.note_written([u.param for u in undo])
 
     # ------------------------------------------------------------------ memory facts
     def undo_bytes(self) -> int:
         """Bytes of the undo copies held now: those of the backward running, 0 between backwards."""
-        total = 0
-        for u in self._undo:
-            tensors = [u.value, *(v for v in (u.state or {}).values() if isinstance(v, torch.Tensor))]
-            if u.compensation is not None:
-                tensors.append(u.compensation)
-            total += sum(footprint.nbytes(t) for t in tensors)
-        return total
+        return 0 if self._undo is None else self._undo.nbytes()
 
     def state_bytes(self) -> dict[str, int]:
         """What the wrapped optimizer keeps between steps (see
@@ -322,7 +287,8 @@ class InBackwardOptimizer:
         :meth:`finish` (the whole training state, when every parameter has a gradient)."""
         copies = sum(footprint.nbytes(p) for p in footprint.unique_tensors(self.optimizer.params()))
         held = self.optimizer.state_bytes()
-        return copies + held.get("optimizer_state", 0) + held.get("compensation", 0)
+        kinds = self.optimizer.kinds.bytes_by_category(self.optimizer.params())
+        return copies + held.get("optimizer_state", 0) + sum(kinds.values())
 
     def remove(self) -> None:
         """Remove the hooks: the wrapper steps in ``step()`` again."""

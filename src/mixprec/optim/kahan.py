@@ -16,15 +16,15 @@ significant bits, and the next update starts from it (Kahan summation).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
 
 import torch
 
-from mixprec.optim import footprint
 from mixprec.optim.compiled import CompileSetting
 from mixprec.optim.fast import Piece
 from mixprec.optim.follow import WriteWatch, load_compensation, register
+from mixprec.optim.kinds import COMPENSATION, StateKind
 from mixprec.optim.lowbit import LowPrecisionOptimizer
 
 __all__ = ["KahanOptimizer"]
@@ -55,7 +55,6 @@ class KahanOptimizer(LowPrecisionOptimizer):
         super().__init__(
             optimizer, state_dtype=state_dtype, fast=fast, chunk_numel=chunk_numel, fused=fused, compile=compile
         )
-        self._comp: dict[torch.Tensor, torch.Tensor] = {}
         self._watch = WriteWatch()  # the weights as this wrapper last wrote them
         self._follow_loads()
 
@@ -65,6 +64,12 @@ class KahanOptimizer(LowPrecisionOptimizer):
         self._watch.record(low)
 
     rounding = "kahan"
+    state_kinds: ClassVar[tuple[StateKind, ...]] = (COMPENSATION,)
+
+    @property
+    def _comp(self) -> dict[torch.Tensor, torch.Tensor]:
+        """The compensation buffers by parameter (the :data:`~mixprec.optim.kinds.COMPENSATION` kind's tensors)."""
+        return self.kinds.values[COMPENSATION.name]
 
     # --------------------------------------------------------------- compensation
     def compensation(self, param: torch.Tensor) -> torch.Tensor | None:
@@ -79,7 +84,7 @@ class KahanOptimizer(LowPrecisionOptimizer):
                 f"set_compensation(value=...) has shape {tuple(value.shape)}, but the parameter {tuple(param.shape)}; "
                 "pass a tensor shaped like the parameter"
             )
-        self._comp[param] = value
+        self.kinds.set(COMPENSATION.name, param, value)
 
     def drop_compensation(self, param: torch.Tensor) -> None:
         """Forget the compensation buffer of ``param``: its next step starts from zero."""
@@ -113,8 +118,7 @@ class KahanOptimizer(LowPrecisionOptimizer):
     def _compensation_for(self, param: torch.Tensor) -> torch.Tensor:
         comp = self._comp.get(param)
         if comp is None:
-            comp = torch.zeros_like(param, memory_format=torch.preserve_format)
-            self._comp[param] = comp
+            comp = self._comp[param] = torch.zeros_like(param, memory_format=torch.preserve_format)
         return comp
 
     def _expand_into(self, param: torch.Tensor, out: torch.Tensor) -> None:
@@ -137,33 +141,3 @@ class KahanOptimizer(LowPrecisionOptimizer):
 
     def _compiled_rounding_inputs(self) -> tuple[Callable[[torch.Tensor], torch.Tensor] | None, list[int] | None]:
         return self._compensation_for, None
-
-    def extra_state(self) -> dict[str, Any]:
-        params = list(self.params())
-        self.follow_writes([p for p in params if p in self._comp])  # a written weight's residual is not saved
-        return {"compensation": {i: self._comp[p].clone() for i, p in enumerate(params) if p in self._comp}}
-
-    def load_extra_state(self, extra: dict[str, Any]) -> None:
-        params = list(self.params())
-        comps: dict[torch.Tensor, torch.Tensor] = {}
-        for index, comp in extra.get("compensation", {}).items():
-            param = params[int(index)]
-            if comp.shape != param.shape:
-                raise ValueError(f"saved compensation {index} has shape {tuple(comp.shape)}, expected {tuple(param.shape)}")
-            comps[param] = comp.detach().clone().to(device=param.device, dtype=param.dtype)
-        self._comp = comps
-
-    # ---------------------------------------------------------------- memory facts
-    def state_bytes(self) -> dict[str, int]:
-        """The inner optimizer's state (see :class:`LowPrecisionOptimizer`) and one
-        compensation buffer per low-precision parameter (predicted before its first step)."""
-        out = super().state_bytes()
-        out["compensation"] = sum(
-            footprint.nbytes(c if (c := self._comp.get(p)) is not None else p)
-            for p in footprint.unique_tensors(self._low_params())
-        )
-        return out
-
-    def state_tensors(self) -> Iterator[torch.Tensor]:
-        yield from super().state_tensors()
-        yield from self._comp.values()

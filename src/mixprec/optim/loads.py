@@ -1,10 +1,10 @@
-"""Loading an optimizer state_dict into a wrapper, all or nothing.
+"""Loading a checked optimizer state_dict (:mod:`mixprec.optim.checks`) into a wrapper.
 
 torch's ``Optimizer.load_state_dict`` replaces the groups and the state first and runs the
 optimizer's ``__setstate__`` after: a state it cannot take (an SGD state in AdamW: no
-``'step'``) fails *after* the optimizer already holds it. :func:`load_inner` puts the
-previous groups and state back on any failure. The other helpers take apart and check what
-the low-precision wrappers keep beside the inner optimizer's state, before anything changes.
+``'step'``) fails *after* the optimizer already holds it. :func:`load_inner` loads inside
+:func:`mixprec.optim.snapshot.all_or_nothing`, which puts the previous groups and state
+back on any failure. :func:`keep_state_dtype` keeps the low-precision wrappers' state dtype.
 
 >>> import torch
 >>> w = torch.nn.Parameter(torch.zeros(2))
@@ -21,61 +21,22 @@ ValueError: cannot load this optimizer state_dict into AdamW (KeyError: 'step');
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from mixprec.dtypes import LOW_PRECISION_DTYPES
+from mixprec.optim.snapshot import all_or_nothing
 
-__all__ = ["check_rounding_state", "keep_state_dtype", "load_inner", "split_wrapper_state"]
+__all__ = ["keep_state_dtype", "load_inner"]
 
 
 def load_inner(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
     """``optimizer.load_state_dict(state_dict)``; if it fails, the optimizer's previous groups
     and state are put back and a ValueError (or the ValueError/TypeError raised) says so."""
-    old_state, old_groups = optimizer.state, optimizer.param_groups
-    try:
+    with all_or_nothing(optimizer):
         optimizer.load_state_dict(state_dict)
-    except Exception as exc:
-        optimizer.state, optimizer.param_groups = old_state, old_groups
-        if isinstance(exc, ValueError | TypeError):
-            raise
-        raise ValueError(
-            f"cannot load this optimizer state_dict into {type(optimizer).__name__} ({type(exc).__name__}: {exc}); "
-            "nothing was changed. Was it saved from another kind of optimizer?"
-        ) from exc
-
-
-def split_wrapper_state(state_dict: Any, key: str, owner: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``state_dict`` as (the inner optimizer's state_dict, the wrapper's own entry ``key``),
-    refused (TypeError/ValueError naming ``owner``) when it is not a dict or lacks the entry."""
-    if not isinstance(state_dict, Mapping):
-        raise TypeError(f"state_dict must be a dict (from {owner}.state_dict()), got {type(state_dict).__name__}")
-    sd = dict(state_dict)
-    extra = sd.pop(key, None)
-    if extra is None:
-        raise ValueError(
-            f"this optimizer state_dict has no {key!r} entry: it was not saved by a "
-            f"{owner}; load it into the optimizer that saved it"
-        )
-    if not isinstance(extra, dict):
-        raise TypeError(f"the state_dict's {key!r} entry must be a dict, got {type(extra).__name__}")
-    return sd, extra
-
-
-def check_rounding_state(extra: Mapping[str, Any], rounding: str, owner: str) -> None:
-    """Refuse to drop Kahan compensation: ``extra`` (a low-precision wrapper's own entry)
-    holds compensation buffers, the bits rounding dropped from the weights, and the
-    wrapper loading it (of ``rounding``) keeps none."""
-    comp = extra.get("compensation")
-    if rounding != "kahan" and comp:
-        raise ValueError(
-            f"this optimizer state_dict holds Kahan compensation for {len(comp)} low-precision weights (the bits "
-            f"rounding dropped from them), which a {owner} (rounding {rounding!r}) cannot keep: loading it would "
-            "drop them silently. Resume it under the plan that saved it ('bf16-kahan'), or, to change plans on "
-            "purpose, load only the model weights and start the optimizer fresh"
-        )
 
 
 @torch.no_grad()

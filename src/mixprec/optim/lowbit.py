@@ -43,11 +43,18 @@ from mixprec.compiling import check_environment
 from mixprec.dtypes import LOW_PRECISION_DTYPES, parse_dtype
 from mixprec.optim import footprint, routing
 from mixprec.optim.base import WrappedOptimizer
-from mixprec.optim.checks import check_inner_state_dict, check_state_shapes
-from mixprec.optim.compiled import CompileSetting, LayoutReservation, check_compile_setting
+from mixprec.optim.checks import (
+    KINDS_KEY,
+    check_inner_state_dict,
+    check_kind_state,
+    check_rounding_state,
+    check_state_shapes,
+    split_wrapper_state,
+)
+from mixprec.optim.compiled import CompileSetting, check_compile_setting
 from mixprec.optim.fast import Piece, default_chunk_numel, fast_kind, fast_step, fused_available
-from mixprec.optim.loads import check_rounding_state, keep_state_dtype, split_wrapper_state
-from mixprec.optim.snapshot import ParamSnapshot, became_nonfinite, restore_params, snapshot_params
+from mixprec.optim.loads import keep_state_dtype
+from mixprec.optim.snapshot import Snapshot, all_or_nothing
 
 __all__ = ["LowPrecisionOptimizer"]
 
@@ -134,7 +141,7 @@ class LowPrecisionOptimizer(WrappedOptimizer):
             )
         self.fast = fast
         self.chunk_numel = chunk_numel
-        self._snapshot: ParamSnapshot | None = None
+        self._snapshot: Snapshot | None = None
         self._compiled_layouts: set[str] = set()  # layouts the compiled route took (checkpointed)
         self._layout_keys: dict[tuple[Any, ...], str] = {}  # (param ids, grad dtypes, options) -> layout
         self._index: dict[int, tuple[int, int]] = {}  # id(param) -> (group, position), for step_selected({param})
@@ -171,11 +178,12 @@ class LowPrecisionOptimizer(WrappedOptimizer):
             raise ValueError(f"{type(self).__name__}.step() does not take a closure; compute the loss before step()")
         guarded = any(p.dtype == torch.float16 for p in self._low_params())
         self.follow_writes(self._low_params())  # before the snapshot: an undo must not bring back a stale residual
-        self._snapshot = snapshot_params(self.optimizer, self.params(), self.extra_state()) if guarded else None
+        self._snapshot = Snapshot(self.optimizer, self.kinds, extra=self.rounding_state()).add(self.params()) \
+            if guarded else None
         self._nonfinite = None
         result = self.step_selected(None)
         if self._snapshot is not None:
-            self._nonfinite = became_nonfinite(self._snapshot)
+            self._nonfinite = self._snapshot.became_nonfinite()
             if bool(self._nonfinite):
                 self._restore(self._snapshot)
         return result
@@ -189,6 +197,8 @@ class LowPrecisionOptimizer(WrappedOptimizer):
         picked = saved if selected is None else self._pick(saved, selected)
         low = [[p for p in params if p.dtype in LOW_PRECISION_DTYPES] for params in picked]
         written = [p for params in low for p in params]
+        stepped = [p for params in picked for p in params if p.grad is not None]
+        self.kinds.before_step(stepped)
         self.follow_writes(written)
         scratch: dict[tuple[int, torch.device], torch.Tensor] = {}
         result = None
@@ -222,6 +232,7 @@ class LowPrecisionOptimizer(WrappedOptimizer):
             for group, params in zip(groups, saved, strict=True):
                 group["params"] = params
             self.note_written(written)
+        self.kinds.after_step(stepped)  # the state kinds' own rules (none of the built-in kinds has one)
         return result
 
     def follow_writes(self, params: Sequence[torch.Tensor]) -> None:
@@ -247,10 +258,6 @@ class LowPrecisionOptimizer(WrappedOptimizer):
         if where is not None and _holds(saved, where, param):
             picked[where[0]].append(param)
         return picked
-
-    def _compiled_layout_ok(self, group: dict[str, Any], active: list[torch.nn.Parameter]) -> LayoutReservation | None:
-        """See :func:`mixprec.optim.routing.compiled_layout_ok`."""
-        return routing.compiled_layout_ok(self, group, active)
 
     def _compiled_rounding_inputs(self) -> tuple[Callable[[torch.Tensor], torch.Tensor] | None, list[int] | None]:
         """(compensation of a parameter, noise counter) the compiled route rounds with; the
@@ -327,9 +334,9 @@ class LowPrecisionOptimizer(WrappedOptimizer):
         else:
             super().undo_step()
 
-    def _restore(self, snapshot: ParamSnapshot) -> None:
-        if restore_params(self.optimizer, snapshot):
-            self.load_extra_state(snapshot.extra)
+    def _restore(self, snapshot: Snapshot) -> None:
+        if snapshot.restore():
+            self.load_rounding_state(snapshot.extra)
         self.note_written(self._low_params())
 
     # ------------------------------------------------- compensation and rounding noise
@@ -354,18 +361,19 @@ class LowPrecisionOptimizer(WrappedOptimizer):
         """Restore what :meth:`rounding_state` returned."""
 
     # ------------------------------------------------------------------------ checkpoints
-    def _upgraded_layout(self, key: str, params: list[torch.nn.Parameter]) -> str:
-        """See :func:`mixprec.optim.routing.upgraded_layout`."""
-        return routing.upgraded_layout(self, key, params)
-
     def extra_state(self) -> dict[str, Any]:
-        """This wrapper's own state besides the inner optimizer's (compensation buffers,
-        rounding noise): what :meth:`state_dict` stores under its own key."""
-        return self.rounding_state()
+        """This wrapper's own state besides the inner optimizer's (the rounding noise, the
+        tensors of its state kinds by kind name): what :meth:`state_dict` stores under its own key."""
+        self.follow_writes(self._low_params())  # a weight written since its last step: its kinds follow first
+        out = {**self.rounding_state(), **self.kinds.state(list(self.params()))}
+        if self.kinds:
+            out[KINDS_KEY] = sorted(self.kinds.kinds)
+        return out
 
     def load_extra_state(self, extra: dict[str, Any]) -> None:
-        """Restore what :meth:`extra_state` returned (shapes are checked first)."""
+        """Restore what :meth:`extra_state` returned (checked first by :func:`~mixprec.optim.checks.check_kind_state`)."""
         self.load_rounding_state(extra)
+        self.kinds.load(extra, list(self.params()))
 
     def state_dict(self) -> dict[str, Any]:
         sd = self.optimizer.state_dict()
@@ -375,24 +383,18 @@ class LowPrecisionOptimizer(WrappedOptimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load the inner optimizer's state and this wrapper's own (compensation, rounding
         noise); all or nothing: a refused state_dict (ValueError/TypeError) changes nothing."""
-        sd, extra = split_wrapper_state(state_dict, self._STATE_KEY, type(self).__name__)
-        check_rounding_state(extra, self.rounding, type(self).__name__)
-        check_inner_state_dict(self.optimizer, sd)
+        owner = type(self).__name__
+        sd, extra = split_wrapper_state(state_dict, self._STATE_KEY, owner)
         params = list(self.params())
+        check_rounding_state(extra, self.rounding, owner)
+        check_kind_state(self.kinds, extra, params, owner)
+        check_inner_state_dict(self.optimizer, sd)
         check_state_shapes(params, sd)
-        old_state, old_groups, old_attrs = self.optimizer.state, self.optimizer.param_groups, dict(self.__dict__)
-        try:
+        with all_or_nothing(self.optimizer, self, what=f"cannot load this {owner} state_dict"):
             self.optimizer.load_state_dict(sd)
             keep_state_dtype(self.optimizer, params, sd, self.state_dtype)  # torch cast it to the params' dtype
-            self.load_extra_state(extra)
             self._compiled_layouts = routing.loaded_layouts(self, extra.get("compiled_layouts", []), params)
-        except Exception as exc:
-            self.optimizer.state, self.optimizer.param_groups = old_state, old_groups
-            self.__dict__.clear()
-            self.__dict__.update(old_attrs)
-            if isinstance(exc, ValueError | TypeError):
-                raise
-            raise ValueError(f"cannot load this {type(self).__name__} state_dict: {type(exc).__name__}: {exc}") from exc
+            self.load_extra_state(extra)
         self._snapshot = None
         self.note_written(self._low_params())  # the loaded compensation stands for the weights as they are
 
@@ -413,7 +415,7 @@ class LowPrecisionOptimizer(WrappedOptimizer):
             for shape, dtype in layouts.get(id(q), {}).values():
                 shaped = id(q) in low_ids and shape == q.shape and dtype.is_floating_point
                 total += shape.numel() * (size if shaped else dtype.itemsize)
-        return {"optimizer_state": total}
+        return self.kind_bytes({"optimizer_state": total})
 
     def step_transient_bytes(self) -> int:
         """Peak temporaries of one :meth:`step`, as it runs them:
@@ -427,11 +429,12 @@ class LowPrecisionOptimizer(WrappedOptimizer):
           scratch); the compiled route materialises nothing in fp32;
         - on the generic path, one parameter at a time on reused fp32 scratch;
         - with fp16 parameters, the step first snapshots every parameter and state tensor
-          (kept for the whole step, so a non-finite update can be undone).
+          and its state kinds' tensors (kept for the whole step, so a non-finite update can be undone).
         """
         return footprint.low_precision_step_transient(
             self.optimizer, state_dtype=self.state_dtype, fast=self.fast, fused=self.fused, compile=self.compile,
             chunk_numel=self.chunk_numel, rounding=self.rounding,
+            snapshot_extra=sum(self.kinds.bytes_by_category(self.params()).values()),
         )
 
 def _holds(saved: list[list[torch.Tensor]], where: tuple[int, int], param: torch.Tensor) -> bool:

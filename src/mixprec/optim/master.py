@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -39,20 +39,23 @@ from mixprec.dtypes import LOW_PRECISION_DTYPES
 from mixprec.optim import footprint
 from mixprec.optim.base import WrappedOptimizer
 from mixprec.optim.checks import (
+    KINDS_KEY,
     check_inner_state_dict,
+    check_kind_state,
     check_master_weights,
     check_param_shaped_state,
+    split_master_state,
 )
+from mixprec.optim.fast import prefer_fast_update
 from mixprec.optim.follow import Seeds, WriteWatch, follow_masters, register, seed_master
-from mixprec.optim.loads import load_inner
+from mixprec.optim.kinds import MASTER, StateKind
 from mixprec.optim.master_grads import MasterGrads
-from mixprec.optim.snapshot import StepSnapshot, masters_nonfinite, restore_snapshot, take_snapshot
+from mixprec.optim.snapshot import Snapshot, all_or_nothing, masters_nonfinite
 
 __all__ = ["MasterWeightOptimizer"]
 
 _MASTER_KEY = "mixprec_master_weights"
-
-_FUSED_DEVICES = frozenset({"cpu", "cuda", "xpu", "mps"})
+_KINDS_KEY = "mixprec_state_kinds"  # the state kinds added to this wrapper (absent when none)
 
 
 class MasterWeightOptimizer(WrappedOptimizer):
@@ -100,7 +103,7 @@ class MasterWeightOptimizer(WrappedOptimizer):
         self._grads = MasterGrads()
         self._pairs = self._grads.pairs  # (model parameter, fp32 master), shared with the gradient half
         self._master_by_param: dict[int, torch.nn.Parameter] = {}
-        self._snapshot: StepSnapshot | None = None
+        self._snapshot: Snapshot | None = None
         self._nonfinite: torch.Tensor | None = None
         self._fast_path = bool(fast_path)
         self._watch = WriteWatch()  # the model weights as this optimizer last wrote them
@@ -108,6 +111,9 @@ class MasterWeightOptimizer(WrappedOptimizer):
             group["params"] = self._masters_for(group["params"], master_values or {})
             self._choose_implementation(group)
         self._layout = self._group_layout()
+
+    #: what the masters are, as data (:mod:`mixprec.optim.kinds`); kept as the inner optimizer's parameters
+    master_kind: ClassVar[StateKind] = MASTER
 
     # ----------------------------------------------------------------- masters
     def _masters_for(
@@ -210,24 +216,8 @@ class MasterWeightOptimizer(WrappedOptimizer):
         self._layout = self._group_layout()
 
     def _choose_implementation(self, group: dict[str, Any]) -> None:
-        """Fused, else foreach, where the group leaves both to torch's default (see ``fast_path``)."""
-        if not self._fast_path or "foreach" not in group or group["foreach"] is not None or group.get("fused"):
-            return
-        fusable = (
-            type(self.optimizer) in (torch.optim.Adam, torch.optim.AdamW)
-            and "fused" in group
-            and not group.get("differentiable", False)
-            and all(q.is_floating_point() and q.device.type in _FUSED_DEVICES for q in group["params"])
-        )
-        if not fusable:
-            group["foreach"] = True
-            return
-        group["fused"] = True
-        for q in group["params"]:  # the fused kernel keeps step counters beside the parameter, in fp32
-            state = self.optimizer.state.get(q)
-            step = None if not state else state.get("step")
-            if isinstance(step, torch.Tensor):
-                state["step"] = step.to(device=q.device, dtype=torch.float32)  # type: ignore[index]
+        if self._fast_path:
+            prefer_fast_update(self.optimizer, group)
 
     # --------------------------------------------------------------- gradients
     def prepare_grads(self) -> None:
@@ -292,11 +282,15 @@ class MasterWeightOptimizer(WrappedOptimizer):
             raise ValueError("MasterWeightOptimizer.step() does not take a closure; compute the loss before step()")
         self.prepare_grads()
         follow_masters(self._pairs, self._watch)  # weights written since the last step: masters follow them
+        stepped = [p for p, m in self._pairs if m.grad is not None]
+        self.kinds.before_step(stepped)
         guard = self.guard_nonfinite
         if guard:
-            self._snapshot = take_snapshot(self.optimizer)
+            self._snapshot = Snapshot(self.optimizer, self.kinds, groups=True)
+            inner = [q for g in self.optimizer.param_groups for q in g["params"]]
+            self._snapshot.add(inner, self._model_params(inner))
         result = self.optimizer.step()
-        self._release_grads()
+        self._grads.release()
         if guard:
             bad = masters_nonfinite(self._pairs, self.optimizer)
             self._nonfinite = bad
@@ -304,10 +298,8 @@ class MasterWeightOptimizer(WrappedOptimizer):
                 self._restore()
                 return None
         self.sync_model()
+        self.kinds.after_step(stepped)  # the state kinds' own rules (the masters have none)
         return result
-
-    def _release_grads(self) -> None:
-        self._grads.release()
 
     def step_nonfinite(self) -> torch.Tensor | None:
         """After :meth:`step`: a bool tensor, True when the update would have written a
@@ -334,18 +326,16 @@ class MasterWeightOptimizer(WrappedOptimizer):
         self._restore()
 
     def _restore(self) -> None:
-        snap = self._snapshot
-        if snap is None:  # pragma: no cover - callers check
-            raise RuntimeError("no snapshot to restore")
         with torch.no_grad():
-            restore_snapshot(self.optimizer, snap)
+            if self._snapshot is not None:  # callers check
+                self._snapshot.restore()
             self.sync_model()
         self._snapshot = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the master gradients, the fp32 accumulation buffers and the model's gradients."""
         self.optimizer.zero_grad(set_to_none=set_to_none)
-        self._release_grads()
+        self._grads.release()
         self._snapshot = None
         for p, _ in self._pairs:
             if p.grad is not None:
@@ -361,36 +351,26 @@ class MasterWeightOptimizer(WrappedOptimizer):
             self._watch.record([p for p, _ in self._pairs])
         sd = self.optimizer.state_dict()
         sd[_MASTER_KEY] = [m.detach().clone() for m in self.masters]
+        if self.kinds:
+            sd[_KINDS_KEY] = {**self.kinds.state(self.kind_params()), KINDS_KEY: sorted(self.kinds.kinds)}
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load masters and inner optimizer state, all or nothing: everything is checked
         (master count, shapes and dtypes; the inner state's groups and shapes) before
         anything changes, and a failure leaves this optimizer and the model as they were."""
-        if not isinstance(state_dict, Mapping):
-            raise TypeError(f"state_dict must be a dict (from MasterWeightOptimizer.state_dict()), got {type(state_dict).__name__}")
         self._adopt_added()  # groups added to the inner optimizer since: their masters are counted too
-        sd = dict(state_dict)
-        masters = sd.pop(_MASTER_KEY, None)
-        if masters is None:
-            raise ValueError(
-                "this optimizer state_dict has no fp32 master weights (key "
-                f"{_MASTER_KEY!r}): it was saved without master weights. To start the masters from "
-                "the current model weights instead, call opt.optimizer.load_state_dict(sd) and then "
-                "opt.reset_masters_from_model()."
-            )
-        check_master_weights(masters, self.masters)
+        sd, masters, kinds = split_master_state(state_dict, _MASTER_KEY, _KINDS_KEY)
+        check_master_weights(masters, self.masters, _MASTER_KEY)
+        check_kind_state(self.kinds, kinds, self.kind_params(), type(self).__name__)
         check_inner_state_dict(self.optimizer, sd)
-        old_state, old_groups = self.optimizer.state, self.optimizer.param_groups
-        load_inner(self.optimizer, sd)  # puts the old state and groups back if torch fails half-way
-        try:
+        with all_or_nothing(self.optimizer, self):
+            self.optimizer.load_state_dict(sd)
             check_param_shaped_state(self.optimizer)
-        except (ValueError, TypeError):
-            self.optimizer.state, self.optimizer.param_groups = old_state, old_groups
-            raise
+            self.kinds.load(kinds, self.kind_params())
         for group in self.optimizer.param_groups:  # a loaded group may name torch's defaults again
             self._choose_implementation(group)
-        self._release_grads()
+        self._grads.release()
         self._snapshot = None
         self._nonfinite = None
         with torch.no_grad():
@@ -400,6 +380,14 @@ class MasterWeightOptimizer(WrappedOptimizer):
 
     def __getstate__(self) -> dict[str, Any]:
         return {**super().__getstate__(), "_seeds": None}  # a weak reference to prepare()'s seeds
+
+    def _model_params(self, inner: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The model parameter of each of ``inner`` (a master's weight; an fp32 parameter itself)."""
+        model = {id(m): p for p, m in self._pairs}
+        return [model.get(id(q), q) for q in inner]
+
+    def kind_params(self) -> list[torch.Tensor]:
+        return self._model_params(list(self.params()))
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         state = {"_seeds": None, "_layout": [], **state}
@@ -412,17 +400,18 @@ class MasterWeightOptimizer(WrappedOptimizer):
         """The fp32 masters, the inner optimizer's state (kept for the masters, in fp32;
         predicted before the first step) and the fp32 buffers of micro-batches accumulated
         since the last step."""
-        return {
-            "master_weights": sum(footprint.nbytes(m) for m in footprint.unique_tensors(self.masters)),
+        return self.kind_bytes({
+            "master_weights": sum(self.master_kind.nbytes_for(p) for p, _ in self._pairs),
             "optimizer_state": footprint.optimizer_state_bytes(self.optimizer),
             "grad_accumulation": self._grads.accumulation_bytes(),
-        }
+        })
 
     def step_transient_bytes(self) -> int:
         """The update's temporaries, the fp32 gradients gathered at step time and, on guarded
         steps, the copy of every parameter and state tensor kept to undo the update."""
         transient = footprint.update_transient_bytes(self.optimizer) + sum(footprint.nbytes(m) for m in self.masters)
-        if self.guard_nonfinite:
+        if self.guard_nonfinite:  # the snapshot: every parameter, its state and state kinds
+            transient += sum(self.kinds.bytes_by_category(self.kind_params()).values())
             layouts = footprint.state_layout(self.optimizer)
             for group in self.optimizer.param_groups:
                 for q in group["params"]:

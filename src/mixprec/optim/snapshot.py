@@ -1,48 +1,56 @@
-"""Snapshots of an optimizer before a step, so a refused step can be undone bit for bit, and
-the check that decides a master-weight step must be refused (:func:`masters_nonfinite`).
+"""The one way optimizer-owned state is put back: undoing a refused step, and a refused load.
+
+A :class:`Snapshot` copies, for each parameter given to :meth:`Snapshot.add`, its value, its
+state in the optimizer (moments in any dtype, step counts) and its tensors of every state
+kind (:mod:`mixprec.optim.kinds`: Kahan compensation, remainders, ...), optionally the param
+group settings and a wrapper's small extra state (the rounding noise). :meth:`Snapshot.restore`
+puts them back bit for bit, once. The master-weight guard snapshots every master at once,
+the fp16 guard of the low-precision wrappers every parameter, and the optimizer in backward
+one parameter per hook. :meth:`Snapshot.nbytes` is what it holds: the copied tensors, never
+more (:func:`~mixprec.optim.footprint.low_precision_step_transient` predicts it).
+
+:func:`all_or_nothing` is the same promise for a load: a load that fails half-way puts the
+optimizer's state, groups and the wrapper's attributes back as they were.
 
 >>> import torch
 >>> w = torch.nn.Parameter(torch.ones(2))
 >>> sgd = torch.optim.SGD([w], lr=1.0, momentum=0.9)
 >>> w.grad = torch.ones(2)
->>> snap = take_snapshot(sgd)
+>>> snap = Snapshot(sgd, groups=True).add([w])
 >>> sgd.step()
->>> restore_snapshot(sgd, snap)
+>>> snap.restore()
+True
 >>> w.detach(), len(sgd.state)
 (tensor([1., 1.]), 0)
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-__all__ = [
-    "ParamSnapshot",
-    "StepSnapshot",
-    "became_nonfinite",
-    "clone_all",
-    "masters_nonfinite",
-    "restore_params",
-    "restore_snapshot",
-    "snapshot_params",
-    "take_snapshot",
-]
+from mixprec.optim.kinds import KindStore
+
+__all__ = ["Saved", "Snapshot", "all_or_nothing", "clone_all", "masters_nonfinite"]
 
 
 @dataclass
-class StepSnapshot:
-    """Parameters, optimizer state and group settings before a step."""
+class Saved:
+    """What one parameter held before: its value, optimizer state and state-kind tensors."""
 
-    params: list[torch.Tensor]
-    values: list[torch.Tensor]
-    state: dict[torch.Tensor, dict[str, Any] | None]
-    groups: list[dict[str, Any]] = field(default_factory=list)
+    param: torch.Tensor
+    value: torch.Tensor
+    state: dict[Any, Any] | None
+    kinds: dict[str, torch.Tensor | None] = field(default_factory=dict)
+    kind_key: torch.Tensor | None = None  # the parameter the kinds are kept for (default: ``param``)
+    version: int | None = None  # marks a caller may set after the update (the optimizer in backward)
+    state_after: Any = None
 
 
 def clone_all(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -58,102 +66,161 @@ def clone_all(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-def take_snapshot(optimizer: torch.optim.Optimizer) -> StepSnapshot:
-    """Copy every parameter of ``optimizer``, its state tensors and its group settings."""
-    params = [q for g in optimizer.param_groups for q in g["params"]]
-    state: dict[torch.Tensor, dict[str, Any] | None] = {}
-    srcs: list[torch.Tensor] = list(params)
-    for q in params:
-        s = optimizer.state.get(q)
-        state[q] = None if not s else dict(s)
-        if s:
-            srcs.extend(v for v in s.values() if isinstance(v, torch.Tensor))
-    copies = clone_all(srcs)
-    by_id = {id(t): c for t, c in zip(srcs, copies, strict=True)}
-    for s in state.values():
-        if s is not None:
-            for k, v in s.items():
-                if isinstance(v, torch.Tensor):
-                    s[k] = by_id[id(v)]
-    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-    return StepSnapshot(params=params, values=copies[: len(params)], state=state, groups=groups)
+class Snapshot:
+    """Copies of parameters, their optimizer state and state-kind tensors, restored together.
+
+    Args:
+        optimizer: the optimizer whose ``state`` holds the parameters' state.
+        kinds: the wrapper's state kinds (None: none).
+        groups: also copy the param groups' settings (everything but ``params``).
+        extra: a wrapper's own small state (deep-copied; the caller restores it from
+            :attr:`extra` after :meth:`restore`).
+    """
+
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, kinds: KindStore | None = None, *, groups: bool = False,
+        extra: Any = None,
+    ) -> None:
+        self.optimizer = optimizer
+        self.kinds = kinds
+        self.entries: list[Saved] = []
+        self.groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] if groups else None
+        self.extra = copy.deepcopy(extra)
+        self.restored = False
+
+    @torch.no_grad()
+    def add(self, params: Iterable[torch.Tensor], kind_keys: Sequence[torch.Tensor] | None = None) -> Snapshot:
+        """Copy ``params`` as they are now (one foreach copy per device and dtype); returns self.
+        ``kind_keys``: the parameters their state kinds are kept for, where those differ (the
+        model parameters of fp32 masters)."""
+        params = list(params)
+        keys = list(kind_keys) if kind_keys is not None else params
+        sources: list[torch.Tensor] = list(params)
+        entries = []
+        for p, key in zip(params, keys, strict=True):
+            live = self.optimizer.state.get(p)
+            state = None if live is None else dict(live)
+            kinds = self.kinds.of(key) if self.kinds is not None else {}
+            entries.append(Saved(p, p, state, kinds, key))
+            sources.extend(v for v in (state or {}).values() if isinstance(v, torch.Tensor))
+            sources.extend(v for v in kinds.values() if v is not None)
+        by_id = {id(t): c for t, c in zip(sources, clone_all(sources), strict=True)}
+        for entry in entries:
+            entry.value = by_id[id(entry.param)]
+            if entry.state is not None:
+                entry.state = {
+                    k: by_id[id(v)] if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in entry.state.items()
+                }
+            entry.kinds = {k: None if v is None else by_id[id(v)] for k, v in entry.kinds.items()}
+        self.entries.extend(entries)
+        return self
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __iter__(self) -> Iterator[Saved]:
+        return iter(self.entries)
+
+    @torch.no_grad()
+    def became_nonfinite(self) -> torch.Tensor:
+        """A bool tensor: an fp16 parameter that was finite when copied holds a non-finite value now."""
+        flags = [
+            (torch.isfinite(e.value) & ~torch.isfinite(e.param)).any() for e in self.entries
+            if e.param.dtype == torch.float16
+        ]
+        if not flags:
+            return torch.zeros((), dtype=torch.bool)
+        return torch.stack(flags).any()
+
+    @torch.no_grad()
+    def restore(self) -> bool:
+        """Put every copied parameter, its state and state-kind tensors (and the group settings)
+        back, the last copied first; in place where the layout allows. Once: False when it was
+        already restored."""
+        if self.restored:
+            return False
+        state = self.optimizer.state
+        by_layout: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+
+        def put(dst: torch.Tensor, src: torch.Tensor) -> None:
+            targets, values = by_layout.setdefault((dst.device, dst.dtype), ([], []))
+            targets.append(dst)
+            values.append(src)
+
+        for e in reversed(self.entries):
+            put(e.param, e.value)
+            if e.state is None:
+                state.pop(e.param, None)
+            else:
+                current = state.get(e.param)
+                if current is None:
+                    state[e.param] = e.state
+                else:
+                    for k in [k for k in current if k not in e.state]:
+                        del current[k]
+                    for k, v in e.state.items():
+                        cur = current.get(k)
+                        if isinstance(v, torch.Tensor) and isinstance(cur, torch.Tensor) and _same_layout(cur, v):
+                            put(cur, v)
+                        else:
+                            current[k] = v
+            key = e.param if e.kind_key is None else e.kind_key
+            if self.kinds is not None:
+                for name, saved in e.kinds.items():
+                    cur = self.kinds.get(name, key)
+                    if saved is None:
+                        self.kinds.drop(name, key)
+                    elif cur is not None and _same_layout(cur, saved):
+                        put(cur, saved)
+                    else:
+                        self.kinds.values[name][key] = saved
+        for targets, values in by_layout.values():
+            torch._foreach_copy_(targets, values)
+        if self.groups is not None:
+            for group, saved_group in zip(self.optimizer.param_groups, self.groups, strict=False):
+                group.update(saved_group)
+        self.restored = True
+        return True
+
+    def nbytes(self) -> int:
+        """Bytes of the copies held (what taking this snapshot allocated)."""
+        total = 0
+        for e in self.entries:
+            tensors = [e.value, *(v for v in (e.state or {}).values() if isinstance(v, torch.Tensor))]
+            tensors += [v for v in e.kinds.values() if v is not None]
+            total += sum(t.numel() * t.element_size() for t in tensors)
+        return total
 
 
 def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
 
 
-@torch.no_grad()
-def restore_snapshot(optimizer: torch.optim.Optimizer, snap: StepSnapshot) -> None:
-    """Put ``optimizer``'s parameters, state (in place where the layout allows) and group
-    settings back to ``snap``."""
-    torch._foreach_copy_(snap.params, snap.values)
-    for q, saved in snap.state.items():
-        if saved is None:
-            optimizer.state.pop(q, None)
-            continue
-        current = optimizer.state.setdefault(q, {})
-        for k in [k for k in current if k not in saved]:
-            del current[k]
-        for k, v in saved.items():
-            cur = current.get(k)
-            if isinstance(v, torch.Tensor) and isinstance(cur, torch.Tensor) and _same_layout(cur, v):
-                cur.copy_(v)
-            else:
-                current[k] = v
-    for group, saved_group in zip(optimizer.param_groups, snap.groups, strict=False):
-        group.update(saved_group)
-
-
-# -------------------------------------------- per-parameter snapshots (low-precision wrappers)
-@dataclass
-class ParamSnapshot:
-    """Copies of parameters, their optimizer state (deep) and a wrapper's own state."""
-
-    params: list[tuple[torch.Tensor, torch.Tensor]]
-    state: dict[torch.Tensor, dict[Any, Any] | None]
-    extra: dict[str, Any]
-    restored: bool = False
-
-
-def snapshot_params(
-    optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor], extra: dict[str, Any]
-) -> ParamSnapshot:
-    """Copy ``params``, their state in ``optimizer`` and ``extra`` (a wrapper's own state)."""
-    params = list(params)
-    state: dict[torch.Tensor, dict[Any, Any] | None] = {}
-    for p in params:
-        live = optimizer.state.get(p)
-        state[p] = None if live is None else {
-            k: (v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)) for k, v in live.items()
-        }
-    return ParamSnapshot([(p, p.detach().clone()) for p in params], state, copy.deepcopy(extra))
-
-
-@torch.no_grad()
-def became_nonfinite(snap: ParamSnapshot) -> torch.Tensor:
-    """A bool tensor: an fp16 parameter finite in ``snap`` holds a non-finite value now."""
-    flags = [(torch.isfinite(old) & ~torch.isfinite(p)).any() for p, old in snap.params if p.dtype == torch.float16]
-    if not flags:
-        return torch.zeros((), dtype=torch.bool)
-    return torch.stack(flags).any()
-
-
-@torch.no_grad()
-def restore_params(optimizer: torch.optim.Optimizer, snap: ParamSnapshot) -> bool:
-    """Put the parameters and their state back to ``snap`` (once: False when it was already
-    restored); the caller restores ``snap.extra``."""
-    if snap.restored:
-        return False
-    for p, old in snap.params:
-        p.copy_(old)
-    for p, saved_state in snap.state.items():
-        if saved_state is None:
-            optimizer.state.pop(p, None)
-        else:
-            optimizer.state[p] = saved_state
-    snap.restored = True
-    return True
+@contextlib.contextmanager
+def all_or_nothing(optimizer: torch.optim.Optimizer, owner: object | None = None, what: str = "") -> Iterator[None]:
+    """A load inside this context that raises leaves ``optimizer``'s state and param groups
+    (and ``owner``'s attributes) as they were. A ValueError/TypeError passes on as it is;
+    another exception becomes a ValueError that starts with ``what`` (default: "cannot load
+    this optimizer state_dict into <its class>")."""
+    old_state, old_groups = optimizer.state, optimizer.param_groups
+    old_attrs = dict(owner.__dict__) if owner is not None else None
+    kinds = getattr(owner, "kinds", None)
+    old_kinds = dict(kinds.values) if isinstance(kinds, KindStore) else None  # KindStore.load replaces them
+    try:
+        yield
+    except Exception as exc:
+        optimizer.state, optimizer.param_groups = old_state, old_groups
+        if owner is not None and old_attrs is not None:
+            owner.__dict__.clear()
+            owner.__dict__.update(old_attrs)
+        if isinstance(kinds, KindStore) and old_kinds is not None:
+            kinds.values = old_kinds
+        if isinstance(exc, ValueError | TypeError):
+            raise
+        what = what or f"cannot load this optimizer state_dict into {type(optimizer).__name__}"
+        raise ValueError(
+            f"{what} ({type(exc).__name__}: {exc}); nothing was changed. Was it saved from another kind of optimizer?"
+        ) from exc
 
 
 # ------------------------------------------------- the master-weight step guard

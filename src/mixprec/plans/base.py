@@ -23,6 +23,7 @@ import torch
 
 from mixprec.dtypes import cast_module_, dtype_name
 from mixprec.formatting import Text
+from mixprec.optim.kinds import StateKind
 from mixprec.scaling import ConstantLossScaler, DynamicLossScaler, LossScaler, NoOpScaler
 
 if TYPE_CHECKING:
@@ -174,6 +175,21 @@ class Plan:
             "loss scaling": self.scaling.describe(),
         }
 
+    def state_kinds(self) -> tuple[StateKind, ...]:
+        """What the plan's optimizer wrapper keeps per low-precision weight beside the
+        optimizer's own state (:mod:`mixprec.optim.kinds`); ``explain()`` lists them."""
+        return ()
+
+    def _kind_rows(self) -> dict[str, str]:
+        kinds = self.state_kinds()
+        if not kinds:
+            return {}
+        text = []
+        for kind in kinds:
+            dtype = kind.dtype or self.weight_dtype
+            text.append(f"{kind.name} ({dtype_name(dtype)}, {dtype.itemsize} B/weight: {kind.describe})")
+        return {"kept per weight": "; ".join(text)}
+
     def explain(self) -> Text:
         """A table of the dtype each tensor class uses under this plan (at an interactive
         prompt it prints as the table).
@@ -182,7 +198,7 @@ class Plan:
         >>> print(get_plan("bf16-master").explain().splitlines()[0])
         plan bf16-master: low-precision weights and compute, fp32 master weights, norm layers and gradient accumulation
         """
-        rows = self.tensor_dtypes()
+        rows = {**self.tensor_dtypes(), **self._kind_rows()}
         width = max(len(k) for k in rows)
         lines = [f"plan {self.name}: {self.summary}", ""]
         lines += [f"  {k.ljust(width)}  {v}" for k, v in rows.items()]

@@ -11,6 +11,7 @@ from mixprec.dtypes import dtype_name
 from mixprec.islands import cast_outside_islands
 from mixprec.optim import KahanOptimizer, StochasticRoundingOptimizer
 from mixprec.optim.compiled import CompileSetting, check_compile_setting
+from mixprec.optim.kinds import StateKind
 from mixprec.plans.base import NORM_LAYERS, Plan
 
 __all__ = ["LowBitPlan"]
@@ -65,6 +66,9 @@ class LowBitPlan(Plan):
             rows["master weights"] = "none (stochastic rounding of each update)"
         rows["optimizer state"] = f"{dtype_name(self.state_dtype)} between steps, fp32 math inside step"
         return rows
+
+    def state_kinds(self) -> tuple[StateKind, ...]:
+        return (KahanOptimizer if self.rounding == "kahan" else StochasticRoundingOptimizer).state_kinds
 
     def fingerprint(self) -> dict[str, str]:
         return {**super().fingerprint(), "optimizer": self.rounding}

@@ -9,6 +9,7 @@ import torch
 
 from mixprec.islands import cast_outside_islands
 from mixprec.optim import MasterWeightOptimizer
+from mixprec.optim.kinds import StateKind
 from mixprec.plans.base import NORM_LAYERS, Plan
 
 __all__ = ["MasterPlan"]
@@ -65,6 +66,9 @@ class MasterPlan(Plan):
     def convert_model(self, model: torch.nn.Module) -> dict[torch.Tensor, torch.Tensor]:
         # fp32 islands are marked first and never cast down, so they keep their exact values.
         return cast_outside_islands(model, self.compute_dtype, self.policy, keep=NORM_LAYERS, keep_dtype=torch.float32)
+
+    def state_kinds(self) -> tuple[StateKind, ...]:
+        return (MasterWeightOptimizer.master_kind, *MasterWeightOptimizer.state_kinds)
 
     def wrap_optimizer(
         self, optimizer: torch.optim.Optimizer, fp32_values: dict[torch.Tensor, torch.Tensor]
