@@ -72,7 +72,7 @@ def check_in_backward(plan: Plan, scaler: LossScaler, grad_accum_steps: int, cli
     if scaler.is_enabled():
         problems.append(f"a loss scaler ({type(scaler).__name__}; use a bf16 plan)")
     if not plan.supports_optimizer_in_backward:
-        problems.append(f"plan {plan.name!r} (use bf16-pure, bf16-kahan or bf16-sr)")
+        problems.append(f"plan {plan.name!r} (use bf16-pure, bf16-kahan, bf16-sr or get_plan('bf16-master', remainders=True))")
     if is_distributed():
         problems.append("several ranks (each rank would update before the others' gradients arrive)")
     if problems:

@@ -6,6 +6,7 @@ from mixprec.optim.kahan import KahanOptimizer
 from mixprec.optim.kinds import StateKind
 from mixprec.optim.lowbit import LowPrecisionOptimizer
 from mixprec.optim.master import MasterWeightOptimizer
+from mixprec.optim.remainder import RemainderOptimizer
 from mixprec.optim.stochastic import StochasticRoundingOptimizer, stochastic_round
 
 __all__ = [
@@ -13,6 +14,7 @@ __all__ = [
     "KahanOptimizer",
     "LowPrecisionOptimizer",
     "MasterWeightOptimizer",
+    "RemainderOptimizer",
     "StateKind",
     "StochasticRoundingOptimizer",
     "WrappedOptimizer",

@@ -281,6 +281,15 @@ def check_kind_state(kinds: KindStore, extra: Mapping[str, Any], params: Sequenc
                     f"the state_dict holds {kind.name} ({kind.describe}) for parameter {index}, a {param.dtype} "
                     f"parameter this {owner} keeps none for; was it saved under another plan?"
                 )
+            if kind.sparse:
+                if value.dtype != torch.int64 or value.dim() != 1 or (
+                    value.numel() and (int(value.min()) < 0 or int(value.max()) >= param.numel())
+                ):
+                    raise ValueError(
+                        f"saved {kind.name} {index} must be a 1-D int64 list of element indices below "
+                        f"{param.numel()}, got {value.dtype} of shape {tuple(value.shape)}; was it saved from another model?"
+                    )
+                continue
             shape = kind.shape_for(param)
             if value.shape != shape:
                 raise ValueError(

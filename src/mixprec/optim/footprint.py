@@ -274,8 +274,8 @@ def low_precision_step_transient(
                 per_element = 8 + 4 * n_low_state  # values, gradients, low-precision state
                 if kind == "adam" and not in_fused:
                     per_element += 4  # the denominator
-                if rounding == "stochastic":
-                    per_element += 4  # int32 noise
+                if rounding in ("stochastic", "remainder"):
+                    per_element += 4  # int32 noise, or the remainders widened to int32
                 scratch = max(scratch, n * per_element)
         else:
             largest = max(q.numel() for q in low)

@@ -60,6 +60,8 @@ class StateKind:
         after_step: ``(param, value)`` after each update of ``param`` that stands (the
             value's own update rule, in place); None for state the update itself writes
             (Kahan's compensation).
+        sparse: a 1-D int64 list of element indices of the parameter, of any length
+            (``dtype`` and ``shape`` do not apply): counted as held, predicted empty.
     """
 
     name: str
@@ -70,6 +72,7 @@ class StateKind:
     applies: Callable[[torch.Tensor], bool] = _low_precision
     init: Callable[[torch.Tensor], torch.Tensor] | None = None
     after_step: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+    sparse: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.isidentifier():
@@ -80,9 +83,14 @@ class StateKind:
             )
 
     def dtype_for(self, param: torch.Tensor) -> torch.dtype:
+        if self.sparse:
+            return torch.int64
         return param.dtype if self.dtype is None else self.dtype
 
     def shape_for(self, param: torch.Tensor) -> torch.Size:
+        """The shape of a new tensor of this kind (a sparse kind's: empty)."""
+        if self.sparse:
+            return torch.Size([0])
         return param.shape if self.shape is None else torch.Size(self.shape(param))
 
     def nbytes_for(self, param: torch.Tensor) -> int:
@@ -147,7 +155,7 @@ class KindStore:
 
     def set(self, name: str, param: torch.Tensor, value: torch.Tensor) -> None:
         kind = self.kinds[name]
-        if value.shape != kind.shape_for(param):
+        if not kind.sparse and value.shape != kind.shape_for(param):
             raise ValueError(
                 f"a {name} tensor of shape {tuple(value.shape)} for a parameter of shape {tuple(param.shape)}; "
                 f"pass a tensor of shape {tuple(kind.shape_for(param))}"

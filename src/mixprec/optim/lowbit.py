@@ -206,7 +206,7 @@ class LowPrecisionOptimizer(WrappedOptimizer):
             for group, params in zip(groups, picked, strict=True):
                 group["params"] = [p for p in params if p.dtype not in LOW_PRECISION_DTYPES]
             if selected is None or any(group["params"] for group in groups):
-                result = self.optimizer.step()  # fp32 parameters (norm layers), unexpanded
+                result = self._step_full_precision()
             for group in groups:
                 group["params"] = []
             for group, params in zip(groups, low, strict=True):
@@ -235,6 +235,10 @@ class LowPrecisionOptimizer(WrappedOptimizer):
         self.kinds.after_step(stepped)  # the state kinds' own rules (none of the built-in kinds has one)
         return result
 
+    def _step_full_precision(self) -> Any:
+        """The inner optimizer's step of the fp32 parameters (norm layers), unexpanded."""
+        return self.optimizer.step()
+
     def follow_writes(self, params: Sequence[torch.Tensor]) -> None:
         """Before an update: bring what this wrapper keeps beside ``params`` in line with
         weights written from outside since it last wrote them (Kahan compensation; nothing
@@ -244,9 +248,8 @@ class LowPrecisionOptimizer(WrappedOptimizer):
         """``params`` were just written by this wrapper (a step, an undo, a load)."""
 
     def _pick(self, saved: list[list[Any]], selected: set[torch.Tensor]) -> list[list[Any]]:
-        """``selected`` split by param group, in group order. One parameter (an update in
-        backward, once per parameter per step) is found through a cached index rather than
-        by scanning every group, so a backward costs O(parameters), not O(parameters²)."""
+        """``selected`` split by param group, in group order; one parameter (an update in backward)
+        through a cached index, so a backward costs O(parameters), not O(parameters²)."""
         if len(selected) != 1:
             return [[p for p in params if p in selected] for params in saved]
         (param,) = selected
@@ -316,16 +319,12 @@ class LowPrecisionOptimizer(WrappedOptimizer):
         65504; bf16 has fp32's range): None otherwise. A weight that was already
         non-finite before the step does not count.
         """
-        if self._snapshot is None:
-            return None
-        return self._nonfinite
+        return None if self._snapshot is None else self._nonfinite
 
     def undo_step(self) -> None:
-        """Restore parameters, compensation, RNG and optimizer state (step counts included) to before the last ``step()``.
-
-        Available after a step of a wrapper over fp16 parameters (those snapshot their
-        state before stepping); undoing twice, or an undone step, changes nothing more.
-        """
+        """Restore parameters, state kinds (compensation), RNG and optimizer state (step counts
+        included) to before the last ``step()``: after a step of a wrapper over fp16 parameters
+        (those snapshot their state first); undoing twice, or an undone step, changes nothing more."""
         snapshot = self._snapshot
         if snapshot is not None:
             self._restore(snapshot)

@@ -7,8 +7,9 @@ from typing import ClassVar
 
 import torch
 
+from mixprec.dtypes import dtype_name
 from mixprec.islands import cast_outside_islands
-from mixprec.optim import MasterWeightOptimizer
+from mixprec.optim import MasterWeightOptimizer, RemainderOptimizer
 from mixprec.optim.kinds import StateKind
 from mixprec.plans.base import NORM_LAYERS, Plan
 
@@ -25,12 +26,18 @@ class MasterPlan(Plan):
     fp32 masters at step time; micro-batches accumulate in fp32 through
     :meth:`MasterWeightOptimizer.accumulate_grads`.
 
+    ``remainders=True`` (bf16 only) keeps each fp32 master as the bf16 weight plus an int16
+    remainder (:class:`~mixprec.optim.RemainderOptimizer`): the same weights and losses bit
+    for bit, 14 bytes of training state per parameter with AdamW instead of 16 (12 with
+    ``optimizer_in_backward=True``). Micro-batches then add up in the weights' bf16 ``.grad``.
+
     ``accumulate_grads_in_fp32_hooks`` is kept for compatibility and must stay False:
     moving gradients out of the model as autograd produced them hid them from
     ``model.zero_grad()`` and from a DDP wrapped later.
     """
 
     accumulate_grads_in_fp32_hooks: bool = False
+    remainders: bool = False
 
     family: ClassVar[str] = "master"
     supports_fsdp: ClassVar[bool] = True
@@ -45,6 +52,18 @@ class MasterPlan(Plan):
                 "accumulation over micro-batches, call optimizer.accumulate_grads() after each non-boundary "
                 "backward (MixedPrecision(grad_accum_steps=...) does). Leave the option at False."
             )
+        if not isinstance(self.remainders, bool):
+            raise TypeError(f"remainders must be True or False, got {self.remainders!r}")
+        if self.remainders and self.compute_dtype != torch.bfloat16:
+            raise ValueError(
+                f"remainders=True needs bf16 weights, plan {self.name!r} has {dtype_name(self.compute_dtype)}: an fp16 "
+                "weight is not the high half of its fp32 master. Use get_plan('bf16-master', remainders=True), or "
+                "keep fp32 masters (remainders=False)"
+            )
+
+    @property  # type: ignore[misc]
+    def supports_optimizer_in_backward(self) -> bool:  # type: ignore[override]
+        return self.remainders
 
     @property
     def weight_dtype(self) -> torch.dtype:
@@ -57,7 +76,13 @@ class MasterPlan(Plan):
     def tensor_dtypes(self) -> dict[str, str]:
         rows = super().tensor_dtypes()
         rows["weights"] += " (norm layers fp32)"
+        if self.remainders:
+            rows["grad accumulation"] = "bf16 (in the weights' .grad)"
+            rows["master weights"] = "fp32, kept as the bf16 weight + an int16 remainder"
         return rows
+
+    def fingerprint(self) -> dict[str, str]:
+        return {**super().fingerprint(), **({"optimizer": "remainder"} if self.remainders else {})}
 
     @classmethod
     def optimizer_kind(cls) -> str:
@@ -68,6 +93,8 @@ class MasterPlan(Plan):
         return cast_outside_islands(model, self.compute_dtype, self.policy, keep=NORM_LAYERS, keep_dtype=torch.float32)
 
     def state_kinds(self) -> tuple[StateKind, ...]:
+        if self.remainders:
+            return RemainderOptimizer.state_kinds
         return (MasterWeightOptimizer.master_kind, *MasterWeightOptimizer.state_kinds)
 
     def wrap_optimizer(
@@ -75,5 +102,7 @@ class MasterPlan(Plan):
     ) -> torch.optim.Optimizer:
         # Every optimizer of an fp16 plan is guarded, so any of them can undo its step when
         # another one refused a non-finite update (also one holding only fp32 parameters).
+        if self.remainders:
+            return RemainderOptimizer(optimizer, master_values=fp32_values)
         guard = True if self.compute_dtype == torch.float16 else None
         return MasterWeightOptimizer(optimizer, master_values=fp32_values, guard_nonfinite=guard)

@@ -1,0 +1,232 @@
+"""Exact fp32 master weights in two extra bytes: the bf16 weight plus a 16-bit remainder.
+
+A bf16 weight is the top half of its fp32 master, rounded to nearest. :class:`RemainderOptimizer`
+keeps the bottom half (an int16 remainder per weight) instead of a whole fp32 copy: inside
+``step()`` the master is rebuilt exactly (:func:`mixprec.optim.quant.join_master`), updated in
+fp32, and split again (:func:`~mixprec.optim.quant.split_master`: the weight is the
+round-to-nearest-even cast of the new master, bit for bit, so the model sees exactly what
+``bf16-master`` would give it). One case needs a 17th bit: a master exactly halfway between two
+bf16 values that rounded down; such elements (about one in 2**17) are listed per weight as flat
+indices. The optimizer state stays fp32 (``state_dtype``), so the update, and every weight and
+loss, equal the fp32-master plan's bit for bit.
+
+Training-state bytes for AdamW: 2 (weight) + 2 (gradient) + 2 (remainder) + 8 (fp32 moments)
+= 14 per parameter, against 16 for fp32 masters; 12 with the optimizer in backward.
+
+>>> import torch
+>>> from mixprec.optim import RemainderOptimizer
+>>> w = torch.nn.Parameter(torch.ones(1000, dtype=torch.bfloat16))
+>>> opt = RemainderOptimizer(torch.optim.SGD([w], lr=1.0))
+>>> for _ in range(100):
+...     w.grad = torch.full_like(w, -1e-4)
+...     opt.step()
+>>> round(float(opt.master(w).mean()), 4), float(w[0])  # the master holds 1.01; the weight its rounding
+(1.01, 1.0078125)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, ClassVar
+
+import torch
+
+from mixprec.optim.compiled import CompileSetting
+from mixprec.optim.fast import Piece, prefer_fast_update
+from mixprec.optim.follow import WriteWatch, master_value, register
+from mixprec.optim.kinds import StateKind
+from mixprec.optim.lowbit import LowPrecisionOptimizer
+from mixprec.optim.quant import join_master, split_master
+
+__all__ = ["REMAINDER", "REMAINDER_TIES", "RemainderOptimizer"]
+
+_TIE_FIX = 1 << 16  # a tie rounded down decodes one bf16 unit low: its bits are 0x10000 higher
+
+
+def _bf16(param: torch.Tensor) -> bool:
+    return param.dtype == torch.bfloat16
+
+
+#: the low 16 bits of each fp32 master
+REMAINDER = StateKind(
+    "remainder", "master_weights", "the low half of each fp32 master, whose rounded high half is the weight",
+    dtype=torch.int16, applies=_bf16,
+)
+#: the elements whose master lies exactly halfway and rounded down (flat indices)
+REMAINDER_TIES = StateKind(
+    "remainder_ties", "master_weights", "elements whose master is an exact tie rounded down", applies=_bf16, sparse=True,
+)
+
+
+class RemainderOptimizer(LowPrecisionOptimizer):
+    """bf16 weights with exact fp32 masters kept as an int16 remainder per weight.
+
+    Args:
+        optimizer: any torch optimizer over bf16 parameters (fp32 ones, such as norm
+            layers, are stepped as they are).
+        master_values: fp32 values to start the masters from, by parameter (the weights
+            before the model was cast down); others start from their weights.
+        state_dtype: dtype the optimizer state is kept in between steps (None, the
+            default: fp32, as ``bf16-master``; bf16 saves 4 more bytes per parameter).
+        fast, chunk_numel, fused: see :class:`LowPrecisionOptimizer` (no compiled route).
+    """
+
+    rounding = "remainder"
+    state_kinds: ClassVar[tuple[StateKind, ...]] = (REMAINDER, REMAINDER_TIES)
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        master_values: Mapping[torch.Tensor, torch.Tensor] | None = None,
+        state_dtype: torch.dtype | str | None = None,
+        fast: bool = True,
+        chunk_numel: int | None = None,
+        fused: bool = True,
+        compile: CompileSetting = False,
+    ) -> None:
+        if compile is True:
+            raise ValueError(
+                "RemainderOptimizer has no compiled route yet: pass compile=False (its fast path runs "
+                "torch's fused kernel on the rebuilt fp32 masters)"
+            )
+        super().__init__(
+            optimizer, state_dtype=state_dtype, fast=fast, chunk_numel=chunk_numel, fused=fused, compile=False
+        )
+        for p in self._low_params():
+            if p.dtype != torch.bfloat16:
+                raise ValueError(
+                    f"RemainderOptimizer needs bf16 parameters, got {p.dtype}: an fp16 weight is not the high half "
+                    "of its fp32 master. Use MasterWeightOptimizer (get_plan('fp16-master'))"
+                )
+        self._watch = WriteWatch()  # the weights as this wrapper last wrote them
+        held = {id(q) for q in self._low_params()}
+        with torch.no_grad():
+            for param, value in (master_values or {}).items():
+                if _bf16(param) and id(param) in held:
+                    seed = value.detach().to(device=param.device, dtype=torch.float32)
+                    self._set_master(param, master_value(param, seed))
+        self._follow_loads()
+
+    def _follow_loads(self) -> None:
+        low = self._low_params()
+        register(self, low)
+        self._watch.record(low)
+
+    # ------------------------------------------------------------------ masters
+    def master(self, param: torch.Tensor) -> torch.Tensor:
+        """The fp32 master of a bf16 ``param``, rebuilt exactly (a new tensor)."""
+        rem = self.kinds.get(REMAINDER.name, param)
+        if rem is None:
+            return param.detach().float()
+        return join_master(param.detach(), rem, self._ties(param))
+
+    @torch.no_grad()
+    def _set_master(self, param: torch.Tensor, master: torch.Tensor) -> None:
+        """Store ``master`` (which rounds to ``param``'s weight) as its remainder and ties."""
+        weight, rem, ties = split_master(master.contiguous())
+        if not torch.equal(weight.view(torch.int16), param.detach().contiguous().view(torch.int16)):
+            raise ValueError("a master value that does not round to its weight")  # pragma: no cover - callers ensure
+        self.kinds.set(REMAINDER.name, param, rem)
+        self.kinds.set(REMAINDER_TIES.name, param, ties)
+
+    def _ties(self, param: torch.Tensor) -> torch.Tensor:
+        ties = self.kinds.get(REMAINDER_TIES.name, param)
+        return ties if ties is not None else torch.empty(0, dtype=torch.int64, device=param.device)
+
+    def _remainder_for(self, param: torch.Tensor) -> torch.Tensor:
+        return self.kinds.ensure(REMAINDER.name, param)
+
+    # ------------------------------------------- weights written from outside (follow.py)
+    def follow_writes(self, params: Sequence[torch.Tensor]) -> None:
+        """A weight written since this wrapper last wrote it has its weight as master again
+        (its old remainder belonged to the old weight); loads are handled as they happen."""
+        for p in self._watch.changed(params):
+            self.kinds.drop(REMAINDER.name, p)
+            self.kinds.drop(REMAINDER_TIES.name, p)
+
+    def note_written(self, params: Sequence[torch.Tensor]) -> None:
+        self._watch.record(params)
+
+    def loaded(self, param: torch.Tensor, value: torch.Tensor | None, kept: torch.Tensor) -> None:
+        """``param`` was loaded: its master becomes the loaded fp32 value where it was wider, and
+        stays where the load wrote the value the weight had."""
+        with torch.no_grad():
+            if value is not None:
+                self._set_master(param, master_value(param, self.master(param), value.to(torch.float32)))
+            elif self.kinds.get(REMAINDER.name, param) is not None:
+                old = self.master(param)
+                self._set_master(param, torch.where(kept, old, param.detach().float()))
+        self._watch.record([param])
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._follow_loads()  # a copy holds new parameters
+
+    def _step_full_precision(self) -> Any:
+        with _as_master_update(self.optimizer, self.optimizer.param_groups):
+            return self.optimizer.step()
+
+    def _step_one(self, p: torch.nn.Parameter, group: dict[str, Any], scratch: dict[Any, torch.Tensor]) -> None:
+        with _as_master_update(self.optimizer, [group]):
+            super()._step_one(p, group, scratch)
+
+    # ------------------------------------------------------- expand / store
+    def _expand_into(self, param: torch.Tensor, out: torch.Tensor) -> None:
+        if not out.is_contiguous():  # pragma: no cover - the scratch buffers are contiguous
+            raise ValueError("the fp32 scratch of a remainder step must be contiguous")
+        join_master(param.detach().contiguous(), self._remainder_for(param), self._ties(param), out=out)
+
+    def _store(self, param: torch.Tensor, value32: torch.Tensor) -> None:
+        weight, rem, ties = split_master(value32)
+        param.copy_(weight)
+        self._remainder_for(param).copy_(rem)
+        self.kinds.set(REMAINDER_TIES.name, param, ties)
+
+    def _expand_many(self, pieces: list[Piece], values: list[torch.Tensor]) -> None:
+        torch._foreach_copy_(values, [pc.value for pc in pieces])  # exact: the weight's bits, shifted up 16
+        ints = [v.view(torch.int32) for v in values]
+        torch._foreach_add_(ints, [pc.of(self._remainder_for(pc.param)).to(torch.int32) for pc in pieces])
+        for pc, v in zip(pieces, ints, strict=True):
+            ties = self._ties(pc.param)
+            if ties.numel():
+                inside = ties[(ties >= pc.start) & (ties < pc.end)] - pc.start
+                v.view(-1)[inside] += _TIE_FIX
+
+    def _store_many(self, pieces: list[Piece], values: list[torch.Tensor], flat: torch.Tensor) -> None:
+        torch._foreach_copy_([pc.value for pc in pieces], values)  # round to nearest even
+        halves = flat.view(torch.int16).view(-1, 2)
+        low, high = (halves[:, 0], halves[:, 1]) if _little_endian() else (halves[:, 1], halves[:, 0])
+        tied = ((low == -32768) & ((high & 1) == 0)).nonzero().view(-1)  # halfway, rounded down to even
+        offset = 0
+        for pc in pieces:
+            n = pc.end - pc.start
+            pc.of(self._remainder_for(pc.param)).view(-1).copy_(low[offset : offset + n])
+            old = self._ties(pc.param)
+            new = tied[(tied >= offset) & (tied < offset + n)] - offset + pc.start if tied.numel() else tied
+            if old.numel() or new.numel():
+                keep = old[(old < pc.start) | (old >= pc.end)]
+                self.kinds.set(REMAINDER_TIES.name, pc.param, torch.cat([keep, new]).sort().values)
+            offset += n
+
+
+@contextlib.contextmanager
+def _as_master_update(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> Iterator[None]:
+    """The inner optimizer's own steps (fp32 parameters, the generic path's fp32 proxies) run the
+    implementation the fp32-master wrapper picks (torch's fused kernel for Adam/AdamW where the
+    group leaves the choice to torch, else foreach), so every update matches it bit for bit."""
+    saved = [(g.get("foreach"), g.get("fused")) for g in groups]
+    try:
+        for group in groups:
+            prefer_fast_update(optimizer, group)
+        yield
+    finally:
+        for group, (foreach, fused) in zip(groups, saved, strict=True):
+            group["foreach"], group["fused"] = foreach, fused
+
+
+def _little_endian() -> bool:
+    import sys
+
+    return sys.byteorder == "little"
