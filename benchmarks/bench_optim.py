@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from mixprec import MixedPrecision
+from mixprec import MixedPrecision, get_plan
 from mixprec.cli.models import build_task
 from mixprec.optim import LowPrecisionOptimizer
 
@@ -74,7 +74,7 @@ def _torch_fp32(task: Any, device: torch.device, **flags: Any) -> Setup:
     return Setup(opt, train_step, lambda x, y: float(task.criterion(model(x), y)), list(model.parameters()))
 
 
-def _plan(task: Any, device: torch.device, plan: str, fast: bool = True, compile: bool | str = "auto") -> Setup:
+def _plan(task: Any, device: torch.device, plan: Any, fast: bool = True, compile: bool | str = "auto") -> Setup:
     mp = MixedPrecision(plan)
     inner = torch.optim.AdamW(task.model.to(device).parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
     model, opt, criterion = mp.prepare(task.model, inner, criterion=task.criterion)
@@ -131,6 +131,13 @@ ROWS: dict[str, Callable[[Any, torch.device], Setup]] = {
     "bf16-master": lambda t, d: _plan(t, d, "bf16-master"),
     "fp16-master": lambda t, d: _plan(t, d, "fp16-master"),  # guarded: a snapshot before each step
     "fp16-pure": lambda t, d: _plan(t, d, "fp16-pure"),  # guarded too
+    "bf16-master-remainders": lambda t, d: _plan(t, d, get_plan("bf16-master", remainders=True)),
+    "bf16-master-remainders-bf16-state": lambda t, d: _plan(
+        t, d, get_plan("bf16-master", remainders=True, state_dtype="bf16")
+    ),
+    "bf16-master-remainders-8bit": lambda t, d: _plan(t, d, get_plan("bf16-master", remainders=True, state_dtype="8bit")),
+    "bf16-kahan-8bit": lambda t, d: _plan(t, d, get_plan("bf16-kahan", state_dtype="8bit")),
+    "bf16-sr-8bit": lambda t, d: _plan(t, d, get_plan("bf16-sr", state_dtype="8bit")),
     "optimi-kahan": _optimi_kahan,
 }
 

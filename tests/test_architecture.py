@@ -205,7 +205,7 @@ OPTIM = SRC / "mixprec" / "optim"
 SNAPSHOT_MODULE = OPTIM / "snapshot.py"
 VALIDATOR_MODULE = OPTIM / "checks.py"
 _RESTORING_NAMES = ("restore", "undo", "rollback", "snapshot")
-_WRITES = ("copy_", "_foreach_copy_", "set_", "pop")
+_WRITES = ("copy_", "_foreach_copy_", "_foreach_add_", "_foreach_sub_", "sub_", "set_", "pop", "clear", "update")
 
 
 def _functions(tree: ast.AST) -> Iterator[ast.FunctionDef | ast.AsyncFunctionDef]:
@@ -266,7 +266,8 @@ def _validator_problems(paths: list[pathlib.Path]) -> list[str]:
             words = [name] + [a.arg for a in fn.args.args + fn.args.kwonlyargs]
             about_state = any(w in word for word in words for w in ("state", "master", "kind", "saved"))
             splits = name.startswith("split_") and name.endswith("_state")
-            if splits or (name.startswith(("check_", "validate")) and about_state):
+            refuses = any(isinstance(sub, ast.Raise) and sub.exc is not None for sub in ast.walk(fn))
+            if (splits or (name.startswith(("check_", "validate")) and about_state)) and refuses:
                 problems.append(f"{path.name}:{fn.lineno} defines the validator {fn.name}")
             if fn.name == "load_state_dict":
                 for sub in ast.walk(fn):
@@ -296,7 +297,9 @@ def test_the_optim_room_checkers_catch_a_second_copy(tmp_path: pathlib.Path) -> 
         "        opt.state, opt.param_groups = old, []\n"
         "        raise\n"
         "def check_masters(sd):\n"
-        "    pass\n"
+        "    raise ValueError('no masters')\n"
+        "def check_state_dict(self, sd):\n"
+        "    return check_masters(sd)\n"
         "class W:\n"
         "    def load_state_dict(self, sd):\n"
         "        raise ValueError('no')\n"

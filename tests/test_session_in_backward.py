@@ -97,7 +97,7 @@ def test_in_backward_refuses_what_it_cannot_do_exactly():
         MixedPrecision("bf16-kahan", optimizer_in_backward=True, grad_accum_steps=2)
     with pytest.raises(ValueError, match=re.escape(msg + "clip_grad_norm=1.0")):
         MixedPrecision("bf16-kahan", optimizer_in_backward=True, clip_grad_norm=1.0)
-    with pytest.raises(ValueError, match=re.escape("plan 'bf16-master' (use bf16-pure, bf16-kahan or bf16-sr)")):
+    with pytest.raises(ValueError, match=re.escape("plan 'bf16-master' (use bf16-pure, bf16-kahan, bf16-sr or get_plan('bf16-master', remainders=True))")):
         MixedPrecision("bf16-master", optimizer_in_backward=True)
     with pytest.raises(ValueError, match=re.escape("a loss scaler (DynamicLossScaler; use a bf16 plan)")):
         MixedPrecision("bf16-kahan", optimizer_in_backward=True, scaler=DynamicLossScaler())

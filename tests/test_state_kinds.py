@@ -214,3 +214,75 @@ def test_a_guarded_step_snapshot_holds_what_the_estimate_counts(kind: str) -> No
     held += sum(t.numel() * t.element_size() for t in opt.kinds.tensors())
     assert snap.nbytes() == held
     assert held <= opt.step_transient_bytes()
+
+
+def test_a_wrapper_pickled_before_state_kinds_keeps_its_compensation() -> None:
+    model, opt = _setup("kahan")
+    _backward(model, 0)
+    opt.step()
+    comp = {p: c.clone() for p, c in opt.kinds.values["compensation"].items()}
+    state = dict(opt.__getstate__())
+    del state["kinds"]
+    state["_comp"] = comp  # how KahanOptimizer kept it before
+    old = object.__new__(KahanOptimizer)
+    old.__setstate__(state)
+    assert all(torch.equal(old.compensation(p), c) for p, c in comp.items())
+    _backward(model, 1)
+    old.step()
+
+
+def test_kind_names_the_wrappers_use_and_compensation_of_fp32_weights_are_refused() -> None:
+    with pytest.raises(ValueError, match="'counter' is taken by the wrappers' own checkpoint entries"):
+        StateKind("counter", "optimizer_state", "x")
+    model, opt = _setup("kahan")
+    with pytest.raises(ValueError, match="set_compensation\\(\\) on a torch.float32 parameter"):
+        opt.set_compensation(model[1].weight, torch.zeros_like(model[1].weight))
+
+
+def _everywhere(param: torch.Tensor) -> bool:
+    return True
+
+
+@pytest.mark.parametrize("kind", ["master", "nearest"])
+def test_a_kind_of_every_parameter_follows_the_fp32_ones_too(kind: str) -> None:
+    model = _model()
+    opt = WRAPPERS[kind](torch.optim.AdamW(model.parameters(), lr=1e-2))
+    opt.add_state_kind(StateKind("ema", "optimizer_state", "x", dtype=torch.float32, init=_start, after_step=_follow,
+                                 applies=_everywhere))
+    _backward(model, 0)
+    opt.step()
+    assert all(opt.kinds.get("ema", p) is not None for p in model.parameters())
+    assert state_bytes(model, opt)["optimizer_state"] == sum(
+        v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)
+    ) + sum(p.numel() * 4 for p in model.parameters())
+
+
+def test_the_optimizer_in_backward_predicts_its_undo_copies() -> None:
+    model, opt = _setup("kahan", torch.float16)
+    in_bwd = InBackwardOptimizer(opt)
+    _backward(model, 0)
+    assert in_bwd.finish()
+    _backward(model, 1)  # a second backward: its copies are held until finish()
+    assert in_bwd.undo_bytes() == in_bwd.step_transient_bytes()
+    in_bwd.finish()
+
+
+def test_a_checkpoint_saved_before_a_kind_was_added_loads_and_one_with_a_foreign_kind_is_refused(tmp_path) -> None:
+    from mixprec import load_checkpoint, save_checkpoint
+
+    model = _model()
+    opt = MasterWeightOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    _backward(model, 0)
+    opt.step()
+    save_checkpoint(tmp_path / "plain.pt", model=model, optimizers=[opt])
+    opt.add_state_kind(EMA)
+    load_checkpoint(tmp_path / "plain.pt", model=model, optimizers=[opt])  # the kind starts afresh
+    _backward(model, 1)
+    opt.step()
+    save_checkpoint(tmp_path / "ema.pt", model=model, optimizers=[opt])
+    model2 = _model(seed=3)
+    opt2 = MasterWeightOptimizer(torch.optim.AdamW(model2.parameters(), lr=1e-2))
+    before = [p.detach().clone() for p in model2.parameters()]
+    with pytest.raises(ValueError, match="state of kind 'ema'"):
+        load_checkpoint(tmp_path / "ema.pt", model=model2, optimizers=[opt2])
+    assert all(torch.equal(a, b) for a, b in zip(before, model2.parameters(), strict=True))

@@ -77,6 +77,10 @@ def check_model(path: str, module: torch.nn.Module, state: dict[str, Any]) -> No
             )
 
 
+#: entries of a wrapper's state_dict that a checkpoint may lack (the state kinds added to a master wrapper)
+OPTIONAL_KEYS = frozenset({"mixprec_state_kinds"})
+
+
 def check_optimizer(path: str, i: int, opt: torch.optim.Optimizer, state: Any, saved_class: str | None = None) -> None:
     """``state`` is a state_dict of ``opt``'s kind (of the class ``saved_class`` names, when the
     checkpoint recorded it), with its groups, hyper-parameters, parameter counts and state shapes."""
@@ -92,7 +96,13 @@ def check_optimizer(path: str, i: int, opt: torch.optim.Optimizer, state: Any, s
             "weights_only=True)['model'])) and start the optimizer fresh"
         )
     own = opt.state_dict()
-    missing = sorted(set(own) - set(state))
+    check = getattr(opt, "check_state_dict", None)
+    if callable(check):  # a wrapper: its own validator, as its load runs it
+        try:
+            check(state)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"{where}: {exc}") from None
+    missing = sorted(set(own) - set(state) - OPTIONAL_KEYS)
     if missing:
         raise ValueError(f"{where} is missing {missing}; it was saved from another kind of optimizer ({type(opt).__name__} now)")
     groups, own_groups = state["param_groups"], own["param_groups"]

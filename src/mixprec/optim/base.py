@@ -188,6 +188,11 @@ class WrappedOptimizer(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        if "kinds" not in self.__dict__:  # pickled before state kinds existed
+            self.kinds = KindStore(type(self).state_kinds)
+            comp = self.__dict__.pop("_comp", None)  # Kahan's compensation buffers then
+            if comp is not None and "compensation" in self.kinds.kinds:
+                self.kinds.values["compensation"] = dict(comp)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.optimizer!r})"

@@ -186,6 +186,14 @@ def check_state_shapes(params: Sequence[torch.Tensor], state_dict: dict[str, Any
     for pid, saved in state_dict["state"].items():
         param = params[order.index(pid)]
         for key, value in saved.items():
+            if isinstance(key, str) and key.endswith("_absmax") and isinstance(value, torch.Tensor):
+                blocks = -(-param.numel() // 256)  # 8-bit state's per-block scales (mixprec.optim.states)
+                if value.shape != (blocks,):
+                    raise ValueError(
+                        f"the optimizer state_dict's state[{pid!r}][{key!r}] has shape {tuple(value.shape)}, but "
+                        f"its parameter's 8-bit state has {blocks} blocks; was it saved from another model?"
+                    )
+                continue
             if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != param.shape:
                 raise ValueError(
                     f"the optimizer state_dict's state[{pid!r}][{key!r}] has shape {tuple(value.shape)}, but its "
@@ -249,7 +257,8 @@ def check_kind_state(kinds: KindStore, extra: Mapping[str, Any], params: Sequenc
     """The state-kind tensors in ``extra`` (a wrapper's own entry: ``{kind: {index: tensor}}``,
     and the names it saved under ``"state_kinds"``) fit this wrapper's ``kinds`` and ``params``:
     no saved kind this wrapper lacks (it would be dropped), every index a parameter the kind
-    applies to, every tensor of the kind's shape and of a dtype it converts to exactly."""
+    applies to, every tensor of the kind's shape, floating where the kind is (converted to its
+    dtype on load) and of its very dtype where it is an integer kind."""
     saved_names = extra.get(KINDS_KEY, [])
     if not isinstance(saved_names, list | tuple) or not all(isinstance(n, str) for n in saved_names):
         raise TypeError(f"the state_dict's {KINDS_KEY!r} entry must be a list of names, got {saved_names!r}")

@@ -248,8 +248,8 @@ def compiled_adam_step(
     stochastic steps, advanced by one here): no random tensor is drawn or stored, and
     no element's noise repeats with a short period.
 
-    A failure (compilation, or an interrupt while compiling) gives the step counts back
-    and changes nothing else; a compilation failure raises :class:`CompileRouteFailed`.
+    A failure (compilation, or an interrupt while compiling) changes nothing (the step
+    counts are counted after the update); a compilation failure raises :class:`CompileRouteFailed`.
     """
     active = [p for p in params if p.grad is not None]
     if not active:
@@ -276,7 +276,6 @@ def compiled_adam_step(
         if counter is None:
             raise ValueError("stochastic rounding needs the wrapper's noise counter")
         seed = _seed32(counter[0])
-    torch._foreach_add_(steps, 1.0)
     try:
         with recompile_headroom():  # past 8 layouts dynamo would run it uncompiled
             fn(
@@ -289,10 +288,10 @@ def compiled_adam_step(
             )
     except BaseException as exc:
         # Nearly always while compiling (seconds, before anything ran; a Ctrl-C lands there
-        # too): give the step counts back so that nothing is half-counted.
-        torch._foreach_sub_(steps, 1.0)
+        # too): the step counts are counted only after the update, so nothing is half-counted.
         if isinstance(exc, compile_errors()):
             raise CompileRouteFailed(exc) from exc
         raise
+    torch._foreach_add_(steps, 1.0)
     if counter is not None and rounding == "stochastic":
         counter[0] += 1

@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from mixprec.optim import states as qstates
+
 __all__ = [
     "CPU_CHUNK_NUMEL",
     "DEVICE_CHUNK_NUMEL",
@@ -190,6 +192,20 @@ def _store_state(tensors: list[torch.Tensor], values: list[torch.Tensor]) -> Non
         torch._foreach_copy_(tensors, values)
 
 
+def _load_state(
+    pieces: list[Piece], states: list[dict[Any, Any]], key: str, device: torch.device
+) -> tuple[list[torch.Tensor], Callable[[list[torch.Tensor]], None]]:
+    """(fp32 working tensors of ``state[key]`` over ``pieces``, the function that writes them back)."""
+    if states[0][key].dtype == qstates.Q8:  # 8-bit blockwise: dequantize, quantize back
+        views = [qstates.piece_views(s, key, pc.start, pc.end, pc.whole) for pc, s in zip(pieces, states, strict=True)]
+        keys = [key] * len(pieces)
+        _, values = _flat_views(pieces, device)
+        qstates.expand_pieces(views, keys, values)
+        return values, lambda new: qstates.store_pieces(views, keys, new)
+    low = [pc.of(s[key]) for pc, s in zip(pieces, states, strict=True)]
+    return _expand_state(low, device), lambda new: _store_state(low, new)
+
+
 def fast_step(
     optimizer: torch.optim.Optimizer,
     group: dict[str, Any],
@@ -257,15 +273,17 @@ def _contiguous(*tensors: Any) -> bool:
 
 
 def init_adam_state(optimizer: torch.optim.Optimizer, group: dict[str, Any], params: list[torch.Tensor], dtype: torch.dtype) -> None:
-    """torch.optim.Adam's lazy state initialisation, with the moments in ``dtype``."""
+    """torch.optim.Adam's lazy state initialisation, with the moments in ``dtype`` (8-bit: :mod:`~mixprec.optim.states`)."""
     for p in params:
         state = optimizer.state[p]
         if len(state) == 0:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
-            if group["amsgrad"]:
-                state["max_exp_avg_sq"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+            keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
+            for key in keys:
+                if dtype == qstates.Q8:
+                    qstates.put(state, key, torch.zeros(p.shape, dtype=torch.float32, device=p.device), dtype)
+                else:
+                    state[key] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
         elif not torch.is_tensor(state["step"]):
             state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
 
@@ -303,10 +321,8 @@ def _adam_chunk(
             torch._foreach_mul_(values, 1 - lr * weight_decay)
         else:
             torch._foreach_add_(grads, values, alpha=weight_decay)
-    exp_avg_low = [pc.of(s["exp_avg"]) for pc, s in zip(pieces, states, strict=True)]
-    exp_avg_sq_low = [pc.of(s["exp_avg_sq"]) for pc, s in zip(pieces, states, strict=True)]
-    exp_avgs = _expand_state(exp_avg_low, device)
-    exp_avg_sqs = _expand_state(exp_avg_sq_low, device)
+    exp_avgs, store_exp_avgs = _load_state(pieces, states, "exp_avg", device)
+    exp_avg_sqs, store_exp_avg_sqs = _load_state(pieces, states, "exp_avg_sq", device)
     torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
     torch._foreach_mul_(exp_avg_sqs, beta2)
     torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
@@ -316,18 +332,17 @@ def _adam_chunk(
     step_size = lr / bias_correction1
     bias_correction2_sqrt = bias_correction2**0.5
     if group["amsgrad"]:
-        max_low = [pc.of(s["max_exp_avg_sq"]) for pc, s in zip(pieces, states, strict=True)]
-        maxes = _expand_state(max_low, device)
+        maxes, store_maxes = _load_state(pieces, states, "max_exp_avg_sq", device)
         torch._foreach_maximum_(maxes, exp_avg_sqs)
         denom = torch._foreach_sqrt(maxes)
-        _store_state(max_low, maxes)
+        store_maxes(maxes)
     else:
         denom = torch._foreach_sqrt(exp_avg_sqs)
     torch._foreach_div_(denom, bias_correction2_sqrt)
     torch._foreach_add_(denom, eps)
     torch._foreach_addcdiv_(values, exp_avgs, denom, value=-step_size)
-    _store_state(exp_avg_low, exp_avgs)
-    _store_state(exp_avg_sq_low, exp_avg_sqs)
+    store_exp_avgs(exp_avgs)
+    store_exp_avg_sqs(exp_avg_sqs)
     store(pieces, values, flat)
 
 
@@ -361,10 +376,11 @@ def _adam_fused_chunk(
                low_state.get("max_exp_avg_sq", []), steps, **hyper)
         return
     flat, values, grads = _expanded(pieces, expand)
-    state32 = {k: _expand_state(v, device) for k, v in low_state.items()}
+    loaded = {k: _load_state(pieces, states, k, device) for k in keys}
+    state32 = {k: v for k, (v, _) in loaded.items()}
     kernel(values, grads, state32["exp_avg"], state32["exp_avg_sq"], state32.get("max_exp_avg_sq", []), steps, **hyper)
     for k in keys:
-        _store_state(low_state[k], state32[k])
+        loaded[k][1](state32[k])
     store(pieces, values, flat)
 
 
@@ -385,17 +401,17 @@ def _sgd_chunk(
     if momentum != 0:
         states = [optimizer.state[pc.param] for pc in pieces]
         if first:  # first step: the buffer is the gradient (the same for every piece of the chunk)
-            for pc, s, g in zip(pieces, states, grads, strict=True):
+            for pc, s in zip(pieces, states, strict=True):
                 if s.get("momentum_buffer") is None:
-                    s["momentum_buffer"] = torch.empty_like(pc.param, dtype=dtype)
-                pc.of(s["momentum_buffer"]).copy_(g)
+                    qstates.put(s, "momentum_buffer", torch.zeros(pc.param.shape, device=pc.param.device), dtype)
+            _, store_bufs = _load_state(pieces, states, "momentum_buffer", device)
+            store_bufs(grads)
             bufs = grads
         else:
-            buf_low = [pc.of(s["momentum_buffer"]) for pc, s in zip(pieces, states, strict=True)]
-            bufs = _expand_state(buf_low, device)
+            bufs, store_bufs = _load_state(pieces, states, "momentum_buffer", device)
             torch._foreach_mul_(bufs, momentum)
             torch._foreach_add_(bufs, grads, alpha=1 - dampening)
-            _store_state(buf_low, bufs)
+            store_bufs(bufs)
         if group["nesterov"]:
             torch._foreach_add_(grads, bufs, alpha=momentum)
         else:

@@ -286,9 +286,7 @@ class InBackwardOptimizer:
         the copies of every updated parameter, its state and compensation, kept until
         :meth:`finish` (the whole training state, when every parameter has a gradient)."""
         copies = sum(footprint.nbytes(p) for p in footprint.unique_tensors(self.optimizer.params()))
-        held = self.optimizer.state_bytes()
-        kinds = self.optimizer.kinds.bytes_by_category(self.optimizer.params())
-        return copies + held.get("optimizer_state", 0) + sum(kinds.values())
+        return copies + sum(self.optimizer.state_bytes().values())  # optimizer state and every state kind
 
     def remove(self) -> None:
         """Remove the hooks: the wrapper steps in ``step()`` again."""

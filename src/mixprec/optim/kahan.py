@@ -78,7 +78,12 @@ class KahanOptimizer(LowPrecisionOptimizer):
         return self._comp.get(param)
 
     def set_compensation(self, param: torch.Tensor, value: torch.Tensor) -> None:
-        """Replace the compensation buffer of ``param`` (``value`` is kept, not copied)."""
+        """Replace the compensation buffer of a low-precision ``param`` (``value`` is kept, not copied)."""
+        if not COMPENSATION.applies(param):
+            raise ValueError(
+                f"set_compensation() on a {param.dtype} parameter: only bf16/fp16 weights have compensation "
+                "(an fp32 one loses no update to rounding)"
+            )
         if value.shape != param.shape:
             raise ValueError(
                 f"set_compensation(value=...) has shape {tuple(value.shape)}, but the parameter {tuple(param.shape)}; "

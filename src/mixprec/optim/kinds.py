@@ -37,6 +37,9 @@ from mixprec.dtypes import LOW_PRECISION_DTYPES
 
 __all__ = ["CATEGORIES", "COMPENSATION", "MASTER", "KindStore", "StateKind"]
 
+#: names a kind cannot take: the wrappers' own checkpoint entries beside the kinds'
+RESERVED_NAMES = frozenset({"state_kinds", "compiled_layouts", "generators", "seed", "counter", "step"})
+
 #: the memory classes a kind may count in (those of ``WrappedOptimizer.state_bytes``)
 CATEGORIES: tuple[str, ...] = ("master_weights", "optimizer_state", "compensation", "grad_accumulation")
 
@@ -77,6 +80,11 @@ class StateKind:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.isidentifier():
             raise ValueError(f"StateKind name must be an identifier (its state_dict key), got {self.name!r}")
+        if self.name in RESERVED_NAMES:
+            raise ValueError(
+                f"StateKind name {self.name!r} is taken by the wrappers' own checkpoint entries "
+                f"({', '.join(sorted(RESERVED_NAMES))}); choose another name"
+            )
         if self.category not in CATEGORIES:
             raise ValueError(
                 f"StateKind {self.name!r} has category {self.category!r}; expected one of {', '.join(CATEGORIES)}"
@@ -173,12 +181,6 @@ class KindStore:
         for values in self.values.values():
             yield from values.values()
 
-    def rebind(self, params: Sequence[torch.Tensor]) -> None:
-        """Keep only the tensors of ``params`` (a copied wrapper keyed by its old parameters)."""
-        keep = set(params)
-        for name, values in self.values.items():
-            self.values[name] = {p: v for p, v in values.items() if p in keep}
-
     # ------------------------------------------------------------- the step
     def before_step(self, params: Iterable[torch.Tensor]) -> None:
         """Create the missing tensors of kinds with an ``after_step`` rule for ``params`` about
@@ -229,8 +231,9 @@ class KindStore:
         :func:`mixprec.optim.checks.check_kind_state` first; a kind absent from it starts afresh)."""
         for name, kind in self.kinds.items():
             entries = saved.get(name) or {}
-            self.values[name] = {
+            values = {
                 params[int(i)]: v.detach().to(device=params[int(i)].device, dtype=kind.dtype_for(params[int(i)]),
                                               copy=True)
                 for i, v in entries.items()
             }
+            self.values[name] = {p: v.sort().values for p, v in values.items()} if kind.sparse else values

@@ -27,6 +27,8 @@ from typing import Any
 import torch
 
 from mixprec.dtypes import LOW_PRECISION_DTYPES
+from mixprec.optim import states as qstates
+from mixprec.optim.generic import is_param_state
 from mixprec.optim.snapshot import all_or_nothing
 
 __all__ = ["keep_state_dtype", "load_inner"]
@@ -45,10 +47,12 @@ def keep_state_dtype(
     state_dtype: torch.dtype | None,
 ) -> None:
     """After torch's load (which casts floating state to each parameter's dtype): the
-    per-element state of each low-precision parameter in ``state_dtype`` (fp32 for None),
-    taken from the saved tensors (exactly, where they were saved in that dtype). The state
-    of fp32 parameters (norm layers) stays as torch cast it: a state saved under a plan
-    that kept those layers in bf16 becomes fp32, which their update needs."""
+    per-element state of each low-precision parameter in ``state_dtype`` (fp32 for None; 8-bit
+    blockwise for :data:`~mixprec.optim.states.Q8`), taken from the saved tensors: exactly where
+    they were saved in that dtype, converted where they were saved in another one (a resume
+    under another state dtype). The state of fp32 parameters (norm layers) stays as torch cast
+    it: a state saved under a plan that kept those layers in bf16 becomes fp32, which their
+    update needs."""
     order = [pid for group in state_dict["param_groups"] for pid in group["params"]]
     dtype = state_dtype or torch.float32
     for index, saved in state_dict["state"].items():
@@ -57,8 +61,18 @@ def keep_state_dtype(
             continue
         live = optimizer.state.get(param, {})
         for key, value in saved.items():
-            if (
-                key != "step" and isinstance(value, torch.Tensor) and value.is_floating_point()
-                and value.shape == param.shape
-            ):
-                live[key] = value.detach().to(device=param.device, dtype=dtype, copy=True)
+            if qstates.is_scale_key(key) or not is_param_state(key, value, param):
+                continue
+            scale_key = f"{key}{qstates.ABSMAX}"
+            if dtype == qstates.Q8 and value.dtype == qstates.Q8 and scale_key in saved:
+                live[key] = value.detach().to(param.device, copy=True)  # exactly as saved
+                live[scale_key] = saved[scale_key].detach().to(param.device, torch.float32, copy=True)
+                continue
+            value32 = qstates.value({key: value, **({scale_key: saved[scale_key]} if scale_key in saved else {})}, key)
+            live.pop(scale_key, None)
+            if dtype == qstates.Q8:
+                live.pop(key, None)
+                qstates.put(live, key, value32.to(param.device), dtype)
+            else:
+                source = value if value.is_floating_point() else value32
+                live[key] = source.detach().to(device=param.device, dtype=dtype, copy=True)

@@ -40,8 +40,9 @@ from typing import Any, ClassVar
 import torch
 
 from mixprec.compiling import check_environment
-from mixprec.dtypes import LOW_PRECISION_DTYPES, parse_dtype
-from mixprec.optim import footprint, routing
+from mixprec.dtypes import LOW_PRECISION_DTYPES
+from mixprec.optim import footprint, generic, routing
+from mixprec.optim import states as qstates
 from mixprec.optim.base import WrappedOptimizer
 from mixprec.optim.checks import (
     KINDS_KEY,
@@ -71,7 +72,7 @@ class LowPrecisionOptimizer(WrappedOptimizer):
     Args:
         optimizer: any torch optimizer; its fp32 parameters are stepped as usual.
         state_dtype: dtype the optimizer state of low-precision parameters is kept in
-            between steps (None: fp32).
+            between steps (None: fp32; ``"8bit"``: 8-bit blockwise, :mod:`mixprec.optim.states`).
         fast: use the multi-tensor fast path (:mod:`mixprec.optim.fast`) for
             ``torch.optim.Adam``, ``AdamW`` and ``SGD`` param groups it supports; other
             optimizers and options (``capturable``, ``differentiable``, ``fused``) take the
@@ -124,7 +125,7 @@ class LowPrecisionOptimizer(WrappedOptimizer):
         compile: CompileSetting = "auto",
     ) -> None:
         super().__init__(optimizer)
-        self.state_dtype = None if state_dtype is None else parse_dtype(state_dtype)
+        self.state_dtype = qstates.parse_state_dtype(state_dtype)
         self.compile: CompileSetting = check_compile_setting(compile)
         if self.compile == "auto" and self.rounding != "nearest":
             check_environment()  # read at the first compiled step otherwise, mid-training
@@ -267,49 +268,10 @@ class LowPrecisionOptimizer(WrappedOptimizer):
         rounding subclasses provide theirs."""
         return None, None
 
-    def _step_one(self, p: torch.nn.Parameter, group: dict[str, Any], scratch: dict[tuple[int, torch.device], torch.Tensor]) -> None:
-        """The inner optimizer on an fp32 proxy of ``p`` (its value, gradient and state expanded)."""
-
-        def buffer(slot: int) -> torch.Tensor:
-            key = (slot, p.device)
-            buf = scratch.get(key)
-            if buf is None or buf.numel() < p.numel():
-                buf = torch.empty(p.numel(), dtype=torch.float32, device=p.device)
-                scratch[key] = buf
-            return buf[: p.numel()].view(p.shape)
-
-        value32 = buffer(0)
-        self._expand_into(p, value32)
-        proxy = torch.nn.Parameter(value32, requires_grad=p.requires_grad)
-        proxy.grad = buffer(1).copy_(p.grad)  # type: ignore[arg-type]
-        state = self.optimizer.state.pop(p, None)
-        stored: dict[Any, torch.Tensor] = {}
-        if state:
-            expanded: dict[Any, Any] = {}
-            for slot, (key, value) in enumerate(list(state.items()), start=2):
-                if _is_param_state(key, value, p) and value.dtype != torch.float32:
-                    stored[key] = value
-                    expanded[key] = buffer(slot).copy_(value)
-                else:
-                    expanded[key] = value
-            self.optimizer.state[proxy] = expanded
-        group["params"] = [proxy]
-        try:
-            self.optimizer.step()
-        finally:
-            group["params"] = []
-            self._store(p, value32)
-            new = self.optimizer.state.pop(proxy, None)
-            if new is not None:
-                scratch_ptrs = {buf.untyped_storage().data_ptr() for buf in scratch.values()}
-                for key, value in list(new.items()):
-                    if key in stored:
-                        new[key] = stored[key].copy_(value)
-                    elif _is_param_state(key, value, p):
-                        target = value.dtype if self.state_dtype is None else self.state_dtype
-                        if value.dtype != target or value.untyped_storage().data_ptr() in scratch_ptrs:
-                            new[key] = value.to(target, copy=True)  # created by this step
-                self.optimizer.state[p] = new
+    def _step_one(self, p: torch.nn.Parameter, group: dict[str, Any], scratch: generic.Scratch) -> None:
+        """The generic path for ``p`` (:func:`mixprec.optim.generic.step_one`)."""
+        generic.step_one(self.optimizer, p, group, scratch, expand=self._expand_into, store=self._store,
+                         state_dtype=self.state_dtype)
 
     # ------------------------------------------------------------- overflow guard (fp16)
     def step_nonfinite(self) -> torch.Tensor | None:
@@ -379,16 +341,22 @@ class LowPrecisionOptimizer(WrappedOptimizer):
         sd[self._STATE_KEY] = {**self.extra_state(), "compiled_layouts": sorted(self._compiled_layouts)}
         return sd
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load the inner optimizer's state and this wrapper's own (compensation, rounding
-        noise); all or nothing: a refused state_dict (ValueError/TypeError) changes nothing."""
-        owner = type(self).__name__
+    def check_state_dict(self, state_dict: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Everything :meth:`load_state_dict` checks, changing nothing; returns (the inner
+        optimizer's state_dict, this wrapper's own entry)."""
+        owner, params = type(self).__name__, list(self.params())
         sd, extra = split_wrapper_state(state_dict, self._STATE_KEY, owner)
-        params = list(self.params())
         check_rounding_state(extra, self.rounding, owner)
         check_kind_state(self.kinds, extra, params, owner)
         check_inner_state_dict(self.optimizer, sd)
         check_state_shapes(params, sd)
+        return sd, extra
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load the inner optimizer's state and this wrapper's own (compensation, rounding
+        noise); all or nothing: a refused state_dict (ValueError/TypeError) changes nothing."""
+        sd, extra = self.check_state_dict(state_dict)
+        params, owner = list(self.params()), type(self).__name__
         with all_or_nothing(self.optimizer, self, what=f"cannot load this {owner} state_dict"):
             self.optimizer.load_state_dict(sd)
             keep_state_dtype(self.optimizer, params, sd, self.state_dtype)  # torch cast it to the params' dtype
@@ -403,7 +371,6 @@ class LowPrecisionOptimizer(WrappedOptimizer):
         ``state_dtype`` (predicted before the first step), the rest as the optimizer keeps it."""
         low = self._low_params()
         low_ids = {id(p) for p in low}
-        size = (self.state_dtype or torch.float32).itemsize
         layouts = footprint.state_layout(self.optimizer, as_float32=low)
         total = 0
         for q in footprint.unique_tensors(self.params()):
@@ -413,7 +380,7 @@ class LowPrecisionOptimizer(WrappedOptimizer):
                 continue
             for shape, dtype in layouts.get(id(q), {}).values():
                 shaped = id(q) in low_ids and shape == q.shape and dtype.is_floating_point
-                total += shape.numel() * (size if shaped else dtype.itemsize)
+                total += qstates.tensor_bytes(shape.numel(), self.state_dtype) if shaped else shape.numel() * dtype.itemsize
         return self.kind_bytes({"optimizer_state": total})
 
     def step_transient_bytes(self) -> int:
@@ -439,10 +406,3 @@ class LowPrecisionOptimizer(WrappedOptimizer):
 def _holds(saved: list[list[torch.Tensor]], where: tuple[int, int], param: torch.Tensor) -> bool:
     group, position = where
     return group < len(saved) and position < len(saved[group]) and saved[group][position] is param
-
-
-def _is_param_state(key: Any, value: Any, param: torch.Tensor) -> bool:
-    """A per-element state tensor of ``param`` (kept in ``state_dtype``); never the step count."""
-    return (
-        key != "step" and isinstance(value, torch.Tensor) and value.is_floating_point() and value.shape == param.shape
-    )

@@ -282,12 +282,12 @@ class MasterWeightOptimizer(WrappedOptimizer):
             raise ValueError("MasterWeightOptimizer.step() does not take a closure; compute the loss before step()")
         self.prepare_grads()
         follow_masters(self._pairs, self._watch)  # weights written since the last step: masters follow them
-        stepped = [p for p, m in self._pairs if m.grad is not None]
+        inner = [q for g in self.optimizer.param_groups for q in g["params"]]
+        stepped = [p for q, p in zip(inner, self._model_params(inner), strict=True) if q.grad is not None]
         self.kinds.before_step(stepped)
         guard = self.guard_nonfinite
         if guard:
             self._snapshot = Snapshot(self.optimizer, self.kinds, groups=True)
-            inner = [q for g in self.optimizer.param_groups for q in g["params"]]
             self._snapshot.add(inner, self._model_params(inner))
         result = self.optimizer.step()
         self._grads.release()
@@ -355,15 +355,21 @@ class MasterWeightOptimizer(WrappedOptimizer):
             sd[_KINDS_KEY] = {**self.kinds.state(self.kind_params()), KINDS_KEY: sorted(self.kinds.kinds)}
         return sd
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load masters and inner optimizer state, all or nothing: everything is checked
-        (master count, shapes and dtypes; the inner state's groups and shapes) before
-        anything changes, and a failure leaves this optimizer and the model as they were."""
+    def check_state_dict(self, state_dict: Any) -> tuple[dict[str, Any], Any, dict[str, Any]]:
+        """Everything :meth:`load_state_dict` checks before anything changes; returns (the inner
+        optimizer's state_dict, the masters, the state kinds' entry)."""
         self._adopt_added()  # groups added to the inner optimizer since: their masters are counted too
         sd, masters, kinds = split_master_state(state_dict, _MASTER_KEY, _KINDS_KEY)
         check_master_weights(masters, self.masters, _MASTER_KEY)
         check_kind_state(self.kinds, kinds, self.kind_params(), type(self).__name__)
         check_inner_state_dict(self.optimizer, sd)
+        return sd, masters, kinds
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load masters and inner optimizer state, all or nothing: everything is checked
+        (master count, shapes and dtypes; the inner state's groups and shapes) before
+        anything changes, and a failure leaves this optimizer and the model as they were."""
+        sd, masters, kinds = self.check_state_dict(state_dict)
         with all_or_nothing(self.optimizer, self):
             self.optimizer.load_state_dict(sd)
             check_param_shaped_state(self.optimizer)

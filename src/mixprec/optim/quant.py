@@ -54,6 +54,7 @@ __all__ = [
     "join_master",
     "quantize_blockwise",
     "quantize_blockwise_into",
+    "quantize_flat",
     "split_master",
     "split_master_into",
 ]
@@ -172,6 +173,33 @@ def _maps(signed: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tenso
     return qmap, (qmap[:-1] + qmap[1:]) / 2  # the map and the 255 decision points between its entries
 
 
+@cache
+def _lookup(signed: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(code of the smallest value of each of the 2**16 runs of fp32 values sharing their top 16
+    bits, the decision point above each code): the nearest code of ``x`` is ``c + (x >= point[c])``
+    with ``c`` the code of ``x``'s run, since no run in [-1, 1] holds two decision points (a run is
+    2**-8 of its values wide, the map's entries at least 2**-7 apart relative to theirs; checked)."""
+    midpoints = _maps(signed, torch.device("cpu"))[1].double()
+    high = torch.arange(1 << 16, dtype=torch.int64)
+    ends = torch.stack([(high << 16), (high << 16) | 0xFFFF]).to(torch.int32).view(torch.float32).double()
+    low_end, high_end = ends.min(0).values.nan_to_num(0.0), ends.max(0).values.nan_to_num(0.0)
+    low_end, high_end = low_end.clamp(-1.0, 1.0), high_end.clamp(-1.0, 1.0)
+    first = torch.searchsorted(midpoints, low_end, right=True)
+    last = torch.searchsorted(midpoints, high_end, right=True)
+    if int((last - first).max()) > 1:  # pragma: no cover - a property of the map, checked once
+        raise AssertionError("a run of fp32 values holds two decision points of the 8-bit map")
+    points = torch.cat([midpoints, torch.tensor([float("inf")], dtype=torch.float64)]).float()
+    return first.to(torch.int32).to(device), points.to(device)
+
+
+def _nearest_codes(scaled: torch.Tensor, signed: bool) -> torch.Tensor:
+    """The nearest code (int32) of each fp32 ``scaled`` value in [-1, 1] (a tie: the larger)."""
+    table, points = _lookup(signed, scaled.device)
+    run = scaled.view(torch.int32).bitwise_right_shift(16).bitwise_and_(0xFFFF)
+    first = torch.index_select(table, 0, run.view(-1)).view(scaled.shape)
+    return first.add_(scaled >= torch.index_select(points, 0, first.view(-1)).view(scaled.shape))
+
+
 def dynamic_map(signed: bool, device: torch.device | str | None = None) -> torch.Tensor:
     """The 256 sorted fp32 values an 8-bit code stands for (times the block's absmax); cached, do not write into it.
 
@@ -244,14 +272,18 @@ def quantize_blockwise_into(
     flat = x.reshape(-1)
     if not signed and bool((flat < 0).any()):
         raise ValueError(f"{fn}(): signed=False needs x >= 0 (exp_avg_sq), got negative values; pass signed=True")
-    midpoints = _maps(signed, x.device)[1]
-    codes = codes_out.view(-1)
+    quantize_flat(flat, codes_out.view(-1), absmax_out, signed, block)
+
+
+def quantize_flat(flat: torch.Tensor, codes: torch.Tensor, absmax_out: torch.Tensor, signed: bool, block: int) -> None:
+    """:func:`quantize_blockwise_into` on flat contiguous tensors, unchecked (the optimizer's hot path:
+    the arguments are not validated and ``signed=False`` does not refuse negative values)."""
     for start, end, rows in _spans(flat.numel(), block):
         part = flat[start:end].view(rows, -1).float()
         absmax = absmax_out[start // block : start // block + rows]
         torch.amax(part.abs(), dim=1, out=absmax)
         scaled = part / torch.where(absmax > 0, absmax, 1.0).unsqueeze(1)  # an all-zero block divides by 1
-        codes[start:end].copy_(torch.searchsorted(midpoints, scaled, right=True, out_int32=True).view(-1))
+        codes[start:end].copy_(_nearest_codes(scaled.contiguous(), signed).view(-1))
 
 
 def dequantize_blockwise(

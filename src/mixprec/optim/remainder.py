@@ -190,25 +190,30 @@ class RemainderOptimizer(LowPrecisionOptimizer):
         torch._foreach_add_(ints, [pc.of(self._remainder_for(pc.param)).to(torch.int32) for pc in pieces])
         for pc, v in zip(pieces, ints, strict=True):
             ties = self._ties(pc.param)
-            if ties.numel():
-                inside = ties[(ties >= pc.start) & (ties < pc.end)] - pc.start
+            if ties.numel():  # rare: most weights have none (no device sync then)
+                inside = ties if pc.whole else _between(ties, pc.start, pc.end) - pc.start
                 v.view(-1)[inside] += _TIE_FIX
 
     def _store_many(self, pieces: list[Piece], values: list[torch.Tensor], flat: torch.Tensor) -> None:
         torch._foreach_copy_([pc.value for pc in pieces], values)  # round to nearest even
         halves = flat.view(torch.int16).view(-1, 2)
         low, high = (halves[:, 0], halves[:, 1]) if _little_endian() else (halves[:, 1], halves[:, 0])
-        tied = ((low == -32768) & ((high & 1) == 0)).nonzero().view(-1)  # halfway, rounded down to even
-        offset = 0
+        tied = ((low == -32768) & ((high & 1) == 0)).nonzero().view(-1)  # halfway, rounded down to even (sorted)
+        offsets = [0]
         for pc in pieces:
-            n = pc.end - pc.start
-            pc.of(self._remainder_for(pc.param)).view(-1).copy_(low[offset : offset + n])
+            offsets.append(offsets[-1] + pc.end - pc.start)
+        cuts = torch.searchsorted(tied, torch.tensor(offsets, device=tied.device)).tolist() if tied.numel() else None
+        for i, pc in enumerate(pieces):
+            pc.of(self._remainder_for(pc.param)).view(-1).copy_(low[offsets[i] : offsets[i + 1]])
             old = self._ties(pc.param)
-            new = tied[(tied >= offset) & (tied < offset + n)] - offset + pc.start if tied.numel() else tied
-            if old.numel() or new.numel():
-                keep = old[(old < pc.start) | (old >= pc.end)]
-                self.kinds.set(REMAINDER_TIES.name, pc.param, torch.cat([keep, new]).sort().values)
-            offset += n
+            new = tied[cuts[i] : cuts[i + 1]] - offsets[i] + pc.start if cuts is not None else tied
+            if not (old.numel() or new.numel()):
+                continue
+            if pc.whole:
+                self.kinds.set(REMAINDER_TIES.name, pc.param, new)
+            else:  # the ties of the rest of the weight stay; both runs are sorted
+                lo, hi = torch.searchsorted(old, torch.tensor([pc.start, pc.end], device=old.device)).tolist()
+                self.kinds.set(REMAINDER_TIES.name, pc.param, torch.cat([old[:lo], new, old[hi:]]))
 
 
 @contextlib.contextmanager
@@ -224,6 +229,12 @@ def _as_master_update(optimizer: torch.optim.Optimizer, groups: list[dict[str, A
     finally:
         for group, (foreach, fused) in zip(groups, saved, strict=True):
             group["foreach"], group["fused"] = foreach, fused
+
+
+def _between(ties: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """The sorted ``ties`` in ``[start, end)``."""
+    lo, hi = torch.searchsorted(ties, torch.tensor([start, end], device=ties.device)).tolist()
+    return ties[lo:hi]
 
 
 def _little_endian() -> bool:

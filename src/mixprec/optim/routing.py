@@ -51,9 +51,16 @@ class Routed(Protocol):
     def _compiled_rounding_inputs(self) -> tuple[Callable[[torch.Tensor], torch.Tensor] | None, list[int] | None]: ...
 
 
+#: the stores the compiled update implements
+COMPILED_ROUNDINGS = ("nearest", "kahan", "stochastic")
+
+
 def compiled_route(opt: Routed, group: dict[str, Any], active: list[torch.nn.Parameter], *, whole_step: bool) -> list[torch.nn.Parameter]:
     """Step an Adam/AdamW group's ``active`` parameters on the compiled route where it is
-    taken; returns those left for the eager path (``active`` itself when it is not taken)."""
+    taken; returns those left for the eager path (``active`` itself when it is not taken).
+    8-bit states and remainder masters have no compiled route (yet): they step eagerly."""
+    if opt.state_dtype == torch.uint8 or opt.rounding not in COMPILED_ROUNDINGS:
+        return active
     if use_compiled_route(opt.compile, opt.rounding, active, whole_step=whole_step) and (
         reserved := compiled_layout_ok(opt, group, active)
     ):

@@ -187,7 +187,8 @@ class Plan:
         text = []
         for kind in kinds:
             dtype = kind.dtype or self.weight_dtype
-            text.append(f"{kind.name} ({dtype_name(dtype)}, {dtype.itemsize} B/weight: {kind.describe})")
+            size = "a few int64 indices" if kind.sparse else f"{dtype_name(dtype)}, {dtype.itemsize} B/weight"
+            text.append(f"{kind.name} ({size}: {kind.describe})")
         return {"kept per weight": "; ".join(text)}
 
     def explain(self) -> Text:

@@ -12,6 +12,7 @@ from mixprec.islands import cast_outside_islands
 from mixprec.optim import KahanOptimizer, StochasticRoundingOptimizer
 from mixprec.optim.compiled import CompileSetting, check_compile_setting
 from mixprec.optim.kinds import StateKind
+from mixprec.optim.states import describe as describe_state
 from mixprec.plans.base import NORM_LAYERS, Plan
 
 __all__ = ["LowBitPlan"]
@@ -64,7 +65,7 @@ class LowBitPlan(Plan):
             rows["master weights"] = f"none ({dtype_name(self.weight_dtype)} Kahan compensation per weight)"
         else:
             rows["master weights"] = "none (stochastic rounding of each update)"
-        rows["optimizer state"] = f"{dtype_name(self.state_dtype)} between steps, fp32 math inside step"
+        rows["optimizer state"] = f"{describe_state(self.state_dtype)} between steps, fp32 math inside step"
         return rows
 
     def state_kinds(self) -> tuple[StateKind, ...]:

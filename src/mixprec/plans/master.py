@@ -11,6 +11,7 @@ from mixprec.dtypes import dtype_name
 from mixprec.islands import cast_outside_islands
 from mixprec.optim import MasterWeightOptimizer, RemainderOptimizer
 from mixprec.optim.kinds import StateKind
+from mixprec.optim.states import describe as describe_state
 from mixprec.plans.base import NORM_LAYERS, Plan
 
 __all__ = ["MasterPlan"]
@@ -38,6 +39,7 @@ class MasterPlan(Plan):
 
     accumulate_grads_in_fp32_hooks: bool = False
     remainders: bool = False
+    state_dtype: torch.dtype | None = None
 
     family: ClassVar[str] = "master"
     supports_fsdp: ClassVar[bool] = True
@@ -60,6 +62,16 @@ class MasterPlan(Plan):
                 "weight is not the high half of its fp32 master. Use get_plan('bf16-master', remainders=True), or "
                 "keep fp32 masters (remainders=False)"
             )
+        if self.state_dtype not in (None, torch.float32) and not self.remainders:
+            raise ValueError(
+                f"state_dtype={describe_state(self.state_dtype)} on plan {self.name!r}: with fp32 masters the inner "
+                "optimizer keeps its own fp32 state. Pass remainders=True as well (the masters then live in "
+                "the bf16 weights and their remainders, and the state in the dtype asked for)"
+            )
+
+    @property
+    def optimizer_state_dtype(self) -> torch.dtype:
+        return self.state_dtype or torch.float32
 
     @property  # type: ignore[misc]
     def supports_optimizer_in_backward(self) -> bool:  # type: ignore[override]
@@ -76,6 +88,8 @@ class MasterPlan(Plan):
     def tensor_dtypes(self) -> dict[str, str]:
         rows = super().tensor_dtypes()
         rows["weights"] += " (norm layers fp32)"
+        rows["optimizer state"] = describe_state(self.state_dtype) + (" between steps, fp32 math inside step"
+                                                                     if self.state_dtype else "")
         if self.remainders:
             rows["grad accumulation"] = "bf16 (in the weights' .grad)"
             rows["master weights"] = "fp32, kept as the bf16 weight + an int16 remainder"
@@ -103,6 +117,6 @@ class MasterPlan(Plan):
         # Every optimizer of an fp16 plan is guarded, so any of them can undo its step when
         # another one refused a non-finite update (also one holding only fp32 parameters).
         if self.remainders:
-            return RemainderOptimizer(optimizer, master_values=fp32_values)
+            return RemainderOptimizer(optimizer, master_values=fp32_values, state_dtype=self.state_dtype)
         guard = True if self.compute_dtype == torch.float16 else None
         return MasterWeightOptimizer(optimizer, master_values=fp32_values, guard_nonfinite=guard)

@@ -8,10 +8,10 @@ from typing import Any, ClassVar
 
 import torch
 
-from mixprec.dtypes import dtype_name
 from mixprec.islands import cast_outside_islands
 from mixprec.optim import LowPrecisionOptimizer
 from mixprec.optim.compiled import CompileSetting, check_compile_setting
+from mixprec.optim.states import describe as describe_state
 from mixprec.plans.base import Plan
 
 __all__ = ["PurePlan"]
@@ -61,7 +61,7 @@ class PurePlan(Plan):
     def tensor_dtypes(self) -> dict[str, str]:
         rows = super().tensor_dtypes()
         rows["compute"] = rows["activations"] = rows["weights"] + " (no autocast; model inputs cast)"
-        rows["optimizer state"] = f"{dtype_name(self.optimizer_state_dtype)} (fp32 math inside step)"
+        rows["optimizer state"] = f"{describe_state(self.optimizer_state_dtype)} (fp32 math inside step)"
         return rows
 
     def convert_model(self, model: torch.nn.Module) -> dict[torch.Tensor, torch.Tensor]:

@@ -21,6 +21,7 @@ from typing import Any, Literal
 import torch
 
 from mixprec.dtypes import dtype_name, parse_dtype
+from mixprec.optim.states import parse_state_dtype
 from mixprec.plans.auto import AUTO, choose_plan, is_auto
 from mixprec.plans.base import Plan, ScalingConfig, ScalingKind
 from mixprec.plans.fp8 import Fp8Plan
@@ -247,7 +248,12 @@ def _checked_fields(plan: Plan, overrides: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in overrides.items():
         hint = hints.get(key)
-        if key == "compute_dtype":
+        if key == "state_dtype" and hint is not None:
+            try:  # "fp32", "bf16", "fp16" or "8bit" (8-bit blockwise): mixprec.optim.states
+                value = parse_state_dtype(value)
+            except ValueError as exc:
+                raise ValueError(f"override state_dtype for plan {plan.name!r}: {exc}") from None
+        elif key == "compute_dtype":
             value = _dtype_override(plan, key, value)
             allowed = (torch.float32,) if plan.family == "fp32" else (torch.bfloat16, torch.float16)
             if value not in allowed:

@@ -1,0 +1,171 @@
+"""Optimizer state precision between steps: fp32, bf16/fp16, or 8-bit blockwise.
+
+The low-precision wrappers keep each per-element state tensor of a low-precision parameter
+(Adam's moments, SGD's momentum) in ``state_dtype`` between steps and expand it to fp32 for
+the update. ``"8bit"`` (:data:`Q8`) keeps it as 8-bit blockwise dynamic quantization, as
+bitsandbytes' and torchao's 8-bit optimizers: a uint8 code per element under the state's
+own key (shaped like the parameter) and one fp32 absmax per block of :data:`BLOCK` elements
+under ``key + "_absmax"`` (:mod:`mixprec.optim.quant`); signed codes for first moments and
+momentum, unsigned for second moments. One byte per element and 1/64 of a byte per block
+scale, against 4 (fp32) or 2 (bf16).
+
+>>> import torch
+>>> parse_state_dtype("8bit"), parse_state_dtype("bf16"), parse_state_dtype(None)
+(torch.uint8, torch.bfloat16, None)
+>>> state = {}
+>>> put(state, "exp_avg_sq", torch.full((300,), 0.25), Q8)
+>>> sorted(state), state["exp_avg_sq"].dtype, tuple(state["exp_avg_sq_absmax"].shape)
+(['exp_avg_sq', 'exp_avg_sq_absmax'], torch.uint8, (2,))
+>>> float(value(state, "exp_avg_sq")[0])
+0.25
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from mixprec.dtypes import parse_dtype
+from mixprec.optim.quant import dequantize_blockwise, quantize_flat
+
+__all__ = [
+    "ABSMAX",
+    "BLOCK",
+    "Q8",
+    "describe",
+    "element_bytes",
+    "is_scale_key",
+    "parse_state_dtype",
+    "put",
+    "signed_key",
+    "tensor_bytes",
+    "value",
+]
+
+#: the state dtype that stands for 8-bit blockwise quantization (its codes' dtype)
+Q8 = torch.uint8
+#: elements per quantization block
+BLOCK = 256
+#: the suffix of the key that holds a quantized state's per-block scales
+ABSMAX = "_absmax"
+
+_UNSIGNED = ("exp_avg_sq", "max_exp_avg_sq")  # keys whose values are never negative
+
+
+def parse_state_dtype(value: Any) -> torch.dtype | None:
+    """``None`` / ``"fp32"`` / ``"bf16"`` / ``"fp16"`` / ``"8bit"`` (or a torch dtype) as the dtype the
+    state is kept in: None for fp32 kept as the inner optimizer makes it, :data:`Q8` for 8-bit."""
+    if value is None:
+        return None
+    if isinstance(value, str) and value.strip().lower() in ("8bit", "8-bit", "int8", "q8", "uint8"):
+        return Q8
+    try:
+        dtype = parse_dtype(value)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(
+            f"state_dtype must be 'fp32', 'bf16', 'fp16' or '8bit' (8-bit blockwise), got {value!r}"
+        ) from exc
+    if dtype == Q8:
+        return Q8
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"state_dtype must be 'fp32', 'bf16', 'fp16' or '8bit' (8-bit blockwise), got {value!r}")
+    return dtype
+
+
+def describe(dtype: torch.dtype | None) -> str:
+    """A state dtype in words (``explain()``)."""
+    if dtype == Q8:
+        return f"8-bit blockwise (dynamic map, {BLOCK}-element blocks, fp32 scale each)"
+    return {None: "fp32", torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+
+
+def element_bytes(dtype: torch.dtype | None) -> float:
+    """Bytes per element of a state tensor kept in ``dtype`` (8-bit: the code and its share of a scale)."""
+    if dtype == Q8:
+        return 1 + 4 / BLOCK
+    return (dtype or torch.float32).itemsize
+
+
+def tensor_bytes(numel: int, dtype: torch.dtype | None) -> int:
+    """Bytes of one state tensor of ``numel`` elements kept in ``dtype`` (8-bit: codes and scales)."""
+    if dtype == Q8:
+        return numel + 4 * _blocks(numel)
+    return numel * (dtype or torch.float32).itemsize
+
+
+def signed_key(key: Any) -> bool:
+    return str(key) not in _UNSIGNED
+
+
+def is_scale_key(key: Any) -> bool:
+    return isinstance(key, str) and key.endswith(ABSMAX)
+
+
+def _blocks(numel: int) -> int:
+    return -(-numel // BLOCK)
+
+
+@torch.no_grad()
+def put(state: dict[Any, Any], key: Any, value32: torch.Tensor, dtype: torch.dtype | None) -> None:
+    """Keep ``value32`` (fp32) as ``state[key]`` in ``dtype``, in the existing tensors where they fit."""
+    if dtype != Q8:
+        target = dtype or torch.float32
+        cur = state.get(key)
+        if isinstance(cur, torch.Tensor) and cur.dtype == target and cur.shape == value32.shape:
+            cur.copy_(value32)
+        else:
+            state[key] = value32.to(target, copy=True)
+        return
+    codes, scales = state.get(key), state.get(f"{key}{ABSMAX}")
+    if not (isinstance(codes, torch.Tensor) and codes.dtype == Q8 and codes.shape == value32.shape
+            and isinstance(scales, torch.Tensor) and scales.numel() == _blocks(value32.numel())):
+        codes = torch.empty(value32.shape, dtype=Q8, device=value32.device)
+        scales = torch.empty(_blocks(value32.numel()), dtype=torch.float32, device=value32.device)
+        state[key], state[f"{key}{ABSMAX}"] = codes, scales
+    quantize_flat(value32.reshape(-1).float(), codes.view(-1), scales, signed_key(key), BLOCK)
+
+
+def value(state: Mapping[Any, Any], key: Any, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``state[key]`` as fp32 (into ``out`` when given)."""
+    held = state[key]
+    scales = state.get(f"{key}{ABSMAX}") if isinstance(key, str) else None
+    if held.dtype == Q8 and scales is not None:
+        return dequantize_blockwise(held, scales, signed=signed_key(key), block=BLOCK, out=out)
+    if out is None:
+        return held.float() if held.dtype != torch.float32 else held
+    return out.copy_(held)
+
+
+def piece_views(
+    state: Mapping[Any, Any], key: Any, start: int, end: int, whole: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(codes or values, scales or None) of elements ``start:end`` of ``state[key]`` (a fast-path
+    piece: ``start`` is a multiple of :data:`BLOCK` whenever the piece is not the whole tensor)."""
+    held = state[key]
+    scales = state.get(f"{key}{ABSMAX}") if isinstance(key, str) and held.dtype == Q8 else None
+    part = held if whole else held.view(-1)[start:end]
+    if scales is None:
+        return part, None
+    return part, scales[start // BLOCK : _blocks(end)]
+
+
+def _scales(scales: torch.Tensor | None) -> torch.Tensor:
+    if scales is None:
+        raise ValueError("an 8-bit optimizer state without its per-block scales ('<key>_absmax')")
+    return scales
+
+
+def expand_pieces(pieces: Sequence[tuple[torch.Tensor, torch.Tensor | None]], keys: Sequence[Any],
+                  out: Sequence[torch.Tensor]) -> None:
+    """Dequantize each (codes, scales) of ``pieces`` into the fp32 ``out`` views."""
+    for (codes, scales), key, dst in zip(pieces, keys, out, strict=True):
+        dequantize_blockwise(codes.reshape(-1), _scales(scales), signed=signed_key(key), block=BLOCK, out=dst.view(-1))
+
+
+def store_pieces(pieces: Sequence[tuple[torch.Tensor, torch.Tensor | None]], keys: Sequence[Any],
+                 values: Sequence[torch.Tensor]) -> None:
+    """Quantize the fp32 ``values`` into each (codes, scales) of ``pieces``."""
+    for (codes, scales), key, src in zip(pieces, keys, values, strict=True):
+        quantize_flat(src.reshape(-1), codes.view(-1), _scales(scales), signed_key(key), BLOCK)

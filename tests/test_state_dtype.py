@@ -1,0 +1,175 @@
+"""Optimizer state precision as a plan dimension: fp32, bf16 and 8-bit blockwise moments.
+
+8-bit states are checked against the same wrapper with fp32 states (the oracle: dequantized
+moments within the map's resolution), the fast path against the generic path, and state
+dicts across paths and state dtypes.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from mixprec import get_plan
+from mixprec.diagnostics.memory.state import state_bytes
+from mixprec.optim import (
+    InBackwardOptimizer,
+    KahanOptimizer,
+    LowPrecisionOptimizer,
+    StochasticRoundingOptimizer,
+)
+from mixprec.optim import states as qstates
+
+WRAPPERS = {"nearest": LowPrecisionOptimizer, "kahan": KahanOptimizer, "stochastic": StochasticRoundingOptimizer}
+
+
+def _model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 600), torch.nn.LayerNorm(600), torch.nn.Linear(600, 8))
+    model[0].to(torch.bfloat16)
+    model[2].to(torch.bfloat16)
+    return model
+
+
+def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
+    torch.manual_seed(50 + step)
+    x = torch.randn(4, 16).to(torch.bfloat16)
+    model(x).float().pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _moments(opt, model, key: str) -> list[torch.Tensor]:
+    return [qstates.value(opt.state[p], key).clone() for p in model.parameters() if p.dtype == torch.bfloat16]
+
+
+@pytest.mark.parametrize("kind", list(WRAPPERS))
+@pytest.mark.parametrize("fast", [True, False])
+def test_8bit_moments_follow_the_fp32_ones(kind: str, fast: bool) -> None:
+    runs = {}
+    for dtype in (None, "8bit"):
+        model = _model()
+        opt = WRAPPERS[kind](torch.optim.AdamW(model.parameters(), lr=1e-3), state_dtype=dtype, fast=fast,
+                             compile=False)
+        for step in range(5):
+            _step(model, opt, step)
+        runs[dtype] = (model, opt)
+    (m32, o32), (m8, o8) = runs[None], runs["8bit"]
+    for p in m8.parameters():
+        if p.dtype == torch.bfloat16:
+            assert o8.state[p]["exp_avg"].dtype == torch.uint8 and o8.state[p]["exp_avg_sq_absmax"].dtype == torch.float32
+    for key, gap in (("exp_avg", 0.05), ("exp_avg_sq", 0.05)):  # 5 steps of 8-bit rounding, fed back
+        for a, b in zip(_moments(o32, m32, key), _moments(o8, m8, key), strict=True):
+            assert float((a - b).abs().max()) <= gap * float(a.abs().max()) + 1e-12, key
+    for a, b in zip(m32.parameters(), m8.parameters(), strict=True):
+        assert float((a.float() - b.float()).abs().max()) < 2e-2
+
+
+@pytest.mark.parametrize("kind", list(WRAPPERS))
+def test_the_fast_path_equals_the_generic_path_with_8bit_states(kind: str) -> None:
+    runs = []
+    for fast in (True, False):
+        model = _model()
+        opt = WRAPPERS[kind](torch.optim.AdamW(model.parameters(), lr=1e-3), state_dtype="8bit", fast=fast,
+                             fused=False, compile=False)
+        for step in range(4):
+            _step(model, opt, step)
+        runs.append((model, opt))
+    (m1, o1), (m2, o2) = runs
+    for key in ("exp_avg", "exp_avg_sq"):
+        for a, b in zip(_moments(o1, m1, key), _moments(o2, m2, key), strict=True):
+            # the foreach fast path and torch's AdamW agree within fp32 rounding; one code apart at most
+            assert float((a - b).abs().max()) <= 0.03 * float(a.abs().max()) + 1e-12
+    for a, b in zip(m1.parameters(), m2.parameters(), strict=True):
+        assert float((a.float() - b.float()).abs().max()) < 1e-2
+
+
+@pytest.mark.parametrize(("first", "then"), [("8bit", None), ("8bit", "bf16"), (None, "8bit"), ("bf16", "8bit")])
+def test_a_state_dict_moves_across_state_dtypes(first, then) -> None:
+    model = _model()
+    opt = KahanOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), state_dtype=first, compile=False)
+    for step in range(3):
+        _step(model, opt, step)
+    sd = copy.deepcopy(opt.state_dict())
+    model2 = copy.deepcopy(model)
+    opt2 = KahanOptimizer(torch.optim.AdamW(model2.parameters(), lr=1e-3), state_dtype=then, compile=False)
+    opt2.load_state_dict(sd)
+    target = qstates.parse_state_dtype(then) or torch.float32
+    for p, q in zip(model.parameters(), model2.parameters(), strict=True):
+        if p.dtype != torch.bfloat16:
+            continue
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert opt2.state[q][key].dtype == target
+            assert (f"{key}_absmax" in opt2.state[q]) == (target == torch.uint8)
+            before, after = qstates.value(opt.state[p], key), qstates.value(opt2.state[q], key)
+            assert float((before - after).abs().max()) <= 0.02 * float(before.abs().max()) + 1e-12
+    _step(model2, opt2, 3)  # and trains on
+
+
+def test_an_8bit_state_dict_round_trips_exactly_and_is_validated() -> None:
+    model = _model()
+    opt = StochasticRoundingOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), state_dtype="8bit", compile=False)
+    for step in range(2):
+        _step(model, opt, step)
+    sd = copy.deepcopy(opt.state_dict())
+    model2 = copy.deepcopy(model)
+    opt2 = StochasticRoundingOptimizer(torch.optim.AdamW(model2.parameters(), lr=1e-3), state_dtype="8bit",
+                                       compile=False)
+    opt2.load_state_dict(sd)
+    for p, q in zip(model.parameters(), model2.parameters(), strict=True):
+        for key, value in opt.state[p].items():
+            assert torch.equal(value, opt2.state[q][key]), key
+    for m, o in ((model, opt), (model2, opt2)):
+        _step(m, o, 5)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters(), strict=True))
+    bad = copy.deepcopy(sd)
+    bad["state"][0]["exp_avg_absmax"] = torch.zeros(5)
+    with pytest.raises(ValueError, match=r"'exp_avg_absmax'\] has shape \(5,\).*38 blocks"):
+        opt2.load_state_dict(bad)
+
+
+def test_8bit_sr_in_backward_holds_at_most_4_5_bytes_per_parameter_and_undoes_exactly() -> None:
+    model = _model()
+    opt = StochasticRoundingOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), state_dtype="8bit", compile=False)
+    in_bwd = InBackwardOptimizer(opt)
+    torch.manual_seed(0)
+    model(torch.randn(4, 16).to(torch.bfloat16)).float().pow(2).mean().backward()
+    assert in_bwd.finish()
+    low = [p for p in model.parameters() if p.dtype == torch.bfloat16]
+    held = sum(p.numel() * 2 for p in low) + sum(
+        v.numel() * v.element_size() for p in low for v in opt.state[p].values()
+    )
+    assert held / sum(p.numel() for p in low) <= 4.5
+    before = {k: v.clone() for p in low for k, v in opt.state[p].items() if k != "step"}
+    x = torch.randn(4, 16).to(torch.bfloat16)
+    x[0, 0] = float("nan")
+    model(x).float().nan_to_num(0.0, 0.0, 0.0).sum().backward()
+    assert not in_bwd.finish()
+    after = {k: v for p in low for k, v in opt.state[p].items() if k != "step"}
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize("kind", list(WRAPPERS))
+def test_the_memory_estimate_predicts_8bit_state(kind: str) -> None:
+    model = _model()
+    opt = WRAPPERS[kind](torch.optim.AdamW(model.parameters(), lr=1e-3), state_dtype="8bit", compile=False)
+    predicted = state_bytes(model, opt)["optimizer_state"]
+    _step(model, opt, 0)
+    assert state_bytes(model, opt)["optimizer_state"] == predicted
+    low = [p for p in model.parameters() if p.dtype == torch.bfloat16]
+    expected_low = sum(2 * (p.numel() + 4 * -(-p.numel() // 256)) + 4 for p in low)  # codes, scales, step
+    fp32 = [p for p in model.parameters() if p.dtype == torch.float32]
+    assert predicted == expected_low + sum(8 * p.numel() + 4 for p in fp32)
+
+
+def test_state_dtype_is_a_plan_dimension() -> None:
+    for name, kw in (("bf16-kahan", {}), ("bf16-sr", {}), ("bf16-pure", {}), ("bf16-master", {"remainders": True})):
+        plan = get_plan(name, state_dtype="8bit", **kw)
+        assert plan.optimizer_state_dtype == torch.uint8
+        assert "8-bit blockwise" in plan.explain()
+    with pytest.raises(ValueError, match="state_dtype must be 'fp32', 'bf16', 'fp16' or '8bit'"):
+        get_plan("bf16-kahan", state_dtype="4bit")
+    with pytest.raises(ValueError, match="Pass remainders=True as well"):
+        get_plan("bf16-master", state_dtype="bf16")
