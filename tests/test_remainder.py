@@ -194,3 +194,19 @@ def test_seeds_from_the_fp32_model_are_kept_exactly() -> None:
             assert torch.equal(opt.master(p).view(torch.int32), value.view(torch.int32))
             weight, _, _ = split_master(value)
             assert torch.equal(weight.view(torch.int16), p.detach().view(torch.int16))
+
+
+def test_a_state_dict_moves_between_the_fast_and_the_generic_path_bit_for_bit() -> None:
+    import copy
+
+    model, opt, mp = _setup(REMAINDERS)
+    _train(model, mp, range(6))
+    sd = copy.deepcopy(opt.state_dict())
+    model2, opt2, mp2 = _setup(REMAINDERS)
+    model2.load_state_dict(model.state_dict())
+    opt2.fast = False
+    opt2.load_state_dict(sd)
+    for m, p in ((model, mp), (model2, mp2)):
+        _train(m, p, range(6, 12))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters(), strict=True))
+    assert _bits_equal(_masters(model, opt), _masters(model2, opt2))

@@ -173,3 +173,21 @@ def test_state_dtype_is_a_plan_dimension() -> None:
         get_plan("bf16-kahan", state_dtype="4bit")
     with pytest.raises(ValueError, match="Pass remainders=True as well"):
         get_plan("bf16-master", state_dtype="bf16")
+
+
+def test_an_8bit_state_dict_moves_between_the_fast_and_the_generic_path() -> None:
+    model = _model()
+    opt = KahanOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), state_dtype="8bit", compile=False)
+    for step in range(3):
+        _step(model, opt, step)
+    sd = copy.deepcopy(opt.state_dict())
+    model2 = copy.deepcopy(model)
+    opt2 = KahanOptimizer(torch.optim.AdamW(model2.parameters(), lr=1e-3), state_dtype="8bit", fast=False,
+                          compile=False)
+    opt2.load_state_dict(sd)
+    for p, q in zip(model.parameters(), model2.parameters(), strict=True):
+        assert all(torch.equal(v, opt2.state[q][k]) for k, v in opt.state[p].items())
+    for m, o in ((model, opt), (model2, opt2)):
+        _step(m, o, 3)
+    for a, b in zip(model.parameters(), model2.parameters(), strict=True):
+        assert float((a.float() - b.float()).abs().max()) < 1e-2

@@ -235,7 +235,7 @@ def test_kind_names_the_wrappers_use_and_compensation_of_fp32_weights_are_refuse
     with pytest.raises(ValueError, match="'counter' is taken by the wrappers' own checkpoint entries"):
         StateKind("counter", "optimizer_state", "x")
     model, opt = _setup("kahan")
-    with pytest.raises(ValueError, match="set_compensation\\(\\) on a torch.float32 parameter"):
+    with pytest.raises(ValueError, match=r"set_compensation\(\) on a torch\.float32 parameter"):
         opt.set_compensation(model[1].weight, torch.zeros_like(model[1].weight))
 
 

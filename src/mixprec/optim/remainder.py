@@ -187,7 +187,7 @@ class RemainderOptimizer(LowPrecisionOptimizer):
     def _expand_many(self, pieces: list[Piece], values: list[torch.Tensor]) -> None:
         torch._foreach_copy_(values, [pc.value for pc in pieces])  # exact: the weight's bits, shifted up 16
         ints = [v.view(torch.int32) for v in values]
-        torch._foreach_add_(ints, [pc.of(self._remainder_for(pc.param)).to(torch.int32) for pc in pieces])
+        torch._foreach_add_(ints, [pc.of(self._remainder_for(pc.param)) for pc in pieces])  # int16, sign-extended
         for pc, v in zip(pieces, ints, strict=True):
             ties = self._ties(pc.param)
             if ties.numel():  # rare: most weights have none (no device sync then)
@@ -203,8 +203,11 @@ class RemainderOptimizer(LowPrecisionOptimizer):
         for pc in pieces:
             offsets.append(offsets[-1] + pc.end - pc.start)
         cuts = torch.searchsorted(tied, torch.tensor(offsets, device=tied.device)).tolist() if tied.numel() else None
+        torch._foreach_copy_(
+            [pc.of(self._remainder_for(pc.param)).view(-1) for pc in pieces],
+            [low[offsets[i] : offsets[i + 1]] for i in range(len(pieces))],
+        )
         for i, pc in enumerate(pieces):
-            pc.of(self._remainder_for(pc.param)).view(-1).copy_(low[offsets[i] : offsets[i + 1]])
             old = self._ties(pc.param)
             new = tied[cuts[i] : cuts[i + 1]] - offsets[i] + pc.start if cuts is not None else tied
             if not (old.numel() or new.numel()):

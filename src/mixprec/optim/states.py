@@ -157,15 +157,42 @@ def _scales(scales: torch.Tensor | None) -> torch.Tensor:
     return scales
 
 
+def _layout(pieces: Sequence[tuple[torch.Tensor, torch.Tensor | None]]) -> tuple[list[int], int]:
+    """The first block of each piece in one padded run of whole blocks, and the run's block count."""
+    starts, total = [], 0
+    for codes, _ in pieces:
+        starts.append(total)
+        total += _blocks(codes.numel())
+    return starts, total
+
+
 def expand_pieces(pieces: Sequence[tuple[torch.Tensor, torch.Tensor | None]], keys: Sequence[Any],
                   out: Sequence[torch.Tensor]) -> None:
-    """Dequantize each (codes, scales) of ``pieces`` into the fp32 ``out`` views."""
-    for (codes, scales), key, dst in zip(pieces, keys, out, strict=True):
-        dequantize_blockwise(codes.reshape(-1), _scales(scales), signed=signed_key(key), block=BLOCK, out=dst.view(-1))
+    """Dequantize each (codes, scales) of ``pieces`` (one state key) into the fp32 ``out`` views:
+    the pieces are laid out block-aligned in one run and dequantized at once (a few kernels
+    for a whole chunk, not a few per parameter)."""
+    starts, total = _layout(pieces)
+    device = pieces[0][0].device
+    codes = torch.zeros(total * BLOCK, dtype=Q8, device=device)
+    spans = [(b * BLOCK, b * BLOCK + c.numel()) for b, (c, _) in zip(starts, pieces, strict=True)]
+    torch._foreach_copy_([codes[a:e] for a, e in spans], [c.reshape(-1) for c, _ in pieces])
+    scales = torch.cat([_scales(sc) for _, sc in pieces])
+    values = dequantize_blockwise(codes, scales, signed=signed_key(keys[0]), block=BLOCK)
+    torch._foreach_copy_([o.view(-1) for o in out], [values[a:e] for a, e in spans])
 
 
 def store_pieces(pieces: Sequence[tuple[torch.Tensor, torch.Tensor | None]], keys: Sequence[Any],
                  values: Sequence[torch.Tensor]) -> None:
-    """Quantize the fp32 ``values`` into each (codes, scales) of ``pieces``."""
-    for (codes, scales), key, src in zip(pieces, keys, values, strict=True):
-        quantize_flat(src.reshape(-1), codes.view(-1), _scales(scales), signed_key(key), BLOCK)
+    """Quantize the fp32 ``values`` (one state key) into each (codes, scales) of ``pieces``, all at once
+    (zero padding between pieces never raises a block's absmax)."""
+    starts, total = _layout(pieces)
+    device = pieces[0][0].device
+    flat = torch.zeros(total * BLOCK, dtype=torch.float32, device=device)
+    spans = [(b * BLOCK, b * BLOCK + c.numel()) for b, (c, _) in zip(starts, pieces, strict=True)]
+    torch._foreach_copy_([flat[a:e] for a, e in spans], [v.reshape(-1) for v in values])
+    codes = torch.empty(total * BLOCK, dtype=Q8, device=device)
+    scales = torch.empty(total, dtype=torch.float32, device=device)
+    quantize_flat(flat, codes, scales, signed_key(keys[0]), BLOCK)
+    torch._foreach_copy_([c.view(-1) for c, _ in pieces], [codes[a:e] for a, e in spans])
+    torch._foreach_copy_([_scales(sc) for _, sc in pieces],
+                         [scales[b : b + _blocks(c.numel())] for b, (c, _) in zip(starts, pieces, strict=True)])
