@@ -24,10 +24,11 @@ from typing import Any
 
 import torch
 
+from mixprec import get_plan
 from mixprec.cli.models import build_task
 from mixprec.diagnostics import measure_memory
 
-ROWS: dict[str, tuple[str, dict[str, Any]]] = {
+ROWS: dict[str, tuple[Any, dict[str, Any]]] = {
     "fp32": ("fp32", {}),
     "bf16-mixed": ("bf16-mixed", {}),
     "bf16-master": ("bf16-master", {}),
@@ -35,6 +36,11 @@ ROWS: dict[str, tuple[str, dict[str, Any]]] = {
     "bf16-kahan": ("bf16-kahan", {}),
     "bf16-kahan in-backward": ("bf16-kahan", {"optimizer_in_backward": True}),
     "bf16-sr": ("bf16-sr", {}),
+    "bf16-master remainders": (get_plan("bf16-master", remainders=True), {}),
+    "bf16-master remainders in-backward": (get_plan("bf16-master", remainders=True), {"optimizer_in_backward": True}),
+    "bf16-master remainders 8-bit-state": (get_plan("bf16-master", remainders=True, state_dtype="8bit"), {}),
+    "bf16-kahan 8-bit-state": (get_plan("bf16-kahan", state_dtype="8bit"), {}),
+    "bf16-sr 8-bit-state in-backward": (get_plan("bf16-sr", state_dtype="8bit"), {"optimizer_in_backward": True}),
 }
 
 
@@ -44,11 +50,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--size", default="small", choices=["tiny", "small"])
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--rows", default="", help=f"comma-separated subset of: {', '.join(ROWS)} (fp32 always runs)")
     args = parser.parse_args(argv)
+    names = ["fp32", *(n for n in args.rows.split(",") if n and n != "fp32")] if args.rows else list(ROWS)
+    unknown = [n for n in names if n not in ROWS]
+    if unknown:
+        raise SystemExit(f"unknown rows {unknown}; expected some of {', '.join(ROWS)}")
     if args.threads:
         torch.set_num_threads(args.threads)
     rows = []
-    for name, (plan, options) in ROWS.items():
+    for name in names:
+        plan, options = ROWS[name]
         task = build_task(args.model, size=args.size, seed=0)
         gen = torch.Generator().manual_seed(0)
         batch = task.batch(args.batch, gen)

@@ -210,3 +210,33 @@ def test_a_state_dict_moves_between_the_fast_and_the_generic_path_bit_for_bit() 
         _train(m, p, range(6, 12))
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters(), strict=True))
     assert _bits_equal(_masters(model, opt), _masters(model2, opt2))
+
+
+def test_a_write_then_a_load_of_the_same_weights_keeps_no_stale_remainder() -> None:
+    model, opt, mp = _setup(REMAINDERS)
+    _train(model, mp, range(2))
+    w = model[0].weight
+    with torch.no_grad():
+        w[0, 0] = 5.0
+    model.load_state_dict(model.state_dict())
+    assert float(opt.master(w)[0, 0]) == 5.0
+
+
+@pytest.mark.parametrize("setting", [{"foreach": True}, {"foreach": False}])
+def test_a_group_that_picks_its_implementation_still_equals_bf16_master(setting) -> None:
+    runs = []
+    for plan in ("bf16-master", REMAINDERS):
+        model = _model()
+        mp = MixedPrecision(plan)
+        model, opt = mp.prepare(model, torch.optim.AdamW(model.parameters(), lr=3e-3, **setting))
+        _train(model, mp, range(8))
+        runs.append((model, opt))
+    (m1, o1), (m2, o2) = runs
+    assert all(torch.equal(a, b) for a, b in zip(m1.parameters(), m2.parameters(), strict=True))
+    assert _bits_equal(_masters(m1, o1), _masters(m2, o2))
+
+
+def test_sparse_gradients_are_refused_at_prepare() -> None:
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True))
+    with pytest.raises(ValueError, match="sparse"):
+        MixedPrecision(REMAINDERS).prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))

@@ -171,7 +171,7 @@ def test_state_dtype_is_a_plan_dimension() -> None:
         assert "8-bit blockwise" in plan.explain()
     with pytest.raises(ValueError, match="state_dtype must be 'fp32', 'bf16', 'fp16' or '8bit'"):
         get_plan("bf16-kahan", state_dtype="4bit")
-    with pytest.raises(ValueError, match="Pass remainders=True as well"):
+    with pytest.raises(ValueError, match=r"Use get_plan\(.bf16-master., remainders=True, state_dtype=\.\.\.\)"):
         get_plan("bf16-master", state_dtype="bf16")
 
 
@@ -191,3 +191,40 @@ def test_an_8bit_state_dict_moves_between_the_fast_and_the_generic_path() -> Non
         _step(m, o, 3)
     for a, b in zip(model.parameters(), model2.parameters(), strict=True):
         assert float((a.float() - b.float()).abs().max()) < 1e-2
+
+
+def test_8bit_steps_do_not_depend_on_the_chunk_size() -> None:
+    runs = []
+    for chunk in (None, 1000, 384):  # rounded up to whole 256-element blocks
+        model = _model()
+        opt = KahanOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), state_dtype="8bit", chunk_numel=chunk,
+                             compile=False)
+        for step in range(3):
+            _step(model, opt, step)
+        runs.append((model, opt))
+    for model, opt in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0][0].parameters(), model.parameters(), strict=True))
+        for p, q in zip(runs[0][0].parameters(), model.parameters(), strict=True):
+            assert all(torch.equal(v, opt.state[q][k]) for k, v in runs[0][1].state[p].items())
+
+
+def test_state_made_before_wrapping_is_brought_to_8bit() -> None:
+    model = _model()
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    _step(model, inner, 0)  # fp32/bf16 moments, made by torch itself
+    opt = KahanOptimizer(inner, state_dtype="8bit", compile=False)
+    _step(model, opt, 1)
+    for p in model.parameters():
+        if p.dtype == torch.bfloat16:
+            assert opt.state[p]["exp_avg"].dtype == torch.uint8
+    assert all(torch.isfinite(p).all() and p.abs().max() < 10 for p in model.parameters())
+
+
+def test_8bit_codes_without_their_scales_are_refused() -> None:
+    model = _model()
+    opt = KahanOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), state_dtype="8bit", compile=False)
+    _step(model, opt, 0)
+    sd = copy.deepcopy(opt.state_dict())
+    del sd["state"][0]["exp_avg_absmax"]
+    with pytest.raises(ValueError, match="holds 8-bit codes without their block scales"):
+        opt.load_state_dict(sd)

@@ -186,14 +186,20 @@ def check_state_shapes(params: Sequence[torch.Tensor], state_dict: dict[str, Any
     for pid, saved in state_dict["state"].items():
         param = params[order.index(pid)]
         for key, value in saved.items():
-            if isinstance(key, str) and key.endswith("_absmax") and isinstance(value, torch.Tensor):
-                blocks = -(-param.numel() // 256)  # 8-bit state's per-block scales (mixprec.optim.states)
+            codes = saved.get(key[: -len("_absmax")]) if isinstance(key, str) and key.endswith("_absmax") else None
+            if isinstance(codes, torch.Tensor) and codes.dtype == torch.uint8 and isinstance(value, torch.Tensor):
+                blocks = -(-param.numel() // 256)  # 8-bit state's per-block scales (mixprec.optim.states.BLOCK)
                 if value.shape != (blocks,):
                     raise ValueError(
                         f"the optimizer state_dict's state[{pid!r}][{key!r}] has shape {tuple(value.shape)}, but "
                         f"its parameter's 8-bit state has {blocks} blocks; was it saved from another model?"
                     )
                 continue
+            if isinstance(value, torch.Tensor) and value.dtype == torch.uint8 and f"{key}_absmax" not in saved:
+                raise ValueError(
+                    f"the optimizer state_dict's state[{pid!r}][{key!r}] holds 8-bit codes without their block "
+                    f"scales ({key!r}_absmax): it cannot be read back; save it with the optimizer's state_dict()"
+                )
             if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != param.shape:
                 raise ValueError(
                     f"the optimizer state_dict's state[{pid!r}][{key!r}] has shape {tuple(value.shape)}, but its "

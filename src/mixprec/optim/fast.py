@@ -231,6 +231,8 @@ def fast_step(
     if not active:
         return
     dtype = torch.float32 if state_dtype is None else state_dtype
+    for p in (p for p in active if p in optimizer.state):  # state held in another precision: as asked
+        qstates.conform(optimizer.state[p], p, state_dtype)
     if kind == "adam":
         init_adam_state(optimizer, group, active, dtype)
         torch._foreach_add_([optimizer.state[p]["step"] for p in active], 1.0)  # once per parameter, not per piece

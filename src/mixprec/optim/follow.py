@@ -128,6 +128,9 @@ def _before_load(module: torch.nn.Module, state_dict: Any, prefix: str, *args: A
             kept = incoming.to(p.dtype) == p
         wider = incoming.dtype.itemsize > p.dtype.itemsize
         _PENDING[p] = (incoming if wider else None, kept)
+        before = getattr(_FOLLOWERS[p](), "before_load", None)
+        if callable(before):
+            before(p)  # a follower that must first see writes made before this load (remainders)
 
 
 def _after_load(module: torch.nn.Module, incompatible: Any) -> None:

@@ -153,7 +153,9 @@ def state_layout(
 def param_shaped(layout: StateLayout, param: torch.Tensor) -> int:
     """How many floating-point state tensors of ``layout`` are shaped like ``param`` (moments,
     momentum buffers; not scalar step counters)."""
-    return sum(1 for shape, dtype in layout.values() if shape == param.shape and dtype.is_floating_point)
+    return sum(
+        1 for shape, dtype in layout.values() if shape == param.shape and (dtype.is_floating_point or dtype == torch.uint8)
+    )  # uint8: 8-bit codes (mixprec.optim.states)
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -274,8 +276,10 @@ def low_precision_step_transient(
                 per_element = 8 + 4 * n_low_state  # values, gradients, low-precision state
                 if kind == "adam" and not in_fused:
                     per_element += 4  # the denominator
-                if rounding in ("stochastic", "remainder"):
-                    per_element += 4  # int32 noise, or the remainders widened to int32
+                if rounding == "stochastic":
+                    per_element += 4  # int32 noise
+                if state_dtype == torch.uint8:
+                    per_element += 4 * n_state + 22  # 8-bit: fp32 state, the padded run, the quantizer's scratch
                 scratch = max(scratch, n * per_element)
         else:
             largest = max(q.numel() for q in low)

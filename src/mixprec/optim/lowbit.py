@@ -215,14 +215,15 @@ class LowPrecisionOptimizer(WrappedOptimizer):
                 if not active:
                     continue
                 group["params"] = active
-                kind = fast_kind(self.optimizer, group) if self.fast else None
+                kind = self._fast_kind(group)
                 if kind == "adam":  # the compiled route (mixprec.optim.routing) steps what it takes
                     active = group["params"] = routing.compiled_route(self, group, active, whole_step=selected is None)
                 if active and kind is not None:
                     fast_step(
                         self.optimizer, group, active, kind=kind, state_dtype=self.state_dtype,
                         expand=self._expand_many, store=self._store_many,
-                        chunk_numel=self.chunk_numel or default_chunk_numel(active[0].device),
+                        chunk_numel=qstates.chunk_numel(self.chunk_numel or default_chunk_numel(active[0].device),
+                                                        self.state_dtype),
                         fused=self.fused and fused_available(active[0].device), plain_store=self.rounding == "nearest",
                     )
                 else:
@@ -235,6 +236,9 @@ class LowPrecisionOptimizer(WrappedOptimizer):
             self.note_written(written)
         self.kinds.after_step(stepped)  # the state kinds' own rules (none of the built-in kinds has one)
         return result
+
+    def _fast_kind(self, group: dict[str, Any]) -> str | None:
+        return fast_kind(self.optimizer, group) if self.fast else None
 
     def _step_full_precision(self) -> Any:
         """The inner optimizer's step of the fp32 parameters (norm layers), unexpanded."""

@@ -12,7 +12,7 @@ into the next binade and the carry from bf16's largest finite value to inf. ``re
 an int16, negative exactly when ``L >= 0x8000``, so ``M = (W << 16) + rem`` (int32, ``rem`` sign
 extended) except on a tie rounded down (``L == 0x8000``, ``W == H``), where ``M = (W << 16) + 0x8000``:
 65537 masters sit next to an even bf16 value and a 16-bit code has 65536. Those elements are kept
-apart as an int64 tensor of flat indices (row-major over the tensor's shape), about one per 2**16
+apart as an int64 tensor of flat indices (row-major over the tensor's shape), about one per 2**17
 random masters and usually empty. The rule needs only round-to-nearest, whatever the tie rule.
 
 - A finite master above bf16's largest value (``0x7F7F8000 <= |M| <= 0x7F7FFFFF``) casts to an

@@ -126,7 +126,8 @@ class RemainderOptimizer(LowPrecisionOptimizer):
     def _set_master(self, param: torch.Tensor, master: torch.Tensor) -> None:
         """Store ``master`` (which rounds to ``param``'s weight) as its remainder and ties."""
         weight, rem, ties = split_master(master.contiguous())
-        if not torch.equal(weight.view(torch.int16), param.detach().contiguous().view(torch.int16)):
+        same = weight.view(torch.int16) == param.detach().contiguous().view(torch.int16)
+        if not bool((same | (weight.isnan() & param.detach().isnan())).all()):  # NaN bits may differ
             raise ValueError("a master value that does not round to its weight")  # pragma: no cover - callers ensure
         self.kinds.set(REMAINDER.name, param, rem)
         self.kinds.set(REMAINDER_TIES.name, param, ties)
@@ -140,14 +141,21 @@ class RemainderOptimizer(LowPrecisionOptimizer):
 
     # ------------------------------------------- weights written from outside (follow.py)
     def follow_writes(self, params: Sequence[torch.Tensor]) -> None:
-        """A weight written since this wrapper last wrote it has its weight as master again
-        (its old remainder belonged to the old weight); loads are handled as they happen."""
+        """A weight written since this wrapper last wrote it (under ``torch.no_grad()``) has its
+        weight as master again, every element of it: the remainder cannot tell which elements the
+        write changed (fp32 masters can: there, untouched elements keep theirs); loads are
+        handled as they happen, element by element."""
         for p in self._watch.changed(params):
             self.kinds.drop(REMAINDER.name, p)
             self.kinds.drop(REMAINDER_TIES.name, p)
 
     def note_written(self, params: Sequence[torch.Tensor]) -> None:
         self._watch.record(params)
+
+    def before_load(self, param: torch.Tensor) -> None:
+        """Just before a ``load_state_dict`` writes ``param``: a write since its last step first
+        drops its remainder (else the load would keep one that belongs to another weight)."""
+        self.follow_writes([param])
 
     def loaded(self, param: torch.Tensor, value: torch.Tensor | None, kept: torch.Tensor) -> None:
         """``param`` was loaded: its master becomes the loaded fp32 value where it was wider, and
@@ -163,6 +171,13 @@ class RemainderOptimizer(LowPrecisionOptimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self._follow_loads()  # a copy holds new parameters
+
+    def _fast_kind(self, group: dict[str, Any]) -> str | None:
+        """The fast path only where the fp32-master wrapper would pick torch's fused kernel or
+        foreach for the group (both left at torch's default) and ``fused`` is on; a group that
+        chooses its implementation itself steps on the generic path, with that implementation."""
+        explicit = group.get("foreach") is not None or bool(group.get("fused"))
+        return None if explicit or not self.fused else super()._fast_kind(group)
 
     def _step_full_precision(self) -> Any:
         with _as_master_update(self.optimizer, self.optimizer.param_groups):

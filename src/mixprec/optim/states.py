@@ -51,7 +51,8 @@ BLOCK = 256
 #: the suffix of the key that holds a quantized state's per-block scales
 ABSMAX = "_absmax"
 
-_UNSIGNED = ("exp_avg_sq", "max_exp_avg_sq")  # keys whose values are never negative
+# keys whose values are never negative (torch's Adam family, RMSprop, Adagrad, Adamax, Adadelta)
+_UNSIGNED = ("exp_avg_sq", "max_exp_avg_sq", "square_avg", "sum", "exp_inf", "acc_delta")
 
 
 def parse_state_dtype(value: Any) -> torch.dtype | None:
@@ -93,6 +94,27 @@ def tensor_bytes(numel: int, dtype: torch.dtype | None) -> int:
     if dtype == Q8:
         return numel + 4 * _blocks(numel)
     return numel * (dtype or torch.float32).itemsize
+
+
+def chunk_numel(numel: int, dtype: torch.dtype | None) -> int:
+    """The fast path's chunk size for state kept in ``dtype``: whole 8-bit blocks (a multiple of
+    :data:`BLOCK`), so a parameter cut into pieces is cut between blocks."""
+    return -(-numel // BLOCK) * BLOCK if dtype == Q8 else numel
+
+
+@torch.no_grad()
+def conform(state: dict[Any, Any], param: torch.Tensor, dtype: torch.dtype | None) -> None:
+    """Bring ``param``'s per-element state to ``dtype`` (8-bit codes and scales, or floating) where
+    it is kept otherwise (an optimizer wrapped after it already held state): one check per key."""
+    for key in [k for k in state if not is_scale_key(k)]:
+        held = state[key]
+        if not isinstance(held, torch.Tensor) or held.shape != param.shape or key == "step":
+            continue
+        if dtype == Q8 and held.dtype != Q8 and held.is_floating_point():
+            put(state, key, held.float(), Q8)
+        elif dtype != Q8 and held.dtype == Q8 and f"{key}{ABSMAX}" in state:
+            state[key] = value(state, key).to(dtype or torch.float32)
+            del state[f"{key}{ABSMAX}"]
 
 
 def signed_key(key: Any) -> bool:

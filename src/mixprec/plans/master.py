@@ -43,7 +43,6 @@ class MasterPlan(Plan):
 
     family: ClassVar[str] = "master"
     supports_fsdp: ClassVar[bool] = True
-    summary: ClassVar[str] = "low-precision weights and compute, fp32 master weights, norm layers and gradient accumulation"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -65,9 +64,20 @@ class MasterPlan(Plan):
         if self.state_dtype not in (None, torch.float32) and not self.remainders:
             raise ValueError(
                 f"state_dtype={describe_state(self.state_dtype)} on plan {self.name!r}: with fp32 masters the inner "
-                "optimizer keeps its own fp32 state. Pass remainders=True as well (the masters then live in "
-                "the bf16 weights and their remainders, and the state in the dtype asked for)"
+                "optimizer keeps its own fp32 state. Use get_plan('bf16-master', remainders=True, state_dtype=...) "
+                "(the masters then live in the bf16 weights and their remainders, the state in the dtype asked "
+                "for), or a pure, Kahan or stochastic-rounding plan"
             )
+
+    @property  # type: ignore[misc]
+    def supports_sparse_grads(self) -> bool:  # type: ignore[override]
+        return not self.remainders  # the remainder wrapper expands gradients to fp32 densely
+
+    @property  # type: ignore[misc]
+    def summary(self) -> str:  # type: ignore[override]
+        if self.remainders:
+            return "bf16 weights and compute, exact fp32 masters kept as bf16 weight + int16 remainder, fp32 norm layers"
+        return "low-precision weights and compute, fp32 master weights, norm layers and gradient accumulation"
 
     @property
     def optimizer_state_dtype(self) -> torch.dtype:
