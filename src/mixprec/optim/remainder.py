@@ -211,16 +211,16 @@ class RemainderOptimizer(LowPrecisionOptimizer):
 
     def _store_many(self, pieces: list[Piece], values: list[torch.Tensor], flat: torch.Tensor) -> None:
         torch._foreach_copy_([pc.value for pc in pieces], values)  # round to nearest even
-        halves = flat.view(torch.int16).view(-1, 2)
-        low, high = (halves[:, 0], halves[:, 1]) if _little_endian() else (halves[:, 1], halves[:, 0])
-        tied = ((low == -32768) & ((high & 1) == 0)).nonzero().view(-1)  # halfway, rounded down to even (sorted)
+        # halfway (low half 0x8000) and rounded down to even (the high half's lowest bit 0): one
+        # test on the int32 bits; the list comes out sorted
+        tied = ((flat.view(torch.int32) & 0x1FFFF) == 0x8000).nonzero().view(-1)
         offsets = [0]
         for pc in pieces:
             offsets.append(offsets[-1] + pc.end - pc.start)
         cuts = torch.searchsorted(tied, torch.tensor(offsets, device=tied.device)).tolist() if tied.numel() else None
-        torch._foreach_copy_(
+        torch._foreach_copy_(  # int32 -> int16 keeps the low half, bit for bit
             [pc.of(self._remainder_for(pc.param)).view(-1) for pc in pieces],
-            [low[offsets[i] : offsets[i + 1]] for i in range(len(pieces))],
+            [v.view(torch.int32).view(-1) for v in values],
         )
         for i, pc in enumerate(pieces):
             old = self._ties(pc.param)
@@ -253,9 +253,3 @@ def _between(ties: torch.Tensor, start: int, end: int) -> torch.Tensor:
     """The sorted ``ties`` in ``[start, end)``."""
     lo, hi = torch.searchsorted(ties, torch.tensor([start, end], device=ties.device)).tolist()
     return ties[lo:hi]
-
-
-def _little_endian() -> bool:
-    import sys
-
-    return sys.byteorder == "little"
