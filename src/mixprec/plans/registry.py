@@ -252,7 +252,8 @@ def _checked_fields(plan: Plan, overrides: dict[str, Any]) -> dict[str, Any]:
             try:  # "fp32", "bf16", "fp16" or "8bit" (8-bit blockwise): mixprec.optim.states
                 value = parse_state_dtype(value)
             except ValueError as exc:
-                raise ValueError(f"override state_dtype for plan {plan.name!r}: {exc}") from None
+                shown = str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else repr(value)
+                raise ValueError(f"override state_dtype={shown} for plan {plan.name!r}: {exc}") from None
         elif key == "compute_dtype":
             value = _dtype_override(plan, key, value)
             allowed = (torch.float32,) if plan.family == "fp32" else (torch.bfloat16, torch.float16)
