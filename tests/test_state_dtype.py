@@ -169,6 +169,7 @@ def test_state_dtype_is_a_plan_dimension() -> None:
         plan = get_plan(name, state_dtype="8bit", **kw)
         assert plan.optimizer_state_dtype == torch.uint8
         assert "8-bit blockwise" in plan.explain()
+    assert get_plan("bf16-kahan", state_dtype="int8").optimizer_state_dtype == torch.uint8  # DESIGN.md's name
     with pytest.raises(ValueError, match="state_dtype must be 'fp32', 'bf16', 'fp16' or '8bit'"):
         get_plan("bf16-kahan", state_dtype="4bit")
     with pytest.raises(ValueError, match=r"Use get_plan\(.bf16-master., remainders=True, state_dtype=\.\.\.\)"):

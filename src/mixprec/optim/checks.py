@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from mixprec.optim.kinds import MASTER, KindStore
+from mixprec.optim.states import ABSMAX, BLOCK, Q8
 
 __all__ = [
     "check_group_keys",
@@ -186,16 +187,16 @@ def check_state_shapes(params: Sequence[torch.Tensor], state_dict: dict[str, Any
     for pid, saved in state_dict["state"].items():
         param = params[order.index(pid)]
         for key, value in saved.items():
-            codes = saved.get(key[: -len("_absmax")]) if isinstance(key, str) and key.endswith("_absmax") else None
-            if isinstance(codes, torch.Tensor) and codes.dtype == torch.uint8 and isinstance(value, torch.Tensor):
-                blocks = -(-param.numel() // 256)  # 8-bit state's per-block scales (mixprec.optim.states.BLOCK)
+            codes = saved.get(key[: -len(ABSMAX)]) if isinstance(key, str) and key.endswith(ABSMAX) else None
+            if isinstance(codes, torch.Tensor) and codes.dtype == Q8 and isinstance(value, torch.Tensor):
+                blocks = -(-param.numel() // BLOCK)  # 8-bit state's per-block scales
                 if value.shape != (blocks,):
                     raise ValueError(
                         f"the optimizer state_dict's state[{pid!r}][{key!r}] has shape {tuple(value.shape)}, but "
                         f"its parameter's 8-bit state has {blocks} blocks; was it saved from another model?"
                     )
                 continue
-            if isinstance(value, torch.Tensor) and value.dtype == torch.uint8 and f"{key}_absmax" not in saved:
+            if isinstance(value, torch.Tensor) and value.dtype == Q8 and f"{key}{ABSMAX}" not in saved:
                 raise ValueError(
                     f"the optimizer state_dict's state[{pid!r}][{key!r}] holds 8-bit codes without their block "
                     f"scales ({key!r}_absmax): it cannot be read back; save it with the optimizer's state_dict()"
