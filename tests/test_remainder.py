@@ -97,6 +97,52 @@ def test_fifty_steps_with_skips_and_a_resume_equal_bf16_master_bit_for_bit(tmp_p
     assert sum(v % 1000 for v in seen) > 10  # masters exactly halfway, rounded down, met and kept exactly
 
 
+def _train_clipped(model, mp, steps: range, by_hand: bool) -> list[float]:
+    losses = []
+    for step in steps:
+        x, y = _batch(step)
+        with mp.autocast():
+            loss = (model(x).float() - y).pow(2).mean()
+        mp.backward(loss)
+        if by_hand:  # as a framework clips: before step(), through the front door
+            mp.clip_grad_norm_(0.01)
+        mp.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+@pytest.mark.parametrize("variant", ["step", "by-hand", "generic"])
+def test_clipped_runs_equal_bf16_master_bit_for_bit(variant: str) -> None:
+    """A clip factor times a bf16 gradient rounds to bf16; fp32 masters multiply its exact fp32
+    copy. The remainder wrapper applies the factor in fp32 where it expands the gradient, and
+    the norm is measured alike for bf16 and fp32 gradients, so clipped runs stay bit-identical
+    (max_norm 0.01 clips every step; steps 7 and 19 are skipped, their clip is not carried)."""
+    clip = None if variant == "by-hand" else 0.01
+    model1, opt1, mp1 = _setup("bf16-master", clip_grad_norm=clip)
+    losses1 = _train_clipped(model1, mp1, range(24), by_hand=variant == "by-hand")
+    model2, opt2, mp2 = _setup(REMAINDERS, clip_grad_norm=clip)
+    opt2.fast = variant != "generic"
+    losses2 = _train_clipped(model2, mp2, range(24), by_hand=variant == "by-hand")
+    assert _same_losses(losses1, losses2)
+    assert _bits_equal(_masters(model1, opt1), _masters(model2, opt2))
+    assert opt2._grad_scales == []  # applied, not carried into the next step
+
+
+def test_a_deferred_clip_is_dropped_with_the_gradients() -> None:
+    model, opt, mp = _setup(REMAINDERS)
+    x, y = _batch(0)
+    with mp.autocast():
+        loss = (model(x).float() - y).pow(2).mean()
+    mp.backward(loss)
+    before = [p.grad.clone() for p in model.parameters()]
+    mp.clip_grad_norm_(1e-3)
+    low = [(p.grad, b) for p, b in zip(model.parameters(), before, strict=True) if p.dtype == torch.bfloat16]
+    assert all(torch.equal(g, b) for g, b in low)  # owed, applied in fp32 inside the step
+    assert len(opt._grad_scales) == 1
+    opt.zero_grad()
+    assert opt._grad_scales == []
+
+
 @pytest.mark.parametrize("variant", ["generic", "in-backward"])
 def test_the_other_paths_equal_the_fast_path(variant: str) -> None:
     model1, opt1, mp1 = _setup(REMAINDERS)
@@ -240,3 +286,38 @@ def test_sparse_gradients_are_refused_at_prepare() -> None:
     model = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True))
     with pytest.raises(ValueError, match="sparse"):
         MixedPrecision(REMAINDERS).prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def _ddp_worker(rank: int, world: int, out: str) -> None:
+    import os
+
+    from mixprec.checkpoint import unwrap_model
+    from mixprec.cli.models import build_task
+
+    results = {}
+    for name, plan in (("master", get_plan("bf16-master")), ("remainders", REMAINDERS)):
+        task = build_task("gpt", size="tiny", seed=0)
+        mp = MixedPrecision(plan, clip_grad_norm=0.1)
+        opt = torch.optim.AdamW(task.model.parameters(), lr=1e-3, weight_decay=0.01)
+        model, opt, criterion = mp.prepare(task.model, opt, criterion=task.criterion, ddp=True)
+        for step in range(8):
+            x, y = task.batch(2 * world, torch.Generator().manual_seed(100 + step))
+            with mp.autocast():
+                loss = criterion(model(x[rank * 2 : rank * 2 + 2]), y[rank * 2 : rank * 2 + 2])
+            mp.backward(loss)
+            assert mp.step().stepped
+        results[name] = [p.detach().clone() for p in unwrap_model(model).parameters()]
+    torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+
+
+@pytest.mark.distributed
+def test_under_ddp_with_clipping_remainders_equal_bf16_master_bit_for_bit(tmp_path) -> None:
+    from tests._dist import run_ranks
+
+    run_ranks(_ddp_worker, 2, str(tmp_path))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    for result in ranks:
+        for a, b in zip(result["master"], result["remainders"], strict=True):
+            assert torch.equal(a, b)
+    for a, b in zip(ranks[0]["remainders"], ranks[1]["remainders"], strict=True):
+        assert torch.equal(a, b)

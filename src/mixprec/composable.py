@@ -325,7 +325,7 @@ class ComposableSteps:
             )
         if before is None:
             before = norm if norm is not None else self._norm(grads, remember=False)
-        clip_(grads, before, max_norm)
+        clip_(grads, before, max_norm, self.optimizers)
         if norm is None:  # a framework's clip: step() reads the norm, and knows they are clipped
             memo.remember(grads, before, clipped_to=max_norm)  # finite exactly when the norm is
         return before

@@ -107,9 +107,23 @@ def total_norm(grads: Sequence[torch.Tensor], device: torch.device | None) -> to
         return _norm_of(list(grads))
     if has_dtensor(grads):
         return total_grad_norm(list(grads))
-    groups = by_device_dtype(grads)
+    # one foreach kernel per (device, dtype), then one norm over every tensor's norm in the order
+    # given: the result does not depend on how the dtypes group (bf16 gradients measure exactly
+    # as their fp32 copies do, so remainder masters clip as fp32 masters do, bit for bit)
     target = grads[0].device
-    return torch.linalg.vector_norm(torch.stack([_norm_of(gs).to(target) for gs in groups.values()]), 2.0)
+    places: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, g in enumerate(grads):
+        places.setdefault((g.device, g.dtype), []).append(i)
+    norms: list[torch.Tensor] = [torch.empty(0)] * len(grads)
+    for (_, dtype), where in places.items():
+        group = [grads[i] for i in where]
+        if dtype in _FP32_NORM:
+            measured = list(torch._foreach_norm(group, 2.0, dtype=torch.float32))
+        else:
+            measured = [n.to(torch.float32) for n in torch._foreach_norm(group, 2.0)]
+        for i, n in zip(where, measured, strict=True):
+            norms[i] = n.to(target)
+    return torch.linalg.vector_norm(torch.stack(norms), 2.0)
 
 
 def _norm_of(grads: list[torch.Tensor]) -> torch.Tensor:
@@ -169,15 +183,27 @@ class NormMemo:
         self._grads, self._versions, self._norm, self.clipped_to = [], [], None, None
 
 
-def clip_(grads: Sequence[torch.Tensor], norm: torch.Tensor, max_norm: float) -> None:
+def clip_(
+    grads: Sequence[torch.Tensor], norm: torch.Tensor, max_norm: float,
+    optimizers: Sequence[torch.optim.Optimizer] = (),
+) -> None:
     """Scale ``grads`` in place so their total norm ``norm`` becomes at most ``max_norm``.
 
-    A non-finite norm clips nothing (the step will be skipped).
+    A non-finite norm clips nothing (the step will be skipped). An optimizer of
+    ``optimizers`` with ``scale_grads_later`` (remainder masters) takes the factor for the
+    gradients it names and applies it in fp32 inside its step; those are left as they are.
     """
     if not grads:
         return
     coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
     coef = torch.where(torch.isfinite(coef), coef, torch.ones_like(coef))
+    taken: set[int] = set()
+    for opt in optimizers:
+        later = getattr(opt, "scale_grads_later", None)
+        if later is not None:
+            taken.update(map(id, later(coef)))
+    if taken:
+        grads = [g for g in grads if id(g) not in taken]
     for (device, _), gs in by_device_dtype(grads).items():
         torch._foreach_mul_(gs, coef.to(device))
 

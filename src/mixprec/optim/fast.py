@@ -218,6 +218,7 @@ def fast_step(
     chunk_numel: int,
     fused: bool = False,
     plain_store: bool = False,
+    grad_scales: Sequence[torch.Tensor] = (),
 ) -> None:
     """One step of ``optimizer``'s math for the low-precision ``params`` of ``group``, chunk by chunk.
 
@@ -225,7 +226,9 @@ def fast_step(
     arithmetic inside) instead of the foreach sequence: one pass over memory instead of
     about ten, results equal within fp32 rounding. With ``plain_store`` (round to
     nearest) and parameters, gradients and state all in one dtype, the kernel runs on the
-    low-precision tensors directly, with no fp32 expansion at all.
+    low-precision tensors directly, with no fp32 expansion at all. ``grad_scales``: factors
+    (a clip's, one-element fp32 tensors) the expanded fp32 gradients are multiplied by, in
+    order, before the update: as an fp32-master optimizer multiplies its fp32 gradients.
     """
     active = [p for p in params if p.grad is not None]
     if not active:
@@ -246,7 +249,7 @@ def fast_step(
 
         # torch's fused kernel in place on the low-precision tensors needs no fp32 temporaries:
         # whole parameters, large chunks (fewer kernel launches)
-        inplace = fused and plain_store and all(p.dtype == dtype and p.grad is not None and p.grad.dtype == p.dtype for p in active)
+        inplace = fused and plain_store and not grad_scales and all(p.dtype == dtype and p.grad is not None and p.grad.dtype == p.dtype for p in active)
         if inplace:
             plan = chunks(active, key, max(chunk_numel, INPLACE_CHUNK_NUMEL), lambda p: False)
         else:
@@ -254,7 +257,7 @@ def fast_step(
         device_steps: dict[tuple[torch.device, float], torch.Tensor] = {}  # one per device and count
         for chunk in plan:
             _adam_chunk(optimizer, group, chunk, expand, store, fused=fused, plain_store=plain_store,
-                        device_steps=device_steps)
+                        device_steps=device_steps, grad_scales=grad_scales)
     else:
         momentum = scalar_value(group["momentum"])
         first = {p: momentum != 0 and optimizer.state.get(p, {}).get("momentum_buffer") is None for p in active}
@@ -267,7 +270,8 @@ def fast_step(
             return _contiguous(p, p.grad, *(() if buf is None else (buf,)))
 
         for chunk in chunks(active, sgd_key, chunk_numel, sgd_splittable):
-            _sgd_chunk(optimizer, group, chunk, dtype, expand, store, first=first[chunk[0].param])
+            _sgd_chunk(optimizer, group, chunk, dtype, expand, store, first=first[chunk[0].param],
+                       grad_scales=grad_scales)
 
 
 def _contiguous(*tensors: Any) -> bool:
@@ -290,18 +294,23 @@ def init_adam_state(optimizer: torch.optim.Optimizer, group: dict[str, Any], par
             state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
 
 
-def _expanded(pieces: list[Piece], expand: Expand) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+def _expanded(
+    pieces: list[Piece], expand: Expand, grad_scales: Sequence[torch.Tensor]
+) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
     device = pieces[0].device
     flat, values = _flat_views(pieces, device)
     expand(pieces, values)
     _, grads = _flat_views(pieces, device)
     torch._foreach_copy_(grads, [pc.of(pc.param.grad) for pc in pieces])  # type: ignore[arg-type]
+    for factor in grad_scales:
+        torch._foreach_mul_(grads, factor.to(device))
     return flat, values, grads
 
 
 def _adam_chunk(
     optimizer: torch.optim.Optimizer, group: dict[str, Any], pieces: list[Piece], expand: Expand, store: Store,
     *, fused: bool, plain_store: bool, device_steps: dict[tuple[torch.device, float], torch.Tensor],
+    grad_scales: Sequence[torch.Tensor],
 ) -> None:
     lr = scalar_value(group["lr"])
     beta1, beta2 = (scalar_value(b) for b in group["betas"])
@@ -311,10 +320,10 @@ def _adam_chunk(
     states = [optimizer.state[pc.param] for pc in pieces]
     if fused:
         _adam_fused_chunk(group, pieces, states, expand, store, plain_store=plain_store, device_steps=device_steps,
-                          lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, decoupled=decoupled)
+                          grad_scales=grad_scales, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, decoupled=decoupled)
         return
 
-    flat, values, grads = _expanded(pieces, expand)
+    flat, values, grads = _expanded(pieces, expand, grad_scales)
     if group["maximize"]:
         torch._foreach_neg_(grads)
     steps = [s["step"] for s in states]  # already counted by fast_step
@@ -351,7 +360,7 @@ def _adam_chunk(
 def _adam_fused_chunk(
     group: dict[str, Any], pieces: list[Piece], states: list[dict[Any, Any]], expand: Expand, store: Store, *,
     plain_store: bool, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, decoupled: bool,
-    device_steps: dict[tuple[torch.device, float], torch.Tensor],
+    device_steps: dict[tuple[torch.device, float], torch.Tensor], grad_scales: Sequence[torch.Tensor],
 ) -> None:
     kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
     amsgrad = bool(group["amsgrad"])
@@ -369,7 +378,7 @@ def _adam_fused_chunk(
     dtype = pieces[0].dtype
     hyper: dict[str, Any] = {"lr": lr, "beta1": beta1, "beta2": beta2, "weight_decay": weight_decay, "eps": eps,
              "amsgrad": amsgrad, "maximize": bool(group["maximize"])}
-    if plain_store and all(pc.param.grad is not None and pc.param.grad.dtype == dtype for pc in pieces) and all(
+    if plain_store and not grad_scales and all(pc.param.grad is not None and pc.param.grad.dtype == dtype for pc in pieces) and all(
         t.dtype == dtype for ts in low_state.values() for t in ts
     ):
         # round to nearest of fp32 results, in one kernel on the low-precision tensors
@@ -377,7 +386,7 @@ def _adam_fused_chunk(
                low_state["exp_avg"], low_state["exp_avg_sq"],
                low_state.get("max_exp_avg_sq", []), steps, **hyper)
         return
-    flat, values, grads = _expanded(pieces, expand)
+    flat, values, grads = _expanded(pieces, expand, grad_scales)
     loaded = {k: _load_state(pieces, states, k, device) for k in keys}
     state32 = {k: v for k, (v, _) in loaded.items()}
     kernel(values, grads, state32["exp_avg"], state32["exp_avg_sq"], state32.get("max_exp_avg_sq", []), steps, **hyper)
@@ -388,14 +397,14 @@ def _adam_fused_chunk(
 
 def _sgd_chunk(
     optimizer: torch.optim.Optimizer, group: dict[str, Any], pieces: list[Piece], dtype: torch.dtype,
-    expand: Expand, store: Store, *, first: bool,
+    expand: Expand, store: Store, *, first: bool, grad_scales: Sequence[torch.Tensor],
 ) -> None:
     lr = scalar_value(group["lr"])
     momentum, dampening = scalar_value(group["momentum"]), scalar_value(group["dampening"])
     weight_decay = float(group["weight_decay"])
     device = pieces[0].device
 
-    flat, values, grads = _expanded(pieces, expand)
+    flat, values, grads = _expanded(pieces, expand, grad_scales)
     if group["maximize"]:
         torch._foreach_neg_(grads)
     if weight_decay != 0:

@@ -9,7 +9,7 @@ wrapper's ``state_dtype`` (8-bit blockwise through :mod:`mixprec.optim.states`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -32,9 +32,11 @@ def is_param_state(key: Any, value: Any, param: torch.Tensor) -> bool:
 def step_one(
     optimizer: torch.optim.Optimizer, p: torch.nn.Parameter, group: dict[str, Any], scratch: Scratch, *,
     expand: Callable[[torch.Tensor, torch.Tensor], None], store: Callable[[torch.Tensor, torch.Tensor], None],
-    state_dtype: torch.dtype | None,
+    state_dtype: torch.dtype | None, grad_scales: Sequence[torch.Tensor] = (),
 ) -> None:
-    """The inner ``optimizer`` on an fp32 proxy of ``p`` (its value, gradient and state expanded)."""
+    """The inner ``optimizer`` on an fp32 proxy of ``p`` (its value, gradient and state expanded;
+    the fp32 gradient multiplied by each of ``grad_scales`` in turn, as in
+    :func:`mixprec.optim.fast.fast_step`)."""
 
     def buffer(slot: int) -> torch.Tensor:
         key = (slot, p.device)
@@ -48,6 +50,8 @@ def step_one(
     expand(p, value32)
     proxy = torch.nn.Parameter(value32, requires_grad=p.requires_grad)
     proxy.grad = buffer(1).copy_(p.grad)  # type: ignore[arg-type]
+    for factor in grad_scales:
+        proxy.grad.mul_(factor.to(p.device))
     state = optimizer.state.pop(p, None)
     stored: dict[Any, torch.Tensor] = {}
     scales: dict[Any, torch.Tensor] = {}  # 8-bit states' block scales, kept beside their codes

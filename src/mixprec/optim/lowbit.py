@@ -147,6 +147,9 @@ class LowPrecisionOptimizer(WrappedOptimizer):
         self._layout_keys: dict[tuple[Any, ...], str] = {}  # (param ids, grad dtypes, options) -> layout
         self._index: dict[int, tuple[int, int]] = {}  # id(param) -> (group, position), for step_selected({param})
         self._nonfinite: torch.Tensor | None = None
+        # factors this step's low-precision gradients still owe, applied to their fp32
+        # expansions (a clip of :class:`RemainderOptimizer`, see ``scale_grads_later``)
+        self._grad_scales: list[torch.Tensor] = []
 
     def _low_params(self) -> list[torch.nn.Parameter]:
         return [p for p in self.params() if p.dtype in LOW_PRECISION_DTYPES]
@@ -183,6 +186,7 @@ class LowPrecisionOptimizer(WrappedOptimizer):
             if guarded else None
         self._nonfinite = None
         result = self.step_selected(None)
+        self._grad_scales = []  # applied (kept by an interrupted step: a retry still owes them)
         if self._snapshot is not None:
             self._nonfinite = self._snapshot.became_nonfinite()
             if bool(self._nonfinite):
@@ -225,6 +229,7 @@ class LowPrecisionOptimizer(WrappedOptimizer):
                         chunk_numel=qstates.chunk_numel(self.chunk_numel or default_chunk_numel(active[0].device),
                                                         self.state_dtype),
                         fused=self.fused and fused_available(active[0].device), plain_store=self.rounding == "nearest",
+                        grad_scales=self._pending_grad_scales(),
                     )
                 else:
                     for p in active:  # none left when the compiled route stepped them all
@@ -275,7 +280,10 @@ class LowPrecisionOptimizer(WrappedOptimizer):
     def _step_one(self, p: torch.nn.Parameter, group: dict[str, Any], scratch: generic.Scratch) -> None:
         """The generic path for ``p`` (:func:`mixprec.optim.generic.step_one`)."""
         generic.step_one(self.optimizer, p, group, scratch, expand=self._expand_into, store=self._store,
-                         state_dtype=self.state_dtype)
+                         state_dtype=self.state_dtype, grad_scales=self._pending_grad_scales())
+
+    def _pending_grad_scales(self) -> list[torch.Tensor]:
+        return getattr(self, "_grad_scales", [])  # (a wrapper pickled before it had them)
 
     # ------------------------------------------------------------- overflow guard (fp16)
     def step_nonfinite(self) -> torch.Tensor | None:

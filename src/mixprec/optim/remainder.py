@@ -168,6 +168,29 @@ class RemainderOptimizer(LowPrecisionOptimizer):
                 self._set_master(param, torch.where(kept, old, param.detach().float()))
         self._watch.record([param])
 
+    # ------------------------------------------------------------- clipping in fp32
+    def scale_grads_later(self, factor: torch.Tensor) -> list[torch.Tensor]:
+        """Multiply the bf16 weights' gradients by ``factor`` (a one-element fp32 tensor: a
+        clip's) in fp32 inside the next ``step()``, where they are expanded, instead of in place
+        now; returns the gradients taken (the caller scales the rest, fp32 ones, itself).
+
+        A bf16 gradient times a clip factor rounds to bf16; the fp32-master plan multiplies the
+        gradient's exact fp32 copy. Deferred, the product is that same fp32 value, so clipped
+        runs stay bit-identical to ``bf16-master``. Until the step, ``.grad`` still reads
+        unclipped. Cleared by the step, ``prepare_grads()`` (a new step) and ``zero_grad()``.
+        """
+        taken = [p.grad for p in self._low_params() if p.grad is not None]
+        if taken:
+            self._grad_scales = [*self._pending_grad_scales(), factor.detach().to(torch.float32).clone()]
+        return taken
+
+    def prepare_grads(self) -> None:
+        self._grad_scales = []  # a new step: a skipped one's clip is not carried over
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._grad_scales = []
+        super().zero_grad(set_to_none=set_to_none)
+
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self._follow_loads()  # a copy holds new parameters
