@@ -20,7 +20,7 @@ SKIPS = (7, 19)  # steps whose batch holds an inf: skipped, the scale of no plan
 
 def _model() -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(  # 300 x 1000 = 300k elements: cut into pieces on the fast path
+    return torch.nn.Sequential(  # 300 x 1000 = 300k elements: cut into pieces with chunk_numel=2**16
         torch.nn.Linear(32, 256), torch.nn.GELU(), torch.nn.LayerNorm(256), torch.nn.Linear(256, 300),
         torch.nn.Linear(300, 1000),
     )
@@ -76,16 +76,19 @@ def _bits_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 REMAINDERS = get_plan("bf16-master", remainders=True)
 
 
-def test_fifty_steps_with_skips_and_a_resume_equal_bf16_master_bit_for_bit(tmp_path) -> None:
+@pytest.mark.parametrize("chunk", [None, 1 << 16])  # the CPU default: whole weights; 2**16: the 300k one in pieces
+def test_fifty_steps_with_skips_and_a_resume_equal_bf16_master_bit_for_bit(tmp_path, chunk) -> None:
     model1, opt1, mp1 = _setup("bf16-master")
     losses1 = _train(model1, mp1, range(50))
 
     model2, opt2, mp2 = _setup(REMAINDERS)
     assert isinstance(opt2, RemainderOptimizer)
+    opt2.chunk_numel = chunk
     seen: list[int] = []
     losses2 = _train(model2, mp2, range(25), seen)
     save_checkpoint(tmp_path / "c.pt", model=model2, optimizers=[opt2], mp=mp2)
     model3, opt3, mp3 = _setup(REMAINDERS)
+    opt3.chunk_numel = chunk
     load_checkpoint(tmp_path / "c.pt", model=model3, optimizers=[opt3], mp=mp3)
     losses2 += _train(model3, mp3, range(25, 50), seen)
 
@@ -321,3 +324,24 @@ def test_under_ddp_with_clipping_remainders_equal_bf16_master_bit_for_bit(tmp_pa
             assert torch.equal(a, b)
     for a, b in zip(ranks[0]["remainders"], ranks[1]["remainders"], strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("n", [1, 1023, 1024, 5000, 3 * 1024])
+def test_the_tie_screen_finds_every_tie_and_nothing_else(n: int) -> None:
+    """A tie (low 17 bits 0x8000) anywhere: first and last element of a block, several in one
+    block, in the tail after the whole blocks; near-misses (0x18000: the low half alone) are not."""
+    from mixprec.optim.remainder import _ties_of
+
+    g = torch.Generator().manual_seed(n)
+    bits = torch.randint(-(2**31), 2**31 - 1, (n,), generator=g, dtype=torch.int64).to(torch.int32)
+    planted = sorted({0, n - 1, n // 2, min(n - 1, 1023), min(n - 1, 1024), min(n - 1, 5)})
+    bits[planted] = (bits[planted] & ~0x1FFFF) | 0x8000
+    near = [i for i in range(2, n, 97) if i not in planted]
+    bits[near] = (bits[near] & ~0x1FFFF) | 0x18000
+    flat = bits.view(torch.float32)
+    low = torch.empty(n, dtype=torch.int16)
+    low.copy_(bits)
+    expected = ((bits & 0x1FFFF) == 0x8000).nonzero().view(-1)
+    found = _ties_of(flat, low)
+    assert found.tolist() == expected.tolist()
+    assert set(planted) <= set(found.tolist())

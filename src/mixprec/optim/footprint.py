@@ -278,6 +278,8 @@ def low_precision_step_transient(
                     per_element += 4  # the denominator
                 if rounding == "stochastic":
                     per_element += 4  # int32 noise
+                if rounding == "remainder":
+                    per_element += 2  # the new remainders, before they are copied out
                 if state_dtype == torch.uint8:
                     per_element += 4 * n_state + 22  # 8-bit: fp32 state, the padded run, the quantizer's scratch
                 scratch = max(scratch, n * per_element)

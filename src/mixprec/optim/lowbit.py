@@ -113,6 +113,10 @@ class LowPrecisionOptimizer(WrappedOptimizer):
     #: how updated weights are stored: ``"nearest"`` (fused kernels may then update the
     #: low-precision tensors in place), ``"kahan"`` or ``"stochastic"``
     rounding: ClassVar[str] = "nearest"
+    #: the least the fast path expands at a time on the CPU when ``chunk_numel`` is None
+    #: (the CPU default keeps a chunk in the caches; a wrapper with more host work per chunk
+    #: raises it)
+    cpu_chunk_numel: ClassVar[int] = 0
 
     def __init__(
         self,
@@ -226,8 +230,7 @@ class LowPrecisionOptimizer(WrappedOptimizer):
                     fast_step(
                         self.optimizer, group, active, kind=kind, state_dtype=self.state_dtype,
                         expand=self._expand_many, store=self._store_many,
-                        chunk_numel=qstates.chunk_numel(self.chunk_numel or default_chunk_numel(active[0].device),
-                                                        self.state_dtype),
+                        chunk_numel=qstates.chunk_numel(self._chunk_limit(active[0].device), self.state_dtype),
                         fused=self.fused and fused_available(active[0].device), plain_store=self.rounding == "nearest",
                         grad_scales=self._pending_grad_scales(),
                     )
@@ -241,6 +244,15 @@ class LowPrecisionOptimizer(WrappedOptimizer):
             self.note_written(written)
         self.kinds.after_step(stepped)  # the state kinds' own rules (none of the built-in kinds has one)
         return result
+
+    def _chunk_limit(self, device: torch.device) -> int:
+        """Elements the fast path expands at a time on ``device``: ``chunk_numel``, else the
+        device's default (:func:`~mixprec.optim.fast.default_chunk_numel`), at least
+        :attr:`cpu_chunk_numel` on the CPU."""
+        if self.chunk_numel:
+            return self.chunk_numel
+        default = default_chunk_numel(device)
+        return max(default, self.cpu_chunk_numel) if device.type == "cpu" else default
 
     def _fast_kind(self, group: dict[str, Any]) -> str | None:
         return fast_kind(self.optimizer, group) if self.fast else None
@@ -411,7 +423,8 @@ class LowPrecisionOptimizer(WrappedOptimizer):
         """
         return footprint.low_precision_step_transient(
             self.optimizer, state_dtype=self.state_dtype, fast=self.fast, fused=self.fused, compile=self.compile,
-            chunk_numel=self.chunk_numel, rounding=self.rounding,
+            chunk_numel=self._chunk_limit(low[0].device) if (low := self._low_params()) else self.chunk_numel,
+            rounding=self.rounding,
             snapshot_extra=sum(self.kinds.bytes_by_category(self.params()).values()),
         )
 
