@@ -370,3 +370,40 @@ def test_session_process_group_is_checked_where_it_is_given(plan: str) -> None:
     """Before: accepted, then AttributeError ('str' has no 'allreduce') at the first step of bf16/fp32 plans."""
     with pytest.raises(TypeError, match=r"process_group must be a torch.distributed.ProcessGroup or None, got 'world'"):
         mixprec.MixedPrecision(plan, process_group="world")
+
+
+@pytest.mark.parametrize("plan", ["fp32", "bf16-mixed", "bf16-master", "bf16-kahan", "fp16-master"])
+def test_an_optimizer_over_replaced_parameters_is_refused_at_the_first_step(plan):
+    """The model's parameters swapped after prepare() (as sharding does): the optimizer would step
+    tensors the model no longer uses, training nothing. The first step says so; the model is untouched."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    mp = MixedPrecision(plan)
+    model, opt = mp.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    for layer in model:
+        layer.weight = torch.nn.Parameter(layer.weight.detach().clone())
+        layer.bias = torch.nn.Parameter(layer.bias.detach().clone())
+    before = [p.detach().clone() for p in model.parameters()]
+    with mp.autocast():
+        loss = model(torch.randn(3, 4)).float().sum()
+    mp.backward(loss)
+    with pytest.raises(RuntimeError, match=r"would train nothing.*fully_shard_model"):
+        mp.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_an_optimizer_whose_part_got_no_gradient_this_step_is_not_mistaken_for_a_stale_one():
+    """Two optimizers, one backward through one part only (as a GAN's alternating steps): the
+    idle optimizer holds the model's current parameters, so it is not refused."""
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"a": torch.nn.Linear(4, 2), "b": torch.nn.Linear(4, 2)})
+    mp = MixedPrecision("bf16-master")
+    model, opt_a, opt_b = mp.prepare(
+        model, torch.optim.SGD(model["a"].parameters(), lr=0.1), torch.optim.SGD(model["b"].parameters(), lr=0.1)
+    )
+    before = model["a"].weight.detach().clone()
+    with mp.autocast():
+        loss = model["a"](torch.randn(3, 4)).float().sum()
+    mp.backward(loss)
+    assert mp.step().stepped
+    assert not torch.equal(before, model["a"].weight)

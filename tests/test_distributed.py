@@ -387,3 +387,41 @@ def test_epoch_batches_reshuffle_every_epoch_and_resume_mid_epoch():
         a, b = (set(shards[rank][epoch]) for rank in range(WORLD))
         assert a.isdisjoint(b) and a | b == set(range(40))
     assert shards[0][0] != shards[0][1]  # a new shuffle every epoch
+
+
+def _shard_after_prepare_worker(rank: int, world: int, out: str) -> None:
+    """The order a framework's setup produces: optimizer built and prepared, then the model sharded."""
+    from torch.distributed.fsdp import fully_shard
+
+    results = {}
+    for plan_name in ("bf16-mixed", "bf16-master", "bf16-kahan"):
+        torch.manual_seed(0)  # no norm layer: one parameter dtype under every plan, as FSDP requires
+        model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+        mp = MixedPrecision(plan_name)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        model, opt = mp.prepare(model, opt)
+        fully_shard(model)  # every parameter swapped for a DTensor shard; the optimizer holds the old ones
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+        with mp.autocast():
+            loss = model(x).float().pow(2).mean()
+        mp.backward(loss)
+        try:
+            mp.step()
+            results[plan_name] = "stepped"
+        except RuntimeError as exc:
+            results[plan_name] = str(exc)
+    torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+
+
+@pytest.mark.distributed
+def test_an_optimizer_left_holding_pre_shard_parameters_is_an_error_not_a_silent_no_op(tmp_path):
+    """Sharding after the optimizer was built (Fabric's joint setup under ModelParallelStrategy)
+    left the optimizer stepping tensors the model no longer uses: nothing trained, nothing said."""
+    reason = _fsdp2_available()
+    if reason is not None:
+        pytest.skip(reason)
+    run_ranks(_shard_after_prepare_worker, WORLD, str(tmp_path))
+    for rank in range(WORLD):
+        results = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        for plan_name, outcome in results.items():
+            assert "would train nothing" in outcome and "fully_shard_model" in outcome, (rank, plan_name, outcome)

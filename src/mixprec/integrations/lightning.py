@@ -344,12 +344,17 @@ def setup(fabric: Any, module: torch.nn.Module, *optimizers: torch.optim.Optimiz
     model, wraps the optimizers (fp32 masters, Kahan / stochastic rounding) and then lets
     Fabric set them up. Returns what ``fabric.setup`` returns.
     """
-    plugin = getattr(fabric, "_precision", None)
-    if not isinstance(plugin, MixprecPrecision):
-        raise ValueError(
-            "setup() needs a Fabric created with plugins=[MixprecPrecision(...)]; "
-            f"this one runs {type(plugin).__name__}"
-        )
+    plugin = _plugin(fabric, "setup()")
     plugin.convert_module(module)
     wrapped = plugin._wrap(optimizers)
     return fabric.setup(module, *wrapped, **kwargs)
+
+
+def _plugin(fabric: Any, caller: str) -> MixprecPrecision:
+    plugin = getattr(fabric, "_precision", None)
+    if not isinstance(plugin, MixprecPrecision):
+        raise ValueError(
+            f"{caller} needs a Fabric created with plugins=[MixprecPrecision(...)]; "
+            f"this one runs {type(plugin).__name__}"
+        )
+    return plugin
