@@ -425,3 +425,66 @@ def test_an_optimizer_left_holding_pre_shard_parameters_is_an_error_not_a_silent
         results = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
         for plan_name, outcome in results.items():
             assert "would train nothing" in outcome and "fully_shard_model" in outcome, (rank, plan_name, outcome)
+
+
+class _Wrapper(torch.nn.Module):
+    """As Lightning's configure_model pattern leaves a model: FSDP2 inside, not at the root."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def _sharded_inside_worker(rank: int, world: int, out: str) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    from mixprec.distributed import fsdp_policy
+
+    results: dict[str, object] = {}
+    for key, plan_name, with_policy in (
+        ("mixed", "bf16-mixed", False), ("master-no-policy", "bf16-master", False), ("master", "bf16-master", True),
+    ):
+        model = _Wrapper()
+        kwargs = {"mp_policy": fsdp_policy(plan_name)} if with_policy else {}
+        for layer in (model.net[0], model.net[2], model.net):
+            fully_shard(layer, **kwargs)
+        mp = MixedPrecision(plan_name)
+        try:
+            model, opt = mp.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        except ValueError as exc:
+            results[key] = str(exc)
+            continue
+        losses = []
+        for _ in range(4):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))  # one batch: the loss falls
+            with mp.autocast():
+                loss = model(x).float().pow(2).mean()
+            mp.backward(loss)
+            assert mp.step().stepped
+            losses.append(float(loss))
+        results[key] = {"plan": type(mp.plan).__name__, "losses": losses,
+                        "params": [p.full_tensor().detach().clone() for p in model.parameters()]}
+    torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+
+
+@pytest.mark.distributed
+def test_fsdp2_inside_a_wrapper_is_seen_and_a_missing_gather_dtype_is_named(tmp_path):
+    """Sharded inside a wrapper (not at the root): the plan runs as on FSDP2; a master plan over
+    units that gather in fp32 would compute in fp32 under a bf16 plan, so it is refused."""
+    reason = _fsdp2_available()
+    if reason is not None:
+        pytest.skip(reason)
+    run_ranks(_sharded_inside_worker, WORLD, str(tmp_path))
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(WORLD))
+    for key in ("mixed", "master"):
+        assert r0[key]["plan"] == r1[key]["plan"] == "ShardedPlan", key
+        assert r0[key]["losses"][-1] < r0[key]["losses"][0], key  # it trains
+        for a, b in zip(r0[key]["params"], r1[key]["params"], strict=True):
+            assert torch.equal(a, b), key
+    for result in (r0, r1):
+        message = result["master-no-policy"]
+        assert "gathers in fp32" in message and "fsdp_policy" in message, message

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from mixprec.distributed.ddp import check_prewrapped, is_ddp, plan_for_ddp
-from mixprec.distributed.fsdp import is_fsdp, sharded_plan
+from mixprec.distributed.fsdp import check_sharded_policy, has_fsdp, sharded_plan
 from mixprec.plans import Plan
 
 __all__ = ["ddp_arguments", "plan_for_model"]
@@ -17,15 +17,17 @@ __all__ = ["ddp_arguments", "plan_for_model"]
 def plan_for_model(plan: Plan, model: torch.nn.Module, *, ddp: bool) -> Plan:
     """The plan ``prepare()`` applies to ``model``.
 
-    - an FSDP2 model: the plan as FSDP2 runs it (:func:`~mixprec.distributed.sharded_plan`);
+    - an FSDP2 model (``fully_shard`` on it or on a module inside): the plan as FSDP2 runs it (:func:`~mixprec.distributed.sharded_plan`);
     - ``ddp=True``: the plan as DDP runs it (:func:`~mixprec.distributed.plan_for_ddp`);
     - a model the user already wrapped in DDP: the plan, if it leaves the weights fp32;
     - anything else: the plan itself.
     """
-    if is_fsdp(model):
+    if has_fsdp(model):  # the root or any module inside it (a framework shards inside its wrapper)
         if ddp:
             raise ValueError("prepare(ddp=True) got an FSDP2 model; it is already data-parallel, drop ddp=")
-        return sharded_plan(plan)
+        sharded = sharded_plan(plan)
+        check_sharded_policy(model, sharded)
+        return sharded
     if is_ddp(model):
         if ddp:
             raise ValueError(

@@ -54,6 +54,7 @@ __all__ = [
     "fsdp_policy",
     "fully_shard_model",
     "has_dtensor",
+    "has_fsdp",
     "is_fsdp",
     "local_tensor",
     "sharded_plan",
@@ -109,6 +110,47 @@ def is_fsdp(model: Any) -> bool:
         return isinstance(model, _fsdp_api().FSDPModule)
     except (RuntimeError, AttributeError):  # pragma: no cover
         return False
+
+
+def has_fsdp(model: Any) -> bool:
+    """True when ``fully_shard`` was applied to ``model`` or to any module inside it (FSDP2):
+    frameworks shard inside a wrapper (Lightning's ``configure_model`` shards ``self.net``)."""
+    if "torch.distributed.fsdp" not in sys.modules and "torch.distributed._composable.fsdp" not in sys.modules:
+        return False  # nothing can have been sharded without importing FSDP
+    model = getattr(model, "_orig_mod", model)
+    return isinstance(model, torch.nn.Module) and any(is_fsdp(m) for m in model.modules())
+
+
+def _gather_dtypes(model: torch.nn.Module) -> dict[str, torch.dtype | None]:
+    """The ``param_dtype`` each FSDP2 unit of ``model`` holding parameters all-gathers in, by module name."""
+    found: dict[str, torch.dtype | None] = {}
+    for name, module in model.named_modules():
+        if not is_fsdp(module):
+            continue
+        state = module._get_fsdp_state()  # type: ignore[operator]
+        group = getattr(state, "_fsdp_param_group", None)
+        if group is not None and getattr(group, "mp_policy", None) is not None:
+            found[name or "<root>"] = group.mp_policy.param_dtype
+    return found
+
+
+def check_sharded_policy(model: torch.nn.Module, plan: ShardedPlan) -> None:
+    """Refuse a model sharded without the plan's all-gather dtype: under a master plan
+    (``plan.param_dtype`` bf16/fp16) FSDP2 must gather the fp32 shards in that dtype, or the
+    whole model would compute in fp32 under a plan that says bf16, without a word."""
+    if plan.param_dtype is None:
+        return  # fp32 shards, cast per op by autocast: any unit's policy computes as the plan says
+    gathers = _gather_dtypes(model)
+    if not gathers or any(dtype == plan.param_dtype for dtype in gathers.values()):
+        return  # (norm-layer units gather fp32 by design: fully_shard_model makes them so)
+    units = ", ".join(sorted(gathers)[:4]) + (", ..." if len(gathers) > 4 else "")
+    raise ValueError(
+        f"plan {plan.name!r} under FSDP2 all-gathers the fp32 shards in {dtype_name(plan.param_dtype)}, but every "
+        f"fully_shard unit of this model ({units}) gathers in fp32 (no MixedPrecisionPolicy param_dtype): it would "
+        "compute in fp32. Pass mp_policy=mixprec.distributed.fsdp_policy(plan) to each fully_shard call (in "
+        "Lightning's configure_model too), or shard with mixprec.distributed.fully_shard_model(module, plan, "
+        "mesh=...); or use a '*-mixed' plan, which casts per op"
+    )
 
 
 def fully_shard_model(

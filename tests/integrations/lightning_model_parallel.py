@@ -1,0 +1,88 @@
+"""Run by torchrun from test_lightning_model_parallel.py: Lightning's ModelParallelStrategy with
+the documented ``configure_model`` pattern (``fully_shard(self.net...)`` inside the module), the
+mixprec plugin, 10 steps on 2 gloo ranks. Writes each rank's losses, final full parameters, or
+the error it raised, to ``<out>/rank<r>.pt``.
+
+Usage: torchrun --nproc_per_node 2 lightning_model_parallel.py PLAN POLICY OUT
+(POLICY: "policy" passes mp_policy=fsdp_policy(PLAN) to fully_shard, "none" passes nothing)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+import torch
+
+warnings.filterwarnings("ignore")
+
+import lightning as L  # noqa: E402
+from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
+from torch.distributed.fsdp import fully_shard  # noqa: E402
+
+from mixprec.distributed import fsdp_policy  # noqa: E402
+from mixprec.integrations.lightning import MixprecPrecision  # noqa: E402
+
+STEPS, MICRO = 10, 4
+
+
+def net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 4))
+
+
+def data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(STEPS * 2 * MICRO, 16, generator=g), torch.randn(STEPS * 2 * MICRO, 4, generator=g)
+
+
+class Sharded(L.LightningModule):
+    def __init__(self, policy: dict) -> None:
+        super().__init__()
+        self.net = net()
+        self.policy = policy
+        self.losses: list[float] = []
+
+    def configure_model(self) -> None:
+        mesh = self.device_mesh["data_parallel"]
+        for layer in (self.net[0], self.net[2], self.net):
+            fully_shard(layer, mesh=mesh, **self.policy)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = (self.net(x).float() - y).pow(2).mean()
+        self.losses.append(float(loss.detach()))
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def main() -> None:
+    plan, policy_arg, out = sys.argv[1:4]
+    policy = {"mp_policy": fsdp_policy(plan)} if policy_arg == "policy" else {}
+    x, y = data()
+    rank = int(os.environ["RANK"])
+    # rank r gets rows r, r + 2, ... of each global batch of 2 * MICRO (a DistributedSampler's split)
+    mine = torch.arange(x.shape[0]).view(STEPS, 2 * MICRO)[:, rank::2].reshape(-1)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x[mine], y[mine]), batch_size=MICRO)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+        plugins=[MixprecPrecision(plan)], max_steps=STEPS, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+    )
+    module = Sharded(policy)
+    try:
+        trainer.fit(module, loader)
+        result: dict = {
+            "losses": module.losses,
+            "params": {n: p.full_tensor().detach().clone() for n, p in module.net.named_parameters()},
+        }
+    except ValueError as exc:
+        result = {"error": str(exc)}
+    torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+
+
+if __name__ == "__main__":
+    main()
