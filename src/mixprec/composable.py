@@ -275,6 +275,9 @@ class ComposableSteps:
         ``remember``: keep it for a later reader this step (the skip decision is the last)."""
         norm = self._norm_memo.get(grads)
         if norm is None:
+            # gradients changed since a clip a wrapper deferred (remainder masters apply it in fp32
+            # inside the step): it goes into .grad now, before they are measured or clipped again
+            call_hook(self.optimizers, "apply_pending_grad_scales")
             norm = total_norm(grads, None if grads else self.device)  # the device only places an empty total
             if remember:
                 self._norm_memo.remember(grads, norm)
@@ -324,7 +327,11 @@ class ComposableSteps:
                 "(MixedPrecision(clip_grad_norm=...) clips in step(), after any clip_grad_norm_())"
             )
         if before is None:
-            before = norm if norm is not None else self._norm(grads, remember=False)
+            if norm is None:
+                before = self._norm(grads, remember=False)
+            else:
+                call_hook(self.optimizers, "apply_pending_grad_scales")  # (none left after a fresh norm)
+                before = norm
         clip_(grads, before, max_norm, self.optimizers)
         if norm is None:  # a framework's clip: step() reads the norm, and knows they are clipped
             memo.remember(grads, before, clipped_to=max_norm)  # finite exactly when the norm is
@@ -342,6 +349,7 @@ class ComposableSteps:
         ):
             raise ValueError(f"clip_value must be a positive finite number, got {clip_value!r}")
         self._unscale("clip_grad_value_()")
+        call_hook(self.optimizers, "apply_pending_grad_scales")  # a deferred norm clip comes first
         for gs in by_device_dtype(self._grads()).values():
             torch._foreach_clamp_min_(gs, -float(clip_value))
             torch._foreach_clamp_max_(gs, float(clip_value))

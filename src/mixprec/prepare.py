@@ -90,34 +90,31 @@ class PreparedModel:
     bound: bool = False  # check_bound() found every optimizer holding the model's parameters
 
     def check_bound(self, optimizers: Sequence[torch.optim.Optimizer], caller: str) -> None:
-        """Refuse an optimizer that would train nothing: it holds none of the model's current
-        parameters and none of its own got a gradient, while the model's did. That is what an
-        optimizer built before the model's parameters were replaced holds (FSDP's ``fully_shard``,
-        run by a framework's setup after the optimizer was made, swaps every parameter for a
-        sharded one), and its steps would change nothing without a word. Checked at the first
-        step that finds the model's gradients, then no more."""
+        """Refuse an optimizer holding parameters the model no longer has: built before the
+        model's parameters were replaced (FSDP's ``fully_shard``, run by a framework's setup after
+        the optimizer was made, or a tensor-parallel plan, swaps parameters for sharded ones), it
+        would step tensors the model does not use, without a word. Every optimizer held only the
+        model's parameters at ``prepare()`` (:func:`check_optimizers`). Checked at the first step,
+        then no more."""
         if self.bound:
             return
-        current = list(self.model.parameters())
-        if not any(p.grad is not None for p in current):
-            return  # no backward reached the model yet (or everything is frozen): nothing to compare
-        ids = {id(p) for p in current}
+        current = {id(p) for p in self.model.parameters()}
         for opt in optimizers:
             kind_params = getattr(opt, "kind_params", None)  # a wrapper: the model-side parameters
             held = list(kind_params()) if kind_params is not None else [
                 p for g in opt.param_groups for p in g["params"]
             ]
-            inner = [p for g in opt.param_groups for p in g["params"]]
-            if not held or any(id(p) in ids for p in held) or any(p.grad is not None for p in [*held, *inner]):
+            stale = [p for p in held if id(p) not in current]
+            if not stale:
                 continue
             raise RuntimeError(
-                f"{caller}: optimizer {type(opt).__name__} holds {len(held)} parameters, none of them the model's "
-                "current parameters and none with a gradient, while the model's have gradients: its steps would "
-                "train nothing. The model's parameters were replaced after the optimizer was built over them: "
-                "sharding (fully_shard, or a framework's setup of a ModelParallelStrategy / FSDP run) swaps every "
-                "parameter for a sharded one. Shard the model before mixprec converts it and build the optimizer "
-                "over the sharded parameters: model = mixprec.distributed.fully_shard_model(model, plan); optimizer "
-                "= torch.optim.AdamW(model.parameters()); then mp.prepare(model, optimizer), or with Fabric "
+                f"{caller}: optimizer {type(opt).__name__} holds {len(stale)} of its {len(held)} parameters that the "
+                "model no longer has: its steps would leave the model's parameters as they are. They were replaced "
+                "after the optimizer was built over them: sharding (fully_shard, or a framework's setup of a "
+                "ModelParallelStrategy) swaps parameters for sharded ones. Shard the model before mixprec converts "
+                "it and build the optimizer over the sharded parameters: model = "
+                "mixprec.distributed.fully_shard_model(model, plan); optimizer = "
+                "torch.optim.AdamW(model.parameters()); then mp.prepare(model, optimizer), or with Fabric "
                 "mixprec.integrations.lightning.setup(fabric, model, optimizer) under a strategy that does not "
                 "shard again (a ModelParallelStrategy whose parallelize_fn returns the model as it is)"
             )

@@ -45,8 +45,7 @@ class StepRunner(ComposableSteps):
         check_ready(self.model, self.optimizers, "step()")
         if self._prepared is not None:
             self._prepared.check_dtypes("step()")
-            if self._in_backward is None:  # (in backward, the gradients are freed as they arrive)
-                self._prepared.check_bound(self.optimizers, "step()")
+            self._prepared.check_bound(self.optimizers, "step()")
         phases = self._phases
         if not phases.step_ready(self.grad_accum_steps):
             return StepResult(

@@ -75,5 +75,5 @@ def test_configure_model_sharding_without_the_gather_dtype_is_refused_under_a_ma
     """Before: the master plan did not see FSDP inside the LightningModule (it failed in Lightning's
     model.to() or ran fp32). Now: the missing param_dtype is named, with the fix."""
     for result in _run("bf16-master", "none", tmp_path / "run"):
-        assert "gathers in fp32" in result.get("error", ""), result
+        assert "fp32: no param_dtype" in result.get("error", ""), result
         assert "fsdp_policy" in result["error"]

@@ -122,10 +122,11 @@ def has_fsdp(model: Any) -> bool:
 
 
 def _gather_dtypes(model: torch.nn.Module) -> dict[str, torch.dtype | None]:
-    """The ``param_dtype`` each FSDP2 unit of ``model`` holding parameters all-gathers in, by module name."""
+    """The ``param_dtype`` each FSDP2 unit of ``model`` that holds parameters all-gathers in, by
+    module name; norm-layer units (fp32 by design: :func:`fully_shard_model` makes them so) left out."""
     found: dict[str, torch.dtype | None] = {}
     for name, module in model.named_modules():
-        if not is_fsdp(module):
+        if not is_fsdp(module) or isinstance(module, NORM_LAYERS):
             continue
         state = module._get_fsdp_state()  # type: ignore[operator]
         group = getattr(state, "_fsdp_param_group", None)
@@ -136,20 +137,22 @@ def _gather_dtypes(model: torch.nn.Module) -> dict[str, torch.dtype | None]:
 
 def check_sharded_policy(model: torch.nn.Module, plan: ShardedPlan) -> None:
     """Refuse a model sharded without the plan's all-gather dtype: under a master plan
-    (``plan.param_dtype`` bf16/fp16) FSDP2 must gather the fp32 shards in that dtype, or the
-    whole model would compute in fp32 under a plan that says bf16, without a word."""
+    (``plan.param_dtype`` bf16/fp16) every FSDP2 unit but norm layers must gather the fp32
+    shards in that dtype, or those units would compute in another dtype than the plan says,
+    without a word. (fp32 shards under a mixed plan are cast per op by autocast: any policy.)"""
     if plan.param_dtype is None:
-        return  # fp32 shards, cast per op by autocast: any unit's policy computes as the plan says
-    gathers = _gather_dtypes(model)
-    if not gathers or any(dtype == plan.param_dtype for dtype in gathers.values()):
-        return  # (norm-layer units gather fp32 by design: fully_shard_model makes them so)
-    units = ", ".join(sorted(gathers)[:4]) + (", ..." if len(gathers) > 4 else "")
+        return
+    wrong = {name: dtype for name, dtype in _gather_dtypes(model).items() if dtype != plan.param_dtype}
+    if not wrong:
+        return
+    units = ", ".join(f"{name} ({dtype_name(dtype) if dtype is not None else 'fp32: no param_dtype'})"
+                      for name, dtype in sorted(wrong.items())[:4]) + (", ..." if len(wrong) > 4 else "")
     raise ValueError(
-        f"plan {plan.name!r} under FSDP2 all-gathers the fp32 shards in {dtype_name(plan.param_dtype)}, but every "
-        f"fully_shard unit of this model ({units}) gathers in fp32 (no MixedPrecisionPolicy param_dtype): it would "
-        "compute in fp32. Pass mp_policy=mixprec.distributed.fsdp_policy(plan) to each fully_shard call (in "
-        "Lightning's configure_model too), or shard with mixprec.distributed.fully_shard_model(module, plan, "
-        "mesh=...); or use a '*-mixed' plan, which casts per op"
+        f"plan {plan.name!r} under FSDP2 all-gathers the fp32 shards in {dtype_name(plan.param_dtype)}, but "
+        f"{len(wrong)} fully_shard unit(s) of this model gather otherwise: {units}; they would compute in that "
+        "dtype. Pass mp_policy=mixprec.distributed.fsdp_policy(plan) to each fully_shard call (in Lightning's "
+        "configure_model too), or shard with mixprec.distributed.fully_shard_model(module, plan, mesh=...); or "
+        "use a '*-mixed' plan, which casts per op"
     )
 
 

@@ -32,6 +32,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from mixprec.nested import by_device_dtype
 from mixprec.optim.compiled import CompileSetting
 from mixprec.optim.fast import Piece, prefer_fast_update
 from mixprec.optim.follow import WriteWatch, master_value, register
@@ -187,6 +188,18 @@ class RemainderOptimizer(LowPrecisionOptimizer):
             self._grad_scales = [*self._pending_grad_scales(), factor.detach().to(torch.float32).clone()]
         return taken
 
+    def apply_pending_grad_scales(self) -> None:
+        """Multiply the deferred factors into the bf16 ``.grad`` now (rounded to bf16): for an
+        in-place change of the gradients after the clip (a value clip, a second measurement),
+        which must see them clipped."""
+        scales, self._grad_scales = self._pending_grad_scales(), []
+        if not scales:
+            return
+        grads = [p.grad for p in self._low_params() if p.grad is not None]
+        for (device, _), gs in by_device_dtype(grads).items():
+            for factor in scales:
+                torch._foreach_mul_(gs, factor.to(device))
+
     def prepare_grads(self) -> None:
         self._grad_scales = []  # a new step: a skipped one's clip is not carried over
 
@@ -287,6 +300,8 @@ def _ties_of(flat: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
     reduction) screens out nearly every block; only the few left are tested element by element.
     """
     bits = flat.view(torch.int32)
+    if flat.device.type != "cpu":  # one nonzero, one host sync per chunk: the screen would cost three
+        return ((bits & 0x1FFFF) == 0x8000).nonzero().view(-1)
     n = low.numel()
     whole = n - n % _SCREEN
     found = []
