@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from mixprec import DynamicLossScaler, MixedPrecision
+from mixprec import DynamicLossScaler, MixedPrecision, get_plan
 
 
 def _model() -> torch.nn.Module:
@@ -262,6 +262,7 @@ def _train(plan, in_backward, batches, *, before_step=None, entry=_one_line_back
 
 
 @pytest.mark.parametrize("plan", EXACT_PLANS)
+@pytest.mark.filterwarnings("ignore:plan .* rounds")
 def test_a_parameter_unfrozen_after_prepare_trains_as_in_the_normal_path(plan):
     def freeze_then_unfreeze(step, model, opt):
         model[0].requires_grad_(step >= 2)
@@ -271,6 +272,7 @@ def test_a_parameter_unfrozen_after_prepare_trains_as_in_the_normal_path(plan):
         return torch.optim.AdamW(model.parameters(), lr=1e-2)
 
     batches = _batches(5)
+    plan = get_plan(plan, convert_frozen=True)  # (Kahan: a weight frozen at prepare is rounded to bf16 only when asked)
     ref = _train(plan, False, batches, before_step=freeze_then_unfreeze, optimizer=frozen_at_prepare)
     got = _train(plan, True, batches, before_step=freeze_then_unfreeze, optimizer=frozen_at_prepare)
     assert not torch.equal(got[0][0].weight, _model()[0].weight.to(got[0][0].weight.dtype))  # it trained

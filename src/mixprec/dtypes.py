@@ -22,7 +22,10 @@ import torch
 
 from mixprec.nested import map_tensors
 
-__all__ = ["LOW_PRECISION_DTYPES", "Format", "cast_floating", "cast_module_", "dtype_name", "parse_dtype"]
+__all__ = [
+    "LOW_PRECISION_DTYPES", "Format", "cast_floating", "cast_module_", "check_frozen_casts", "dtype_name",
+    "frozen_low_ids", "lossy_frozen_casts", "parse_dtype",
+]
 
 _ALIASES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
@@ -103,7 +106,7 @@ def cast_module_(
 
     Modules of the types in ``keep`` (and their buffers) get ``keep_dtype`` instead.
     With ``only_from``, only tensors of those dtypes are cast; tensors whose ``id`` is in
-    ``skip`` are left as they are (fp32 islands). Parameter objects keep
+    ``skip`` are left as they are (fp32 islands, a frozen base kept as loaded). Parameter objects keep
     their identity, so optimizers built earlier still hold them; integer buffers are
     never touched. Returns the fp32 values of the parameters that were cast down
     (to seed fp32 master weights without a rounding loss).
@@ -122,6 +125,79 @@ def cast_module_(
                 originals[t] = t.detach().to(torch.float32, copy=True)
             _cast_tensor_(t, target)
     return originals
+
+
+def _frozen_low(t: torch.Tensor) -> bool:
+    """A frozen (``requires_grad=False``) fp16/bf16 parameter."""
+    return isinstance(t, torch.nn.Parameter) and not t.requires_grad and t.dtype in LOW_PRECISION_DTYPES
+
+
+def frozen_low_ids(model: torch.nn.Module, *, except_in: tuple[type[torch.nn.Module], ...] = ()) -> set[int]:
+    """ids of the frozen fp16/bf16 parameters of ``model`` (a LoRA base loaded in half precision),
+    except those of modules of the types in ``except_in``."""
+    return {
+        id(t) for module in model.modules() if not (except_in and isinstance(module, except_in))
+        for t in module.parameters(recurse=False) if _frozen_low(t)
+    }
+
+
+def lossy_frozen_casts(
+    model: torch.nn.Module,
+    dtype: torch.dtype,
+    *,
+    keep: tuple[type[torch.nn.Module], ...] = (),
+    keep_dtype: torch.dtype = torch.float32,
+    skip: Collection[int] = (),
+    narrowing: bool = True,
+) -> list[tuple[str, torch.dtype, torch.dtype]]:
+    """(name, dtype, target) of each frozen (``requires_grad=False``) floating parameter that
+    :func:`cast_module_` with these arguments would round between fp16 and bf16 (lossy both
+    ways), and with ``narrowing`` also to fewer bits (fp32 to half). Nothing is cast. A frozen
+    parameter gets no fp32 master or compensation, so such a cast loses its value for good."""
+    found = []
+    seen: set[int] = set()
+    for module_name, module in model.named_modules():
+        target = keep_dtype if keep and isinstance(module, keep) else dtype
+        for name, t in module.named_parameters(recurse=False):
+            if id(t) in seen or id(t) in skip or t.requires_grad or not t.is_floating_point() or t.dtype == target:
+                continue
+            seen.add(id(t))
+            narrower = narrowing and torch.finfo(target).bits < torch.finfo(t.dtype).bits
+            if narrower or (t.dtype in LOW_PRECISION_DTYPES and target in LOW_PRECISION_DTYPES):
+                found.append((f"{module_name}.{name}" if module_name else name, t.dtype, target))
+    return found
+
+
+def check_frozen_casts(
+    plan_name: str,
+    casts: list[tuple[str, torch.dtype, torch.dtype]],
+    convert: bool,
+) -> None:
+    """Refuse the lossy casts :func:`lossy_frozen_casts` found unless ``convert`` (the plan's
+    ``convert_frozen=True``); then warn once, naming them."""
+    if not casts:
+        return
+    names = ", ".join(name for name, _, _ in casts[:5]) + (f", ... ({len(casts)} in all)" if len(casts) > 5 else "")
+    source, target = dtype_name(casts[0][1]), dtype_name(casts[0][2])
+    if convert:
+        import warnings
+
+        warnings.warn(
+            f"plan {plan_name!r} rounds {len(casts)} frozen {source} parameter(s) to {target} in place "
+            f"(convert_frozen=True): {names}. They have no fp32 master: the stored base is no longer the one loaded",
+            UserWarning,
+            stacklevel=3,
+        )
+        return
+    own = ""
+    if casts[0][1] in LOW_PRECISION_DTYPES:
+        own = f"train in the base's own dtype ({plan_name.replace(target, source)!r}), "
+    raise ValueError(
+        f"plan {plan_name!r} would round {len(casts)} frozen parameter(s) loaded in {source} to {target} "
+        f"({names}): frozen parameters get no fp32 master, so the values loaded would be lost (a later merge or "
+        f"save keeps the rounding). Use a '*-mixed' plan (the frozen base stays as loaded and is cast per op), "
+        f"{own}or accept the rounding, which also shrinks the base: get_plan({plan_name!r}, convert_frozen=True)"
+    )
 
 
 def dtype_name(dtype: torch.dtype) -> str:

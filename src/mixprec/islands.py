@@ -58,7 +58,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.dtypes import LOW_PRECISION_DTYPES, cast_floating, cast_module_
+from mixprec.dtypes import (
+    LOW_PRECISION_DTYPES,
+    cast_floating,
+    cast_module_,
+    check_frozen_casts,
+    lossy_frozen_casts,
+)
 from mixprec.inputs import InputCast, end_input_cast, fp32_inputs
 from mixprec.nested import first_tensor
 from mixprec.policy import ModuleRule, OpPolicy, as_module_rules
@@ -313,6 +319,9 @@ def cast_outside_islands(
     keep: tuple[type[nn.Module], ...] = (),
     keep_dtype: torch.dtype = torch.float32,
     output_dtype: torch.dtype | None = None,
+    plan_name: str = "",
+    convert_frozen: bool = False,
+    keeps_fp32_values: bool = False,
 ) -> dict[torch.Tensor, torch.Tensor]:
     """Cast ``model`` to ``dtype`` in place as a plan's ``convert_model`` does, leaving islands fp32.
 
@@ -321,8 +330,20 @@ def cast_outside_islands(
     low-precision cast and keep their exact fp32 values (a 1e5 weight stays 1e5 under
     fp16). Modules of the types in ``keep`` get ``keep_dtype``. Parameter objects keep
     their identity; integer buffers are untouched. Returns the fp32 values of the
-    parameters that were cast down (to seed fp32 master weights).
+    parameters that were cast down (to seed fp32 master weights). A frozen parameter the
+    cast would round (fp16 to bf16 or back; fp32 to half where the plan ``keeps_fp32_values``
+    of trainable weights, in masters or compensation) is refused before anything is cast,
+    unless ``convert_frozen`` (see :func:`mixprec.dtypes.check_frozen_casts`).
     """
+    skip = _island_tensor_ids(model)  # islands marked before, and those the policy will mark
+    for name in match_fp32_modules(model, policy) if policy is not None and policy.fp32_modules else ():
+        module = model.get_submodule(name)
+        skip.update(id(t) for t in (*module.parameters(), *module.buffers()))
+    check_frozen_casts(
+        plan_name,
+        lossy_frozen_casts(model, dtype, keep=keep, keep_dtype=keep_dtype, skip=skip, narrowing=keeps_fp32_values),
+        convert_frozen,
+    )
     if policy is not None and policy.fp32_modules:
         apply_fp32_islands(model, policy, output_dtype=output_dtype)
     return cast_module_(model, dtype, keep=keep, keep_dtype=keep_dtype, skip=_island_tensor_ids(model))

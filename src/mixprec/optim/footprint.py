@@ -141,6 +141,8 @@ def state_layout(
         state = optimizer.state.get(q)
         if state:
             layouts[id(q)] = _layout_of(state)
+        elif not q.requires_grad:
+            layouts[id(q)] = {}  # frozen (a LoRA base): a step gives it no gradient, so no state
         else:
             missing.append(q)
     if missing:

@@ -214,7 +214,10 @@ class KindStore:
             total = 0
             for p in unique:
                 value = values.get(p)
-                total += value.numel() * value.element_size() if value is not None else kind.nbytes_for(p)
+                if value is not None:
+                    total += value.numel() * value.element_size()
+                elif p.requires_grad:  # a frozen parameter is never stepped: it never gets one
+                    total += kind.nbytes_for(p)
             out[kind.category] = out.get(kind.category, 0) + total
         return out
 

@@ -107,6 +107,9 @@ class MasterWeightOptimizer(WrappedOptimizer):
         self._nonfinite: torch.Tensor | None = None
         self._fast_path = bool(fast_path)
         self._watch = WriteWatch()  # the model weights as this optimizer last wrote them
+        # frozen low-precision parameters (a LoRA base) held as they are, without a master,
+        # until they get requires_grad (then _adopt_added gives them one)
+        self._frozen: list[torch.nn.Parameter] = []
         for group in optimizer.param_groups:
             group["params"] = self._masters_for(group["params"], master_values or {})
             self._choose_implementation(group)
@@ -130,6 +133,10 @@ class MasterWeightOptimizer(WrappedOptimizer):
                 continue
             if id(p) in self._master_by_param:
                 raise ValueError("a parameter appears in more than one parameter group; list each parameter once")
+            if not p.requires_grad:  # frozen: no master, no state (torch steps nothing without a gradient)
+                self._frozen.append(p)
+                out.append(p)
+                continue
             source = seeds.pop(p, p) if seeds is not None else (values or {}).get(p, p)
             if source.shape != p.shape:
                 raise ValueError(f"master value has shape {tuple(source.shape)} but the parameter {tuple(p.shape)}")
@@ -149,12 +156,17 @@ class MasterWeightOptimizer(WrappedOptimizer):
     def _adopt_added(self) -> None:
         """Masters for the low-precision parameters put into the inner optimizer's groups
         since the last look (``opt.optimizer.add_param_group(...)``), as :meth:`add_param_group`
-        gives them: from prepare's fp32 seed where it kept one, else from the weight. While
-        the groups are as they were, this is a few ``id`` reads."""
+        gives them: from prepare's fp32 seed where it kept one, else from the weight; and for
+        frozen parameters unfrozen since (``requires_grad_()``). While the groups are as they
+        were, this is a few ``id`` reads."""
+        if self._frozen and any(p.requires_grad for p in self._frozen):
+            self._adopt_unfrozen()
         layout = self._group_layout()
         if layout == self._layout:
             return
-        added = [p for g in self.optimizer.param_groups for p in g["params"] if p.dtype in LOW_PRECISION_DTYPES]
+        frozen = {id(p) for p in self._frozen}
+        added = [p for g in self.optimizer.param_groups for p in g["params"]
+                 if p.dtype in LOW_PRECISION_DTYPES and id(p) not in frozen]
         ids = [id(p) for p in added]
         if len(set(ids)) != len(ids) or any(i in self._master_by_param for i in ids):
             raise ValueError(
@@ -162,10 +174,24 @@ class MasterWeightOptimizer(WrappedOptimizer):
                 "master, or was added twice); list each parameter once"
             )
         for group in self.optimizer.param_groups:
-            if any(p.dtype in LOW_PRECISION_DTYPES for p in group["params"]):
-                group["params"] = self._masters_for(group["params"])
+            fresh = [p for p in group["params"] if p.dtype in LOW_PRECISION_DTYPES and id(p) not in frozen]
+            if fresh:
+                made = iter(self._masters_for(fresh))
+                group["params"] = [next(made) if p.dtype in LOW_PRECISION_DTYPES and id(p) not in frozen else p
+                                   for p in group["params"]]
             self._choose_implementation(group)
         self._layout = self._group_layout()
+
+    def _adopt_unfrozen(self) -> None:
+        """Masters for the frozen parameters that now require a gradient, in their places."""
+        woken = {id(p) for p in self._frozen if p.requires_grad}
+        self._frozen = [p for p in self._frozen if not p.requires_grad]
+        for group in self.optimizer.param_groups:
+            params = group["params"]
+            for j, p in enumerate(params):
+                if id(p) in woken:
+                    params[j] = self._masters_for([p])[0]
+            self._choose_implementation(group)
 
     def _follow(self, params: list[torch.nn.Parameter]) -> None:
         """From now on the masters of ``params`` follow writes into them (:mod:`mixprec.optim.follow`)."""
@@ -286,9 +312,10 @@ class MasterWeightOptimizer(WrappedOptimizer):
         stepped = [p for q, p in zip(inner, self._model_params(inner), strict=True) if q.grad is not None]
         self.kinds.before_step(stepped)
         guard = self.guard_nonfinite
-        if guard:
+        if guard:  # what the step can change: parameters with a gradient (not a frozen base)
+            active = [q for q in inner if q.grad is not None]
             self._snapshot = Snapshot(self.optimizer, self.kinds, groups=True)
-            self._snapshot.add(inner, self._model_params(inner))
+            self._snapshot.add(active, self._model_params(active))
         result = self.optimizer.step()
         self._grads.release()
         if guard:

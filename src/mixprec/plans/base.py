@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 
-from mixprec.dtypes import cast_module_, dtype_name
+from mixprec.dtypes import cast_module_, dtype_name, frozen_low_ids
 from mixprec.formatting import Text
 from mixprec.optim.kinds import StateKind
 from mixprec.scaling import ConstantLossScaler, DynamicLossScaler, LossScaler, NoOpScaler
@@ -104,6 +104,14 @@ class Plan:
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
     policy: OpPolicy | None = None
     reduce_dtype: torch.dtype = torch.float32
+    #: Frozen (``requires_grad=False``) parameters, a LoRA base: False (default) refuses, at
+    #: ``prepare()`` and with the options, a cast that would round them for good (they get no
+    #: fp32 master or compensation): fp16 to bf16 or back under any plan, fp32 to half under
+    #: the master and Kahan plans, which keep trainable weights' fp32 values; and it does not
+    #: widen half-precision ones under fp32-weight plans (autocast computes with them per op;
+    #: norm layers are widened, exactly). True casts them as the plan casts trainable ones,
+    #: warning once, naming them, where that rounds.
+    convert_frozen: bool = False
     #: Why ``precision="auto"`` chose this plan here (None: the plan was named). Not part of
     #: the plan's identity: an auto-chosen bf16-mixed equals a named one.
     auto_reason: str | None = field(default=None, compare=False, repr=False)
@@ -228,9 +236,14 @@ class Plan:
         """Cast ``model`` in place for this plan; returns fp32 values of what was cast down.
 
         The default (fp32 weights) upcasts any bf16/fp16 parameters and buffers, so a model
-        loaded in half precision trains with fp32 weights as the plan says.
+        loaded in half precision trains with fp32 weights as the plan says; frozen ones stay
+        as loaded unless :attr:`convert_frozen` (autocast computes with them per op), but for
+        norm layers.
         """
-        return cast_module_(model, torch.float32, only_from=(torch.float16, torch.bfloat16))
+        # a frozen half-precision base stays as loaded (autocast computes with it per op), but for
+        # its norm layers, small, which CPU kernels want in fp32 beside low-precision inputs
+        kept = set() if self.convert_frozen else frozen_low_ids(model, except_in=NORM_LAYERS)
+        return cast_module_(model, torch.float32, only_from=(torch.float16, torch.bfloat16), skip=kept)
 
     def wrap_optimizer(
         self, optimizer: torch.optim.Optimizer, fp32_values: dict[torch.Tensor, torch.Tensor]

@@ -76,7 +76,9 @@ class LowBitPlan(Plan):
 
     def convert_model(self, model: torch.nn.Module) -> dict[torch.Tensor, torch.Tensor]:
         # fp32 islands are marked first and never cast down, so they keep their exact values.
-        return cast_outside_islands(model, self.compute_dtype, self.policy, keep=NORM_LAYERS, keep_dtype=torch.float32)
+        return cast_outside_islands(model, self.compute_dtype, self.policy, keep=NORM_LAYERS, keep_dtype=torch.float32,
+                                    plan_name=self.name, convert_frozen=self.convert_frozen,
+                                    keeps_fp32_values=self.rounding == "kahan")
 
     def wrap_optimizer(
         self, optimizer: torch.optim.Optimizer, fp32_values: dict[torch.Tensor, torch.Tensor]

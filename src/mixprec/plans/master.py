@@ -114,7 +114,9 @@ class MasterPlan(Plan):
 
     def convert_model(self, model: torch.nn.Module) -> dict[torch.Tensor, torch.Tensor]:
         # fp32 islands are marked first and never cast down, so they keep their exact values.
-        return cast_outside_islands(model, self.compute_dtype, self.policy, keep=NORM_LAYERS, keep_dtype=torch.float32)
+        return cast_outside_islands(model, self.compute_dtype, self.policy, keep=NORM_LAYERS, keep_dtype=torch.float32,
+                                    plan_name=self.name, convert_frozen=self.convert_frozen,
+                                    keeps_fp32_values=True)
 
     def state_kinds(self) -> tuple[StateKind, ...]:
         if self.remainders:

@@ -67,7 +67,8 @@ class PurePlan(Plan):
     def convert_model(self, model: torch.nn.Module) -> dict[torch.Tensor, torch.Tensor]:
         # fp32 islands are marked first and never cast down (a 1e5 weight stays 1e5 under fp16);
         # their outputs go back to the model's dtype, whatever their inputs were.
-        return cast_outside_islands(model, self.compute_dtype, self.policy, output_dtype=self.compute_dtype)
+        return cast_outside_islands(model, self.compute_dtype, self.policy, output_dtype=self.compute_dtype,
+                                    plan_name=self.name, convert_frozen=self.convert_frozen)
 
     def wrap_optimizer(
         self, optimizer: torch.optim.Optimizer, fp32_values: dict[torch.Tensor, torch.Tensor]

@@ -173,4 +173,5 @@ def estimate_memory(
     # backward passes, such as fp8 layers widening their operands for an emulated GEMM.
     peak = persistent + max(activations + largest, backward_peak, grads + transient)
     n = sum(p.numel() for p in unique_tensors(model.parameters()))
-    return MemoryEstimate(plan.name, "estimated", by_class, int(peak), n, tuple(notes))
+    trainable = sum(p.numel() for p in unique_tensors(model.parameters()) if p.requires_grad)
+    return MemoryEstimate(plan.name, "estimated", by_class, int(peak), n, tuple(notes), trainable)

@@ -111,7 +111,8 @@ def measure_memory(
     state = state_bytes(model, opt)
     by_class = {**state, "grads": grads, "grad_accumulation": grad_accumulation, "activations": activations}
     n = sum(p.numel() for p in unique_tensors(model.parameters()))
-    return MemoryEstimate(plan.name, "measured", by_class, int(live.peak), n)
+    trainable = sum(p.numel() for p in unique_tensors(model.parameters()) if p.requires_grad)
+    return MemoryEstimate(plan.name, "measured", by_class, int(live.peak), n, (), trainable)
 
 
 def built_model(model_factory: Callable[[], Any], call: str) -> nn.Module:

@@ -37,6 +37,8 @@ class MemoryEstimate:
         peak: peak bytes during one step (forward, backward, optimizer step).
         params: number of model parameters.
         notes: caveats (e.g. no batch given, so no activations).
+        trainable: number of trainable (``requires_grad``) parameters: a LoRA run trains a
+            small part of the model, and its training state is best read per trainable one.
     """
 
     plan: str
@@ -45,6 +47,7 @@ class MemoryEstimate:
     peak: int
     params: int
     notes: tuple[str, ...] = ()
+    trainable: int | None = None  # None: every parameter
 
     @property
     def persistent(self) -> int:
@@ -63,6 +66,14 @@ class MemoryEstimate:
         out["total"] = sum(out.values())
         return out
 
+    def per_trainable_param(self) -> dict[str, float]:
+        """Bytes per trainable parameter by class (activations excluded), with ``total``: the
+        whole model's weights and buffers count too, spread over the parameters that train."""
+        n = max(self.params if self.trainable is None else self.trainable, 1)
+        out = {k: self.bytes[k] / n for k in STATE_CLASSES}
+        out["total"] = sum(out.values())
+        return out
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "plan": self.plan,
@@ -70,15 +81,25 @@ class MemoryEstimate:
             **{k: self.bytes[k] for k in MEMORY_CLASSES},
             "peak": self.peak,
             "params": self.params,
+            "trainable": self.params if self.trainable is None else self.trainable,
             "notes": list(self.notes),
         }
 
     def __str__(self) -> str:
-        rows = [[k, format_bytes(self.bytes[k]), f"{self.bytes[k] / max(self.params, 1):.2f}"] for k in MEMORY_CLASSES]
-        rows.append(["peak", format_bytes(self.peak), f"{self.peak / max(self.params, 1):.2f}"])
-        title = f"{self.method} memory of plan {self.plan} ({self.params:,} parameters)"
+        partial = self.trainable is not None and self.trainable != self.params
+        divisors = [self.params, *([self.trainable] if partial else [])]
+
+        def row(name: str, value: int) -> list[str]:
+            return [name, format_bytes(value), *(f"{value / max(d or 0, 1):.2f}" for d in divisors)]
+
+        rows = [row(k, self.bytes[k]) for k in MEMORY_CLASSES]
+        rows.append(row("peak", self.peak))
+        title = f"{self.method} memory of plan {self.plan} ({self.params:,} parameters" + (
+            f", {self.trainable:,} trainable)" if partial else ")"
+        )
         notes = "".join(f"\nnote: {n}" for n in self.notes)
-        return title + "\n" + format_table(["class", "bytes", "bytes/param"], rows) + notes
+        headers = ["class", "bytes", "bytes/param", *(["bytes/trainable param"] if partial else [])]
+        return title + "\n" + format_table(headers, rows) + notes
 
 
 @dataclass(frozen=True)

@@ -142,9 +142,14 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor
         yield from state_tensors(optimizer)
 
 
-def training_state_bytes_per_param(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, float]:
+def training_state_bytes_per_param(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, *, per: str = "parameter"
+) -> dict[str, float]:
     """Persistent training-state bytes per model parameter, by class, for a prepared
     ``model`` and the (wrapped) ``optimizer`` :meth:`MixedPrecision.prepare` returned.
+
+    ``per="trainable"`` divides by the trainable (``requires_grad``) parameters instead: the
+    figure that matters for LoRA, where a frozen base holds weights only.
 
     Keys: ``weights``, ``buffers``, ``grads``, ``master_weights``, ``grad_accumulation``,
     ``optimizer_state``, ``compensation`` and ``total``. Gradients count as the step
@@ -161,8 +166,10 @@ def training_state_bytes_per_param(model: nn.Module, optimizer: torch.optim.Opti
     """
     check.model(model, "training_state_bytes_per_param()")
     check.optimizer(optimizer, "training_state_bytes_per_param()")
+    if per not in ("parameter", "trainable"):
+        raise ValueError(f"training_state_bytes_per_param(): per must be 'parameter' or 'trainable', got {per!r}")
     state = state_bytes(model, optimizer)
-    n = max(sum(p.numel() for p in unique_tensors(model.parameters())), 1)
+    n = max(sum(p.numel() for p in unique_tensors(model.parameters()) if per == "parameter" or p.requires_grad), 1)
     out: dict[str, Any] = {k: v / n for k, v in state.items()}
     out["total"] = sum(out.values())
     return out
