@@ -302,3 +302,36 @@ def test_measure_memory_refuses_unusable_session_options_before_building_anythin
     with pytest.raises(error, match=message):
         measure_memory(factory, "fp32", lambda: torch.randn(16, 32), session_options=options)
     assert built == []
+
+
+def test_a_frozen_base_is_not_counted_as_stepped_or_copied():
+    """fp16-master guards its step with a copy of what it updates: a frozen base is never
+    updated, so neither copied nor counted (before: 4 bytes per frozen parameter of phantom peak)."""
+    def transient(freeze: bool) -> int:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(8, 8)).half()
+        model[0].requires_grad_(not freeze)
+        mp = MixedPrecision("fp16-master")
+        model, opt = mp.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        return opt.step_transient_bytes()
+
+    torch.manual_seed(0)
+    small = torch.nn.Sequential(torch.nn.Linear(8, 8)).half()
+    mp = MixedPrecision("fp16-master")
+    small, opt = mp.prepare(small, torch.optim.AdamW(small.parameters(), lr=1e-2))
+    assert transient(freeze=True) == opt.step_transient_bytes()
+    assert transient(freeze=False) > 512 * 512 * 4
+
+
+def test_memory_report_converts_a_frozen_base_a_plan_refuses_and_says_so():
+    from mixprec.diagnostics import memory_report
+
+    def model():
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32))
+        m[0].requires_grad_(False)  # a frozen fp32 layer: bf16-master would round it for good
+        return m
+
+    report = memory_report(model, ("fp32", "bf16-master"), lambda: torch.randn(8, 32), measure=False)
+    assert any("convert_frozen=True" in n for n in report.estimates["bf16-master"].notes)
+    assert report.estimates["bf16-master"].trainable == 32 * 32 + 32

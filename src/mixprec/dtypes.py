@@ -178,7 +178,9 @@ def check_frozen_casts(
     if not casts:
         return
     names = ", ".join(name for name, _, _ in casts[:5]) + (f", ... ({len(casts)} in all)" if len(casts) > 5 else "")
-    source, target = dtype_name(casts[0][1]), dtype_name(casts[0][2])
+    sources = sorted({dtype_name(c[1]) for c in casts})
+    source, target = " and ".join(sources), dtype_name(casts[0][2])
+    narrowing = any(torch.finfo(c[2]).bits < torch.finfo(c[1]).bits for c in casts)
     if convert:
         import warnings
 
@@ -189,14 +191,18 @@ def check_frozen_casts(
             stacklevel=3,
         )
         return
+    from mixprec.plans.registry import plan_names  # (lazy: plans import this module)
+
     own = ""
-    if casts[0][1] in LOW_PRECISION_DTYPES:
-        own = f"train in the base's own dtype ({plan_name.replace(target, source)!r}), "
+    twin = plan_name.replace(target, sources[0])
+    if len(sources) == 1 and sources[0] != "fp32" and twin in plan_names():
+        own = f"train in the base's own dtype ({twin!r}), "
+    accept = "which also halves the base" if narrowing else "the base keeps its size"
     raise ValueError(
         f"plan {plan_name!r} would round {len(casts)} frozen parameter(s) loaded in {source} to {target} "
         f"({names}): frozen parameters get no fp32 master, so the values loaded would be lost (a later merge or "
         f"save keeps the rounding). Use a '*-mixed' plan (the frozen base stays as loaded and is cast per op), "
-        f"{own}or accept the rounding, which also shrinks the base: get_plan({plan_name!r}, convert_frozen=True)"
+        f"{own}or accept the rounding ({accept}): get_plan({plan_name!r}, convert_frozen=True)"
     )
 
 

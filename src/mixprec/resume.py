@@ -23,7 +23,7 @@ import torch
 
 from mixprec.dtypes import LOW_PRECISION_DTYPES
 from mixprec.optim import LowPrecisionOptimizer, MasterWeightOptimizer, WrappedOptimizer
-from mixprec.optim.checks import check_inner_state_dict
+from mixprec.optim.checks import MASTER_INDEX_KEY, check_inner_state_dict
 from mixprec.optim.follow import master_value
 from mixprec.optim.loads import load_inner
 from mixprec.plans import Plan
@@ -260,7 +260,7 @@ def load_plain_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: Map
     if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
         raise ValueError("not an optimizer state_dict (it needs 'state' and 'param_groups'); pass what optimizer.state_dict() returned")
     if not isinstance(optimizer, WrappedOptimizer):
-        kept = sorted(k for k in state_dict if isinstance(k, str) and k.startswith("mixprec_"))
+        kept = sorted(k for k in state_dict if isinstance(k, str) and k.startswith("mixprec_") and k != MASTER_INDEX_KEY)
         if kept:
             raise ValueError(
                 f"this optimizer state_dict holds {', '.join(map(repr, kept))}, kept by a mixprec optimizer of another "

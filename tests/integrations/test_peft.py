@@ -147,3 +147,52 @@ def test_lora_under_mixprec_trainer_keeps_the_base_and_fp16_bases_need_no_specia
     assert_frozen_as_loaded(trainer.model, loaded)
     per = training_state_bytes_per_param(trainer.model, trainer.optimizer, per="trainable")
     assert per["master_weights"] == (4 if plan == "bf16-master" else 0), per
+
+
+def test_a_checkpoint_records_which_parameters_had_masters(checkpoint, tmp_path):
+    """Unfrozen during training, a layer's master joins the others in parameter order: a resume
+    where it is trainable from the start gets every master back in its place; a resume where it
+    is still frozen is refused, saying why."""
+    from mixprec import load_checkpoint, save_checkpoint
+
+    def run(unfreeze_at: int | None, steps: int):
+        model = lora(checkpoint, "bf16")
+        layer = model.base_model.model.transformer.h[0].mlp.c_fc
+        if unfreeze_at == 0:
+            layer.requires_grad_(True)
+        mp = MixedPrecision("bf16-master")
+        model, opt = mp.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        ids = batch()
+        for step in range(steps):
+            if step == unfreeze_at:
+                layer.requires_grad_(True)
+            with mp.autocast():
+                loss = model(input_ids=ids, labels=ids).loss
+            mp.backward(loss)
+            mp.step()
+        return model, opt, mp, layer
+
+    model, opt, mp, layer = run(unfreeze_at=1, steps=3)
+    save_checkpoint(tmp_path / "c.pt", model=model, optimizers=[opt], mp=mp)
+    model2, opt2, mp2, layer2 = run(unfreeze_at=0, steps=0)
+    load_checkpoint(tmp_path / "c.pt", model=model2, optimizers=[opt2], mp=mp2)
+    for p, q in ((layer.weight, layer2.weight), (layer.bias, layer2.bias)):
+        assert torch.equal(opt.master_of(p), opt2.master_of(q))
+    for (_, a), (_, b) in zip(opt._pairs, opt2._pairs, strict=True):
+        assert torch.equal(a, b)
+    model3, opt3, mp3, _ = run(unfreeze_at=None, steps=0)
+    with pytest.raises(ValueError, match="frozen differently"):
+        load_checkpoint(tmp_path / "c.pt", model=model3, optimizers=[opt3], mp=mp3)
+
+
+@pytest.mark.parametrize("plan", ["fp32", "tf32"])
+def test_plans_without_autocast_widen_a_half_precision_base_and_train(checkpoint, plan):
+    model = lora(checkpoint, "bf16")
+    mp = MixedPrecision(plan)
+    model, opt = mp.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    ids = batch()
+    with mp.autocast():
+        loss = model(input_ids=ids, labels=ids).loss
+    mp.backward(loss)
+    assert mp.step().stepped

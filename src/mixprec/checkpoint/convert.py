@@ -20,6 +20,7 @@ import torch
 
 from mixprec.dtypes import LOW_PRECISION_DTYPES
 from mixprec.optim import LowPrecisionOptimizer, MasterWeightOptimizer
+from mixprec.optim.checks import MASTER_INDEX_KEY
 from mixprec.resume import fp32_value
 
 __all__ = ["MASTER_KEY", "ROUNDING_KEY", "fp32_weights"]
@@ -54,14 +55,21 @@ def _target(where: str, n: int, param: torch.Tensor, keys: list[str] | None, wha
 
 def _from_masters(
     where: str, params: list[torch.Tensor], masters: Any, saved_model: Mapping[str, Any], keys: dict[int, list[str]],
+    positions: Any = None,
 ) -> dict[str, torch.Tensor]:
     if not isinstance(masters, list | tuple) or not all(isinstance(m, torch.Tensor) for m in masters):
         raise ValueError(f"{where}[{MASTER_KEY!r}] is not a list of tensors, as MasterWeightOptimizer saves it")
+    if positions is not None:  # which parameters had masters (frozen ones have none): saved since 0.1
+        if not isinstance(positions, list | tuple) or len(positions) != len(masters):
+            raise ValueError(f"{where}[{MASTER_INDEX_KEY!r}] does not list one position per master weight")
+        positions = {int(i) for i in positions}
     out: dict[str, torch.Tensor] = {}
     taken = 0
     for n, p in enumerate(params):
         names = keys.get(id(p))
         saved = saved_model.get(names[0]) if names else None
+        if positions is not None and n not in positions:
+            continue  # frozen when saved, or fp32 (a norm layer): it had no master
         if names and not (isinstance(saved, torch.Tensor) and saved.dtype in LOW_PRECISION_DTYPES):
             continue  # saved in fp32 (a norm layer): it had no master
         names = _target(where, n, p, names, "fp32 master weights")
@@ -117,7 +125,7 @@ def fp32_weights(
         params = [p for group in opt.param_groups for p in group["params"]]
         if masters is not None and not isinstance(opt, MasterWeightOptimizer):
             keys = keys if keys is not None else _keys_by_param(module)
-            found = _from_masters(where, params, masters, saved_model, keys)
+            found = _from_masters(where, params, masters, saved_model, keys, state.get(MASTER_INDEX_KEY))
             what = "loaded from their fp32 masters"
         elif comp and not isinstance(opt, LowPrecisionOptimizer):
             keys = keys if keys is not None else _keys_by_param(module)

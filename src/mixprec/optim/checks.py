@@ -28,9 +28,11 @@ from mixprec.optim.kinds import MASTER, KindStore
 from mixprec.optim.states import ABSMAX, BLOCK, Q8
 
 __all__ = [
+    "MASTER_INDEX_KEY",
     "check_group_keys",
     "check_inner_state_dict",
     "check_kind_state",
+    "check_master_positions",
     "check_master_weights",
     "check_param_shaped_state",
     "check_rounding_state",
@@ -147,7 +149,8 @@ def check_master_weights(saved: Any, masters: Sequence[torch.Tensor], key: str =
         n = len(saved) if isinstance(saved, list | tuple) else type(saved).__name__
         raise ValueError(
             f"the state_dict holds {n} master weights but this optimizer has {len(masters)}; "
-            "was it saved from a different model or plan?"
+            "was it saved from a different model or plan, or with other parameters frozen (a parameter with "
+            "requires_grad=False has no master)?"
         )
     for i, (value, m) in enumerate(zip(saved, masters, strict=True)):
         if not isinstance(value, torch.Tensor):
@@ -244,15 +247,40 @@ def check_rounding_state(extra: Mapping[str, Any], rounding: str, owner: str) ->
 KINDS_KEY = "state_kinds"
 
 
+#: the key of a master wrapper's state_dict listing which parameters (flat positions over the
+#: param groups) have a master: frozen ones have none
+MASTER_INDEX_KEY = "mixprec_master_index"
+
+
+def check_master_positions(saved: Any, positions: list[int]) -> None:
+    """The parameters that had masters when the state_dict was saved (``saved``, positions over
+    the param groups; None in checkpoints of earlier versions) are the ones that have them now."""
+    if saved is None:
+        return
+    if not isinstance(saved, list | tuple) or not all(isinstance(i, int) and not isinstance(i, bool) for i in saved):
+        raise TypeError(f"the state_dict's {MASTER_INDEX_KEY!r} entry must be a list of ints, got {saved!r}")
+    if list(saved) != positions:
+        only_saved = sorted(set(saved) - set(positions))[:5]
+        only_here = sorted(set(positions) - set(saved))[:5]
+        raise ValueError(
+            "the state_dict has fp32 masters for other parameters than this optimizer: a frozen parameter "
+            "(requires_grad=False) has none, and these were frozen differently when it was saved (parameters "
+            f"{only_saved} had a master then and have none here; {only_here} have one here and had none then). "
+            "Set requires_grad on the model's parameters as they were when it was saved, then load"
+        )
+
+
 def split_master_state(state_dict: Any, key: str, kinds_key: str) -> tuple[dict[str, Any], Any, dict[str, Any]]:
     """A master wrapper's ``state_dict`` as (the inner optimizer's state_dict, the masters
     saved under ``key``, its state kinds under ``kinds_key``: ``{}`` when it saved none);
-    the masters are checked by :func:`check_master_weights`."""
+    the masters are checked by :func:`check_master_weights`, their positions
+    (:data:`MASTER_INDEX_KEY`, dropped from the inner state_dict) by :func:`check_master_positions`."""
     if not isinstance(state_dict, Mapping):
         raise TypeError(
             f"state_dict must be a dict (from MasterWeightOptimizer.state_dict()), got {type(state_dict).__name__}"
         )
     sd = dict(state_dict)
+    sd.pop(MASTER_INDEX_KEY, None)
     masters = sd.pop(key, None)
     extra = sd.pop(kinds_key, None)
     if extra is not None and not isinstance(extra, dict):

@@ -219,6 +219,8 @@ def update_transient_bytes(optimizer: torch.optim.Optimizer) -> int:
     for group in optimizer.param_groups:
         of_largest, per_param = update_temporaries(optimizer, group)
         for q in group["params"]:
+            if not q.requires_grad:  # frozen: never stepped
+                continue
             largest = max(largest, of_largest * q.numel() * 4)
             transient += per_param * q.numel() * 4
     return largest + transient
@@ -250,6 +252,8 @@ def low_precision_step_transient(
         params = group["params"]
         n_state = 0
         for q in params:
+            if not q.requires_grad:  # frozen: never stepped, so neither expanded nor copied
+                continue
             layout = layouts.get(id(q), {})
             n_state = max(n_state, param_shaped(layout, q))
             low_q = q.dtype in LOW_PRECISION_DTYPES

@@ -186,8 +186,9 @@ class LowPrecisionOptimizer(WrappedOptimizer):
             raise ValueError(f"{type(self).__name__}.step() does not take a closure; compute the loss before step()")
         guarded = any(p.dtype == torch.float16 for p in self._low_params())
         self.follow_writes(self._low_params())  # before the snapshot: an undo must not bring back a stale residual
-        self._snapshot = Snapshot(self.optimizer, self.kinds, extra=self.rounding_state()).add(self.params()) \
-            if guarded else None
+        self._snapshot = Snapshot(self.optimizer, self.kinds, extra=self.rounding_state()).add(
+            [p for p in self.params() if p.grad is not None]  # what the step can change (not a frozen base)
+        ) if guarded else None
         self._nonfinite = None
         result = self.step_selected(None)
         self._grad_scales = []  # applied (kept by an interrupted step: a retry still owes them)

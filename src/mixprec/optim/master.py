@@ -40,8 +40,10 @@ from mixprec.optim import footprint
 from mixprec.optim.base import WrappedOptimizer
 from mixprec.optim.checks import (
     KINDS_KEY,
+    MASTER_INDEX_KEY,
     check_inner_state_dict,
     check_kind_state,
+    check_master_positions,
     check_master_weights,
     check_param_shaped_state,
     split_master_state,
@@ -183,7 +185,8 @@ class MasterWeightOptimizer(WrappedOptimizer):
         self._layout = self._group_layout()
 
     def _adopt_unfrozen(self) -> None:
-        """Masters for the frozen parameters that now require a gradient, in their places."""
+        """Masters for the frozen parameters that now require a gradient, in their places (the
+        masters stay in parameter order: a state_dict lists them so)."""
         woken = {id(p) for p in self._frozen if p.requires_grad}
         self._frozen = [p for p in self._frozen if not p.requires_grad]
         for group in self.optimizer.param_groups:
@@ -192,6 +195,12 @@ class MasterWeightOptimizer(WrappedOptimizer):
                 if id(p) in woken:
                     params[j] = self._masters_for([p])[0]
             self._choose_implementation(group)
+        self._grads.reorder({id(q): i for i, q in enumerate(q for g in self.optimizer.param_groups for q in g["params"])})
+
+    def _master_positions(self) -> list[int]:
+        """Flat positions (over the param groups) of the parameters that have a master."""
+        masters = {id(m) for _, m in self._pairs}
+        return [i for i, q in enumerate(q for g in self.optimizer.param_groups for q in g["params"]) if id(q) in masters]
 
     def _follow(self, params: list[torch.nn.Parameter]) -> None:
         """From now on the masters of ``params`` follow writes into them (:mod:`mixprec.optim.follow`)."""
@@ -378,6 +387,7 @@ class MasterWeightOptimizer(WrappedOptimizer):
             self._watch.record([p for p, _ in self._pairs])
         sd = self.optimizer.state_dict()
         sd[_MASTER_KEY] = [m.detach().clone() for m in self.masters]
+        sd[MASTER_INDEX_KEY] = self._master_positions()
         if self.kinds:
             sd[_KINDS_KEY] = {**self.kinds.state(self.kind_params()), KINDS_KEY: sorted(self.kinds.kinds)}
         return sd
@@ -387,6 +397,8 @@ class MasterWeightOptimizer(WrappedOptimizer):
         optimizer's state_dict, the masters, the state kinds' entry)."""
         self._adopt_added()  # groups added to the inner optimizer since: their masters are counted too
         sd, masters, kinds = split_master_state(state_dict, _MASTER_KEY, _KINDS_KEY)
+        if isinstance(state_dict, Mapping):
+            check_master_positions(state_dict.get(MASTER_INDEX_KEY), self._master_positions())
         check_master_weights(masters, self.masters, _MASTER_KEY)
         check_kind_state(self.kinds, kinds, self.kind_params(), type(self).__name__)
         check_inner_state_dict(self.optimizer, sd)
@@ -448,7 +460,8 @@ class MasterWeightOptimizer(WrappedOptimizer):
             layouts = footprint.state_layout(self.optimizer)
             for group in self.optimizer.param_groups:
                 for q in group["params"]:
-                    transient += q.numel() * 4 * (1 + footprint.param_shaped(layouts.get(id(q), {}), q))
+                    if q.requires_grad:  # (a frozen parameter is not stepped, so not copied)
+                        transient += q.numel() * 4 * (1 + footprint.param_shaped(layouts.get(id(q), {}), q))
         return transient
 
     @torch.no_grad()

@@ -50,6 +50,14 @@ class MasterGrads:
         self.pairs.append((param, master))
         self._acc.append(None)
 
+    def reorder(self, position: dict[int, int]) -> None:
+        """Sort the pairs (with what is kept per pair) by ``position[id(master)]``."""
+        order = sorted(range(len(self.pairs)), key=lambda i: position.get(id(self.pairs[i][1]), len(position)))
+        self.pairs[:] = [self.pairs[i] for i in order]
+        self._acc[:] = [self._acc[i] for i in order]
+        if self._gathered is not None:
+            self._gathered = [self._gathered[i] for i in order]
+
     @property
     def gathered(self) -> bool:
         """Whether :meth:`prepare` ran since the last :meth:`release`."""

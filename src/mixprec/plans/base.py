@@ -108,8 +108,8 @@ class Plan:
     #: ``prepare()`` and with the options, a cast that would round them for good (they get no
     #: fp32 master or compensation): fp16 to bf16 or back under any plan, fp32 to half under
     #: the master and Kahan plans, which keep trainable weights' fp32 values; and it does not
-    #: widen half-precision ones under fp32-weight plans (autocast computes with them per op;
-    #: norm layers are widened, exactly). True casts them as the plan casts trainable ones,
+    #: widen half-precision ones under the autocast plans with fp32 weights (``*-mixed``,
+    #: ``fp8-mixed``: autocast computes with them per op; norm layers are widened, exactly). True casts them as the plan casts trainable ones,
     #: warning once, naming them, where that rounds.
     convert_frozen: bool = False
     #: Why ``precision="auto"`` chose this plan here (None: the plan was named). Not part of
@@ -242,7 +242,8 @@ class Plan:
         """
         # a frozen half-precision base stays as loaded (autocast computes with it per op), but for
         # its norm layers, small, which CPU kernels want in fp32 beside low-precision inputs
-        kept = set() if self.convert_frozen else frozen_low_ids(model, except_in=NORM_LAYERS)
+        keep = self.uses_autocast and not self.convert_frozen  # (fp32 / tf32: no autocast to cast per op)
+        kept = frozen_low_ids(model, except_in=NORM_LAYERS) if keep else set()
         return cast_module_(model, torch.float32, only_from=(torch.float16, torch.bfloat16), skip=kept)
 
     def wrap_optimizer(

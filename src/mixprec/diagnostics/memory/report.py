@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -53,7 +54,16 @@ def memory_report(
     model = built_model(model_factory, call)
     batch = batch_fn() if batch_fn is not None else None
     for plan in chosen:
-        estimates[plan.name] = estimate_memory(model, plan, optimizer=optimizer, batch=batch, criterion=criterion)
+        try:
+            estimate = estimate_memory(model, plan, optimizer=optimizer, batch=batch, criterion=criterion)
+        except ValueError as exc:  # a frozen base the plan would round: report it as converted, and say so
+            if "convert_frozen=True" not in str(exc):
+                raise
+            plan = dataclasses.replace(plan, convert_frozen=True)
+            estimate = estimate_memory(model, plan, optimizer=optimizer, batch=batch, criterion=criterion)
+            note = "frozen parameters rounded to the plan's dtype, as with convert_frozen=True (refused without it)"
+            estimate = dataclasses.replace(estimate, notes=(*estimate.notes, note))
+        estimates[plan.name] = estimate
         if measure and batch_fn is not None:
             measurements[plan.name] = measure_memory(
                 model_factory, plan, batch_fn, optimizer=optimizer, criterion=criterion
