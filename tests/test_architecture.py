@@ -32,7 +32,7 @@ LEVELS: list[tuple[str, tuple[str, ...]]] = [
     ("plans", ("mixprec.plans",)),
     ("distributed", ("mixprec.distributed",)),
     ("prepare", ("mixprec.prepare",)),
-    ("step state", ("mixprec.ledger", "mixprec.phases")),
+    ("step state", ("mixprec.ledger", "mixprec.phases", "mixprec.explainer")),
     ("step", ("mixprec.step", "mixprec.options")),
     ("resume", ("mixprec.resume",)),
     ("composable", ("mixprec.composable",)),

@@ -172,9 +172,11 @@ def check_frozen_casts(
     plan_name: str,
     casts: list[tuple[str, torch.dtype, torch.dtype]],
     convert: bool,
+    known_plans: Collection[str] = (),
 ) -> None:
     """Refuse the lossy casts :func:`lossy_frozen_casts` found unless ``convert`` (the plan's
-    ``convert_frozen=True``); then warn once, naming them."""
+    ``convert_frozen=True``); then warn once, naming them. ``known_plans``: the plan names
+    the message may suggest (the plan in the base's own dtype, where there is one)."""
     if not casts:
         return
     names = ", ".join(name for name, _, _ in casts[:5]) + (f", ... ({len(casts)} in all)" if len(casts) > 5 else "")
@@ -191,11 +193,9 @@ def check_frozen_casts(
             stacklevel=3,
         )
         return
-    from mixprec.plans.registry import plan_names  # (lazy: plans import this module)
-
     own = ""
     twin = plan_name.replace(target, sources[0])
-    if len(sources) == 1 and sources[0] != "fp32" and twin in plan_names():
+    if len(sources) == 1 and sources[0] != "fp32" and twin in known_plans:
         own = f"train in the base's own dtype ({twin!r}), "
     accept = "which also halves the base" if narrowing else "the base keeps its size"
     raise ValueError(

@@ -52,7 +52,7 @@ from __future__ import annotations
 import copyreg
 import difflib
 import fnmatch
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -322,6 +322,7 @@ def cast_outside_islands(
     plan_name: str = "",
     convert_frozen: bool = False,
     keeps_fp32_values: bool = False,
+    known_plans: Collection[str] = (),
 ) -> dict[torch.Tensor, torch.Tensor]:
     """Cast ``model`` to ``dtype`` in place as a plan's ``convert_model`` does, leaving islands fp32.
 
@@ -343,6 +344,7 @@ def cast_outside_islands(
         plan_name,
         lossy_frozen_casts(model, dtype, keep=keep, keep_dtype=keep_dtype, skip=skip, narrowing=keeps_fp32_values),
         convert_frozen,
+        known_plans,
     )
     if policy is not None and policy.fp32_modules:
         apply_fp32_islands(model, policy, output_dtype=output_dtype)

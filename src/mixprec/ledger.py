@@ -109,11 +109,17 @@ class StepLedger:
             skip_reason=reason, optimizer_steps=self.optimizer_steps, overflow=overflow,
         )
 
-    def check(self, result: StepResult, scaler: LossScaler, max_consecutive_skips: int) -> None:
-        """After a finished step: raise after ``max_consecutive_skips`` skips in a row or a
-        collapsed scale; warn (once) about a scaled step on all-zero gradients."""
+    def check(
+        self, result: StepResult, scaler: LossScaler, max_consecutive_skips: int, diagnosis: str | None = None
+    ) -> None:
+        """After a finished step: raise after ``max_consecutive_skips`` skips in a row (with
+        ``diagnosis``, the traced overflow, when there is one) or a collapsed scale; warn
+        (once) about a scaled step on all-zero gradients."""
         if result.skipped and self.consecutive_skips >= max_consecutive_skips:
-            raise skip_error(result.skip_reason or "overflow", self.consecutive_skips, result.grad_norm, result.scale)
+            error = skip_error(result.skip_reason or "overflow", self.consecutive_skips, result.grad_norm, result.scale)
+            if diagnosis is not None:
+                error = RuntimeError(f"{error} Diagnosis: {diagnosis}.")
+            raise error
         if not result.stepped or result.grad_norm != 0.0 or not scaler.is_enabled():
             return
         if not self._warned_zero_grads:

@@ -27,6 +27,8 @@ import torch
 from mixprec.buffers import BufferGuard
 from mixprec.compiling import check_environment
 from mixprec.composable import FirstParameter
+from mixprec.distributed.ddp import is_ddp
+from mixprec.explainer import OverflowExplainer
 from mixprec.optim import InBackwardOptimizer
 from mixprec.options import (
     check_collapse_options,
@@ -78,6 +80,9 @@ class MixedPrecision(StepRunner):
         trace_overflow: install an :class:`~mixprec.diagnostics.OverflowTracer` on the
             model; a skipped step's ``StepResult.overflow`` then names the first module
             whose output or gradient became inf/NaN (a few percent slower; off by default).
+        explain_overflow: when skips recur (not a loss scale settling), trace the next
+            overflowing step by itself and warn once with the module and the fp32 island
+            that fixes it (:mod:`mixprec.explainer`; no hooks while nothing overflows).
         optimizer_in_backward: update each parameter inside backward as soon as its
             gradient is complete and free the gradient (peak memory drops by the gradient
             bytes); plans with ``supports_optimizer_in_backward``, one optimizer, one process,
@@ -119,13 +124,15 @@ class MixedPrecision(StepRunner):
         optimizer_in_backward: bool = False,
         max_zero_grad_steps: int | None = 20,
         on_scale_collapse: str = "raise",
+        explain_overflow: bool = True,
     ) -> None:
         check_group(process_group)  # before "auto" broadcasts over it
         self._auto = is_auto(plan)
         self.plan = self._rank0_choice(get_plan(plan, device=device), process_group) if self._auto else get_plan(plan)
         check_session_options(
             grad_accum_steps, clip_grad_norm, max_consecutive_skips, scaler,
-            {"compile": compile, "trace_overflow": trace_overflow, "optimizer_in_backward": optimizer_in_backward},
+            {"compile": compile, "trace_overflow": trace_overflow, "optimizer_in_backward": optimizer_in_backward,
+             "explain_overflow": explain_overflow},
         )
         check_collapse_options(max_zero_grad_steps, on_scale_collapse)
         check_environment()  # MIXPREC_COMPILE is read at the first compilation: refuse a bad value now
@@ -139,6 +146,8 @@ class MixedPrecision(StepRunner):
         self._first = FirstParameter()
         self.compile = compile
         self.trace_overflow = trace_overflow
+        self.explain_overflow = explain_overflow
+        self._explainer: OverflowExplainer | None = None
         self.optimizer_in_backward = optimizer_in_backward
         self.model: torch.nn.Module | None = None
         self.optimizers: list[torch.optim.Optimizer] = []
@@ -210,6 +219,10 @@ class MixedPrecision(StepRunner):
         )
         self.plan, self.model, self.tracer = prepared.plan, prepared.model, prepared.tracer
         self._ddp = prepared.ddp
+        inner: torch.nn.Module = prepared.model.module if is_ddp(prepared.model) else prepared.model  # type: ignore[assignment]
+        self._explainer = OverflowExplainer(
+            inner, self.plan, enabled=self.explain_overflow and self.tracer is None and not self.compile
+        )
         # A skipped step must not keep what its forward wrote into buffers (BatchNorm statistics).
         self._buffers.install(prepared.module, prepared.model)
         return prepared.module

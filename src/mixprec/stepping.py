@@ -15,6 +15,7 @@ from typing import Any
 
 from mixprec.buffers import BufferGuard
 from mixprec.composable import ComposableSteps
+from mixprec.explainer import OverflowExplainer
 from mixprec.ledger import StepLedger, StepResult
 from mixprec.optim import InBackwardOptimizer
 from mixprec.options import check_ready
@@ -33,6 +34,7 @@ class StepRunner(ComposableSteps):
     _buffers: BufferGuard
     _ledger: StepLedger
     _prepared: PreparedModel | None
+    _explainer: OverflowExplainer | None
 
     def step(self, *, zero_grad: bool = True) -> StepResult:
         """At an accumulation boundary: unscale, check, clip, step every optimizer (or none), clear grads.
@@ -64,7 +66,8 @@ class StepRunner(ComposableSteps):
         except BaseException:
             phases.interrupt()  # where it got to is recorded: state_dict() and step() again work
             raise
-        self._ledger.check(result, self.scaler, self.max_consecutive_skips)  # the step is over; raise what it implies
+        diagnosis = self._explainer.diagnosis() if self._explainer is not None else None
+        self._ledger.check(result, self.scaler, self.max_consecutive_skips, diagnosis)  # the step is over; raise what it implies
         return result
 
     def _decide_and_update(self) -> tuple[str | None, float | None]:
@@ -98,6 +101,8 @@ class StepRunner(ComposableSteps):
         phases = self._phases
         if phases.result is None:
             overflow = self.tracer.first_overflow() if reason is not None and self.tracer is not None else None
+            if self.tracer is None and self._explainer is not None:  # traces by itself once skips recur
+                overflow = self._explainer.after_step(reason, self.scaler.get_scale())  # (mixprec.explainer)
             if reason is None:
                 if self.tracer is not None:
                     self.tracer.reset()

@@ -78,7 +78,7 @@ class LowBitPlan(Plan):
         # fp32 islands are marked first and never cast down, so they keep their exact values.
         return cast_outside_islands(model, self.compute_dtype, self.policy, keep=NORM_LAYERS, keep_dtype=torch.float32,
                                     plan_name=self.name, convert_frozen=self.convert_frozen,
-                                    keeps_fp32_values=self.rounding == "kahan")
+                                    keeps_fp32_values=self.rounding == "kahan")  # (no fp16 twin to suggest)
 
     def wrap_optimizer(
         self, optimizer: torch.optim.Optimizer, fp32_values: dict[torch.Tensor, torch.Tensor]

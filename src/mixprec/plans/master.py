@@ -116,7 +116,7 @@ class MasterPlan(Plan):
         # fp32 islands are marked first and never cast down, so they keep their exact values.
         return cast_outside_islands(model, self.compute_dtype, self.policy, keep=NORM_LAYERS, keep_dtype=torch.float32,
                                     plan_name=self.name, convert_frozen=self.convert_frozen,
-                                    keeps_fp32_values=True)
+                                    keeps_fp32_values=True, known_plans=("bf16-master", "fp16-master"))
 
     def state_kinds(self) -> tuple[StateKind, ...]:
         if self.remainders:

@@ -68,7 +68,8 @@ class PurePlan(Plan):
         # fp32 islands are marked first and never cast down (a 1e5 weight stays 1e5 under fp16);
         # their outputs go back to the model's dtype, whatever their inputs were.
         return cast_outside_islands(model, self.compute_dtype, self.policy, output_dtype=self.compute_dtype,
-                                    plan_name=self.name, convert_frozen=self.convert_frozen)
+                                    plan_name=self.name, convert_frozen=self.convert_frozen,
+                                    known_plans=("bf16-pure", "fp16-pure"))
 
     def wrap_optimizer(
         self, optimizer: torch.optim.Optimizer, fp32_values: dict[torch.Tensor, torch.Tensor]
