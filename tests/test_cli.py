@@ -58,7 +58,7 @@ def _error_line(capsys: pytest.CaptureFixture[str]) -> str:
 
 # ------------------------------------------------------------------ basics
 def test_registry_and_version(capsys: pytest.CaptureFixture[str]) -> None:
-    assert [c.name for c in commands()] == list(COMMAND_MODULES) == ["demo", "bench", "explain", "memory", "inspect"]
+    assert [c.name for c in commands()] == list(COMMAND_MODULES) == ["demo", "bench", "explain", "memory", "inspect", "audit"]
     with pytest.raises(SystemExit) as exc:
         main(["--version"])
     assert exc.value.code == 0
@@ -640,3 +640,11 @@ def test_on_device_moves_nested_batches_keeping_their_types() -> None:
         assert inputs.x["tokens"].device.type == "meta" and inputs.mask.device.type == "meta"
         assert inputs.mask.dtype == torch.bool and inputs.x["lengths"] == [inputs.mask.shape[0]]
         assert targets.device.type == "meta"
+
+
+def test_audit_names_the_risks_of_a_pure_bf16_loop_and_strict_fails_on_them(capsys):
+    assert main(["audit", "--weights", "bf16", "--strict"]) == 1
+    out = capsys.readouterr().out
+    assert "risk [pure_low_precision]" in out and "proposal: bf16-kahan" in out
+    assert main(["audit", "--autocast", "fp16", "--scaler", "torch", "--strict"]) == 0
+    assert "no precision risk found" in capsys.readouterr().out

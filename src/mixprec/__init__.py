@@ -15,6 +15,7 @@ from mixprec.amp import (
 from mixprec.checkpoint import load_checkpoint, save_checkpoint
 from mixprec.diagnostics import (
     Advice,
+    AuditReport,
     ComparisonReport,
     MemoryEstimate,
     MemoryReport,
@@ -22,6 +23,7 @@ from mixprec.diagnostics import (
     OverflowTracer,
     ScaleHistory,
     advise,
+    audit,
     compare,
     estimate_memory,
     measure_memory,
@@ -51,6 +53,7 @@ __all__ = [
     "SCALE_CEILING",
     "SCALE_FLOOR",
     "Advice",
+    "AuditReport",
     "ComparisonReport",
     "ConstantLossScaler",
     "DynamicLossScaler",
@@ -70,6 +73,7 @@ __all__ = [
     "__version__",
     "advise",
     "apply_fp32_islands",
+    "audit",
     "autocast",
     "autocast_backward",
     "compare",

@@ -1,4 +1,4 @@
-"""The ``mixprec`` command: ``demo``, ``bench``, ``explain``, ``memory``, ``inspect``.
+"""The ``mixprec`` command: ``demo``, ``bench``, ``explain``, ``memory``, ``inspect``, ``audit``.
 
 Each subcommand lives in a module of this package that defines ``COMMAND``
 (a :class:`~mixprec.cli.common.Command`); adding one means adding a module and its
@@ -34,7 +34,7 @@ from mixprec.startup import INTERRUPTED_STATUS, interrupted_while_starting
 
 __all__ = ["COMMAND_MODULES", "Terminated", "build_parser", "commands", "main"]
 
-COMMAND_MODULES: tuple[str, ...] = ("demo", "bench", "explain", "memory", "inspect")
+COMMAND_MODULES: tuple[str, ...] = ("demo", "bench", "explain", "memory", "inspect", "audit")
 """Subcommand modules, in help order (``inspect`` joins here with ``mixprec.cli.inspect``)."""
 
 EXIT_USAGE = 2

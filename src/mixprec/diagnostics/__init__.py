@@ -1,7 +1,9 @@
 """Numerics diagnostics: where a step overflows, how much headroom each module has, how far a
-plan drifts from fp32 and which modules to keep in fp32, and what training costs in memory."""
+plan drifts from fp32 and which modules to keep in fp32, what training costs in memory, and
+what a loop that does not use mixprec yet risks (:func:`audit`)."""
 
 from mixprec.diagnostics.advisor import Advice, advise
+from mixprec.diagnostics.audit import AuditReport, Risk, audit
 from mixprec.diagnostics.compare import ComparisonReport, ModuleError, ParamError, compare
 from mixprec.diagnostics.headroom import (
     HeadroomMonitor,
@@ -24,6 +26,7 @@ from mixprec.tracing import OverflowFinding, OverflowTracer, trace_overflow
 __all__ = [
     "MEMORY_CLASSES",
     "Advice",
+    "AuditReport",
     "ComparisonReport",
     "HeadroomMonitor",
     "HeadroomReport",
@@ -34,8 +37,10 @@ __all__ = [
     "OverflowFinding",
     "OverflowTracer",
     "ParamError",
+    "Risk",
     "ScaleHistory",
     "advise",
+    "audit",
     "compare",
     "estimate_memory",
     "headroom",
