@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from mixprec import MixedPrecision, get_plan
-from mixprec.explainer import SKIPS, OverflowExplainer
+from mixprec.explainer import OverflowExplainer, suggestion
+from mixprec.tracing import OverflowFinding
 
 
 class _Planted(torch.nn.Module):
@@ -72,22 +73,63 @@ def test_nothing_is_hooked_while_nothing_overflows():
     assert not warned and mp._explainer is not None and not mp._explainer.enabled
 
 
-def test_a_scale_settling_does_not_arm_the_tracer_but_recurring_overflows_do():
+def test_back_offs_with_room_do_not_arm_the_tracer_but_a_scale_at_its_floor_does():
     explainer = OverflowExplainer(_model(), get_plan("fp16-mixed"))
-    for _ in range(5):  # a fresh scale backing off before any step was taken
-        explainer.after_step("overflow", 65536.0)
+    step = iter(range(1000))
+    for scale in (65536.0, 32768.0, 16384.0):  # a fresh scale coming down
+        explainer.after_step(next(step), "overflow", scale)
+    for _ in range(30):  # growth then back-off, again and again (a short growth interval)
+        explainer.after_step(next(step), None, None)
+        explainer.after_step(next(step), "overflow", 16384.0)
     assert not explainer.armed
-    explainer.after_step(None, 2048.0)
-    explainer.after_step("overflow", 2048.0)  # one back-off after a growth: normal
-    for _ in range(50):
-        explainer.after_step(None, 1024.0)
-    assert not explainer.armed
-    for _ in range(SKIPS - 1):
-        explainer.after_step("overflow", 1024.0)
-    assert explainer.armed  # SKIPS within the window
+    explainer.after_step(next(step), "overflow", 0.5)  # overflowing even unscaled
+    assert explainer.armed
     explainer.remove()
-    low = OverflowExplainer(_model(), get_plan("fp16-mixed"))
-    low.after_step(None, 1.0)
-    low.after_step("overflow", 0.5)  # overflowing even unscaled
-    assert low.armed
-    low.remove()
+    bounded = OverflowExplainer(_model(), get_plan("fp16-mixed"), min_scale=128.0)
+    bounded.after_step(0, "overflow", 200.0)  # within 2x of min_scale: near the floor
+    assert bounded.armed
+    bounded.remove()
+    weights = OverflowExplainer(_model(), get_plan("fp16-mixed"))
+    weights.after_step(0, "nonfinite_weights", None)  # weights outgrowing fp16: nothing to trace
+    assert not weights.armed
+
+
+def test_a_step_finished_again_after_an_interruption_is_counted_once():
+    explainer = OverflowExplainer(_model(), get_plan("fp16-mixed"))
+    explainer.after_step((0, 1), "nonfinite_loss", 65536.0)
+    assert explainer.armed
+    explainer.after_step((0, 1), "nonfinite_loss", 65536.0)  # the same step, again: no tracing round
+    assert explainer.armed and explainer.finding is None
+    explainer.remove()
+
+
+def test_hooks_that_do_not_run_blame_nothing():
+    """A model compiled after prepare runs no forward hooks: the tracer would name the wrong
+    module (or none), so it is removed and nothing is said."""
+    explainer = OverflowExplainer(_model(), get_plan("fp16-mixed"))
+    explainer.after_step(0, "nonfinite_loss", 65536.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert explainer.after_step(1, "nonfinite_loss", 65536.0) is None  # no forward seen
+    assert not explainer.armed and not explainer.enabled
+
+
+def _finding(module: str, what: str = "output") -> OverflowFinding:
+    return OverflowFinding(module=module, module_type="Linear", direction="forward", what=what, step=3, call=0,
+                           dtype=torch.float16, kind="inf", max_abs=None)
+
+
+def test_the_suggestion_fits_the_plan():
+    known = ("fp16-mixed", "bf16-mixed")
+    plan = get_plan("fp16-mixed", fp32_modules=["0"])
+    text = suggestion(_finding("2.fc"), plan, known)
+    assert "get_plan('fp16-mixed', fp32_modules=['0', '2.fc'])" in text and "bf16 plan" in text
+    island = get_plan("fp16-mixed", fp32_modules=["0.inner"])  # an island already: its parent is widened
+    assert "keep '0' in fp32 with get_plan('fp16-mixed', fp32_modules=['0.inner', '0'])" in suggestion(
+        _finding("0.inner"), island, known)
+    import dataclasses
+
+    custom = dataclasses.replace(get_plan("fp16-mixed"), name="my-fp16")
+    assert "get_plan" not in suggestion(_finding("2.fc"), custom, known)
+    assert "the loss" in suggestion(_finding("3", what="gradient of its output"), plan, known)
+    assert "bf16 plan" not in suggestion(_finding("2.fc"), get_plan("bf16-pure"), ("bf16-pure",))

@@ -1,75 +1,94 @@
-"""Overflow explained without asking: the first-overflow tracer turns itself on when steps start to skip.
+"""Overflow explained without asking: the first-overflow tracer turns itself on when steps keep skipping.
 
 A skipped step says *that* something overflowed; :class:`~mixprec.diagnostics.OverflowTracer`
 says *where*, at the cost of hooks on every module. :class:`OverflowExplainer` keeps the
-cost at zero while nothing overflows and installs a tracer only when skips stop looking
-like a loss scale settling:
+cost at zero while nothing overflows and installs a tracer only on signs that a loss scale
+cannot settle:
 
 - a step skipped because the loss itself was inf/NaN (the forward overflowed: no scale
   fixes that) or because an fp8 layer saw one;
-- :data:`SKIPS` gradient overflows within :data:`WINDOW` steps after the first step that
-  stepped (a dynamic scale backs off once per growth interval; a fresh fp16 run skips a few
-  steps in a row while its scale comes down, before any step is taken: neither arms it);
-- a gradient overflow with the scale at or below 1 (the gradients overflow unscaled).
+- a gradient overflow with the scale near its floor (at or below 1, or within 2x of the
+  scaler's ``min_scale``): the gradients overflow (almost) unscaled. Back-offs at healthy
+  scales (a fresh scale coming down, one per growth interval, gradients growing in warm-up)
+  never arm it.
 
 The next skipped step is then traced; mixprec warns once, naming the module, forward or
 backward, and the fp32 island that would keep it in range, and removes the hooks. A
-run that stops overflowing before that is untraced again after :data:`ARMED_STEPS` steps.
-The diagnosis also goes into the error ``max_consecutive_skips`` raises.
+model whose forward does not run the hooks (compiled after ``prepare``) is not traced: the
+hooks are removed without a word rather than blaming the wrong module. A run that stops
+overflowing is untraced again after :data:`ARMED_STEPS` steps. The diagnosis also goes into
+the error ``max_consecutive_skips`` raises. Under DDP every rank traces its own part.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
-from collections import deque
 from typing import Any
 
 import torch
 
 from mixprec.tracing import OverflowFinding, OverflowTracer
 
-__all__ = ["ARMED_STEPS", "SKIPS", "WINDOW", "OverflowExplainer", "suggestion"]
+__all__ = ["ARMED_STEPS", "OverflowExplainer", "suggestion"]
 
-#: gradient-overflow skips within :data:`WINDOW` steps that arm the tracer
-SKIPS = 3
-WINDOW = 100
 #: steps a tracer stays installed waiting for an overflow before it is removed again
 ARMED_STEPS = 200
 
 
-def suggestion(finding: OverflowFinding, plan: Any) -> str:
+def _islands(plan: Any) -> list[str]:
+    policy = getattr(plan, "policy", None)
+    rules = getattr(policy, "fp32_modules", ()) or ()
+    return [r for r in (getattr(rule, "pattern", rule) for rule in rules) if isinstance(r, str)]
+
+
+def suggestion(finding: OverflowFinding, plan: Any, known_plans: tuple[str, ...] = ()) -> str:
     """The fix for ``finding`` under ``plan``, in one sentence."""
+    fp16 = getattr(plan, "compute_dtype", None) == torch.float16
+    bf16 = " or use a bf16 plan, whose range is fp32's (on hardware with fast bf16)" if fp16 else ""
+    if finding.what == "gradient of its output":
+        return ("the loss, or code outside the model's modules, overflowed: compute the loss in fp32 (pass it as "
+                f"prepare(..., criterion=...)), scale it down, or lower the learning rate;{bf16}").rstrip(";")
     if finding.module == "":
-        return ("the model's own code, outside its submodules, overflowed: keep that computation in fp32, lower the "
-                "learning rate, or use a bf16 plan")
+        return f"the model's own forward code, outside its submodules, overflowed: keep it in fp32 or lower the learning rate;{bf16}".rstrip(";")
+    existing = _islands(plan)
+    module = finding.module
+    if module in existing and "." in module:
+        module = module.rsplit(".", 1)[0]  # an island already: its output, cast back, overflows; widen its parent
+    islands = [*existing, module] if module not in existing else existing
     name = getattr(plan, "name", str(plan))
-    island = f"get_plan({name!r}, fp32_modules=[{finding.module!r}])"
-    if getattr(plan, "compute_dtype", None) not in (torch.float16, torch.bfloat16):
-        island = f"an fp32 island for {finding.module!r} (fp32_modules=[...] of a '*-mixed' plan)"
-    return (f"keep {finding.module!r} in fp32 with {island}, or use a bf16 plan, whose range is fp32's "
-            "(on hardware with fast bf16)")
+    how = (f"get_plan({name!r}, fp32_modules={islands})" if name in known_plans
+           else f"fp32_modules={islands} in the plan's policy")
+    return f"keep {module!r} in fp32 with {how},{bf16}".rstrip(",") if bf16 else f"keep {module!r} in fp32 with {how}"
 
 
 class OverflowExplainer:
-    """Watches a session's step outcomes; traces and explains overflows once they recur.
+    """Watches a session's step outcomes; traces and explains overflows once they persist.
 
     Args:
         model: the user's module (inside DDP / ``torch.compile`` wrappers) the tracer hooks.
-        plan: the session's plan (its name and compute dtype go into the suggestion).
-        enabled: False never traces (a user tracer already runs, or ``torch.compile``:
-            hooks added after compiling recompile the model).
+        plan: the session's plan (its name, islands and compute dtype go into the suggestion).
+        enabled: False never traces (a user tracer already runs, or ``compile=True``).
+        min_scale: the scaler's lower bound (a gradient overflow within 2x of it arms).
+        known_plans: registered plan names (a suggestion names ``get_plan(name, ...)`` only for those).
     """
 
-    def __init__(self, model: torch.nn.Module, plan: Any, *, enabled: bool = True) -> None:
+    def __init__(
+        self, model: torch.nn.Module, plan: Any, *, enabled: bool = True, min_scale: float | None = None,
+        known_plans: tuple[str, ...] = (),
+    ) -> None:
         self.model = model
         self.plan = plan
         self.enabled = enabled
+        self.min_scale = min_scale
+        self.known_plans = known_plans
         self.tracer: OverflowTracer | None = None
         self.finding: OverflowFinding | None = None
         self._steps = 0
-        self._stepped = False
-        self._recent: deque[int] = deque()
         self._armed_at = 0
+        self._last: tuple[Any, OverflowFinding | None] | None = None
+        self._forward_seen = False
+        self._probe: Any = None
 
     @property
     def armed(self) -> bool:
@@ -80,52 +99,64 @@ class OverflowExplainer:
         """The explained overflow, for an error message (None before one was traced)."""
         if self.finding is None:
             return None
-        return f"the first traced overflow: {self.finding}; {suggestion(self.finding, self.plan)}"
+        return f"the first traced overflow: {self.finding}; {suggestion(self.finding, self.plan, self.known_plans)}"
 
-    def after_step(self, reason: str | None, scale: float) -> OverflowFinding | None:
-        """Take one decided step (``reason``: None when it stepped, else why it was skipped;
-        ``scale``: the loss scale it ran with). Returns the finding when this step explained one."""
+    def after_step(self, decided: Any, reason: str | None, scale: float | None) -> OverflowFinding | None:
+        """Take the decided step ``decided`` (a key new at each step; ``reason``: None when it stepped, else why it
+        was skipped; ``scale``: the loss scale it ran with, read only for a skipped step).
+        Returns the finding when this step explained one. The same ``decided`` again (a step
+        interrupted after this call and finished again) returns what it returned then."""
+        if self._last is not None and self._last[0] == decided:
+            return self._last[1]
+        found = self._after_step(reason, scale)
+        self._last = (decided, found)
+        return found
+
+    def _after_step(self, reason: str | None, scale: float | None) -> OverflowFinding | None:
         self._steps += 1
         if not self.enabled or self.finding is not None:
             return None
         if self.tracer is not None:
             return self._traced(reason)
-        if reason is None:
-            self._stepped = True
-            return None
+        if reason is None or reason == "nonfinite_weights":
+            return None  # a clean step; or weights outgrowing their dtype: no activation to trace
         if reason == "overflow":
-            if not self._stepped:
-                return None  # a new scale settling: not yet a sign of anything
-            self._recent.append(self._steps)
-            while self._recent and self._recent[0] <= self._steps - WINDOW:
-                self._recent.popleft()
-            if len(self._recent) < SKIPS and scale > 1.0:
-                return None
-        elif reason not in ("nonfinite_loss", "nonfinite_plan"):
-            return None  # weights outgrowing their dtype: no activation to trace
+            floor = max(1.0, 2 * self.min_scale) if self.min_scale is not None else 1.0
+            if scale is None or scale > floor:
+                return None  # a scale backing off where it has room: dynamic scaling at work
         self.tracer = OverflowTracer(self.model)
+        self._forward_seen = False
+        self._probe = self.model.register_forward_pre_hook(self._saw_forward)
         self._armed_at = self._steps
         return None
+
+    def _saw_forward(self, module: torch.nn.Module, args: Any) -> None:
+        self._forward_seen = True
 
     def _traced(self, reason: str | None) -> OverflowFinding | None:
         tracer = self.tracer
         assert tracer is not None
+        if not self._forward_seen:  # the hooks did not run (a model compiled after prepare): trust nothing
+            self.remove()
+            self.enabled = False
+            return None
         finding = tracer.first_overflow() if reason is not None else None
         if finding is not None:
+            finding = dataclasses.replace(finding, step=self._steps - 1)  # the run's step, not the tracer's
             self.finding = finding
             self.remove()
             warnings.warn(
-                f"mixprec: steps are being skipped for inf/NaN values; traced the next one: {finding}. "
-                f"To fix it, {suggestion(finding, self.plan)}. (Found by the overflow tracer mixprec installs "
-                "by itself once skips recur, removed again now; MixedPrecision(trace_overflow=True) traces every step.)",
+                f"mixprec: steps are being skipped for inf/NaN values; traced the next one: {finding}. To fix it, "
+                f"{suggestion(finding, self.plan, self.known_plans)}. (Found by the overflow tracer mixprec installs by "
+                "itself once skips persist, removed again now; MixedPrecision(trace_overflow=True) traces every step.)",
                 RuntimeWarning,
                 stacklevel=5,
             )
             return finding
         tracer.reset()
+        self._forward_seen = False
         if self._steps - self._armed_at >= ARMED_STEPS:
-            self.remove()  # it stopped overflowing: no hooks again, until skips recur
-            self._recent.clear()
+            self.remove()  # it stopped overflowing: no hooks again, until skips persist again
         return None
 
     def remove(self) -> None:
@@ -133,3 +164,6 @@ class OverflowExplainer:
         if self.tracer is not None:
             self.tracer.remove()
             self.tracer = None
+        if self._probe is not None:
+            self._probe.remove()
+            self._probe = None

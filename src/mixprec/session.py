@@ -36,7 +36,7 @@ from mixprec.options import (
     check_session_options,
 )
 from mixprec.phases import StepPhases
-from mixprec.plans import Plan, get_plan
+from mixprec.plans import Plan, get_plan, plan_names
 from mixprec.plans.auto import is_auto
 from mixprec.prepare import (
     Fp32Criterion,
@@ -221,7 +221,8 @@ class MixedPrecision(StepRunner):
         self._ddp = prepared.ddp
         inner: torch.nn.Module = prepared.model.module if is_ddp(prepared.model) else prepared.model  # type: ignore[assignment]
         self._explainer = OverflowExplainer(
-            inner, self.plan, enabled=self.explain_overflow and self.tracer is None and not self.compile
+            inner, self.plan, enabled=self.explain_overflow and self.tracer is None and not self.compile,
+            min_scale=getattr(self.scaler, "_min_scale", None), known_plans=plan_names(),
         )
         # A skipped step must not keep what its forward wrote into buffers (BatchNorm statistics).
         self._buffers.install(prepared.module, prepared.model)

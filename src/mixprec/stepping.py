@@ -101,8 +101,10 @@ class StepRunner(ComposableSteps):
         phases = self._phases
         if phases.result is None:
             overflow = self.tracer.first_overflow() if reason is not None and self.tracer is not None else None
-            if self.tracer is None and self._explainer is not None:  # traces by itself once skips recur
-                overflow = self._explainer.after_step(reason, self.scaler.get_scale())  # (mixprec.explainer)
+            if self.tracer is None and self._explainer is not None:  # traces by itself once skips persist
+                decided = (self._ledger.optimizer_steps, self._ledger.consecutive_skips)  # (grows every step)
+                scale = self.scaler.get_scale() if reason is not None else None  # (no sync on a clean step)
+                overflow = self._explainer.after_step(decided, reason, scale)  # (mixprec.explainer)
             if reason is None:
                 if self.tracer is not None:
                     self.tracer.reset()
