@@ -32,13 +32,27 @@ def test_a_clean_loop_gets_no_risk(dtype, autocast, scaler):
     assert "no precision risk found" in str(report)
 
 
-def test_a_loop_prepared_by_mixprec_gets_no_risk():
-    for plan in ("bf16-master", "bf16-kahan", "fp16-master"):
-        model = _mlp()
-        mp = MixedPrecision(plan)
-        model, opt = mp.prepare(model, torch.optim.AdamW(model.parameters()))
-        report = audit(model, opt, mp.scaler, autocast=None)
-        assert report.ok, (plan, str(report))
+@pytest.mark.parametrize("plan", ["fp32", "bf16-mixed", "fp16-mixed", "bf16-master", "fp16-master", "bf16-kahan",
+                                  "bf16-sr", "bf16-pure", "fp16-pure"])
+def test_a_loop_prepared_by_mixprec_gets_no_risk_and_keeps_its_plan(plan):
+    model = _mlp()
+    mp = MixedPrecision(plan)
+    model, opt = mp.prepare(model, torch.optim.AdamW(model.parameters()))
+    autocast = mp.plan.compute_dtype if mp.plan.uses_autocast else None
+    report = audit(model, opt, mp.scaler, (torch.randn(4, 8), torch.tensor([0, 1, 0, 1])), autocast=autocast,
+                   criterion=nn.CrossEntropyLoss())
+    assert report.ok, (plan, str(report))
+    assert report.proposal.name == plan  # no risk: nothing to switch to
+
+
+def test_a_frozen_fp16_base_without_a_scaler_is_fp16_compute():
+    """A LoRA-style loop: fp16 frozen base, fp32 adapters, no loss scaler."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16).half().requires_grad_(False), nn.Linear(16, 2))
+    report = audit(model, torch.optim.AdamW(model[1].parameters()))
+    assert [r.code for r in report.risks] == ["fp16_without_scaler"]
+    assert "frozen fp16 base" in report.effective
+    assert report.proposal.name == "fp16-mixed"  # which leaves the frozen base in fp16
 
 
 def test_pure_bf16_is_named_and_kahan_keeps_the_updates_it_loses():

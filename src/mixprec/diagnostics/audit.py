@@ -168,12 +168,14 @@ def audit(
     if compute is not None and compute not in (*LOW_PRECISION_DTYPES, torch.float32):
         raise ValueError(f"audit(): autocast must be 'bf16', 'fp16' or None (the loop's torch.autocast dtype), got {autocast!r}")
     scale = _scale(scaler)
-    trainable = [p for p in model.parameters() if p.requires_grad and p.is_floating_point()]
-    weights = {p.dtype for p in trainable}
+    floating = [p for p in model.parameters() if p.is_floating_point()]
+    trainable = [p for p in floating if p.requires_grad]
     low = [p for p in trainable if p.dtype in LOW_PRECISION_DTYPES]
     wrapped = _wrapped(optimizer)
     risks: list[Risk] = []
 
+    # the weights' dtype as the forward computes with them: frozen ones too (a LoRA base in fp16)
+    weights = {p.dtype for p in floating}
     weight_dtype = next((d for d in (torch.float16, torch.bfloat16) if d in weights), torch.float32)
     fp16_compute = compute == torch.float16 or weight_dtype == torch.float16
     if low and not wrapped:
@@ -197,13 +199,16 @@ def audit(
     elif compute in LOW_PRECISION_DTYPES:
         effective = f"{dtype_name(compute)} autocast over {dtype_name(weight_dtype)} weights"
         closest = f"{dtype_name(compute)}-mixed"
+    elif weight_dtype != torch.float32:  # fp32 trainable parameters on a frozen half-precision base
+        effective = f"a frozen {dtype_name(weight_dtype)} base with fp32 trainable parameters (as LoRA)"
+        closest = f"{dtype_name(weight_dtype)}-mixed"
     else:
         effective = "fp32 throughout" if not wrapped else f"mixprec's {type(optimizer).__name__}"
         closest = "fp32"
     if wrapped:
         closest = {"MasterWeightOptimizer": f"{dtype_name(weight_dtype)}-master", "KahanOptimizer": "bf16-kahan",
-                   "StochasticRoundingOptimizer": "bf16-sr", "RemainderOptimizer": "bf16-master"}.get(
-            type(optimizer).__name__, closest)
+                   "StochasticRoundingOptimizer": "bf16-sr", "RemainderOptimizer": "bf16-master",
+                   "LowPrecisionOptimizer": f"{dtype_name(weight_dtype)}-pure"}.get(type(optimizer).__name__, closest)
         effective = f"{dtype_name(weight_dtype)} weights with mixprec's {type(optimizer).__name__}"
     if fp16_compute and scale is None:
         risks.append(Risk("fp16_without_scaler", (
@@ -211,8 +216,12 @@ def audit(
             "2**-14 lose precision; a dynamic loss scale keeps them in range")))
 
     islands: tuple[str, ...] = ()
-    if batch is not None and fp16_compute:
-        report = headroom(model, batch, criterion=criterion, loss_scale=scale if scale is not None else 1.0)
+    # measured on a copy; not for a loop mixprec already runs (it measures and explains overflows
+    # itself), nor a model with nothing to train
+    prepared = wrapped or isinstance(scaler, LossScaler)
+    if batch is not None and fp16_compute and trainable and not prepared:
+        with torch.random.fork_rng(devices=[]):  # the copy's forward (dropout) leaves the loop's RNG alone
+            report = headroom(model, batch, criterion=criterion, loss_scale=scale if scale is not None else 1.0)
         near = tuple(m.module for m in report.values()
                      if m.module and m.act_amax == m.act_amax and m.act_amax > FP16_MAX / 2**HEADROOM_BITS)
         if near:
@@ -227,7 +236,7 @@ def audit(
                 f"at loss scale {scale if scale is not None else 1.0:g}, up to {worst:.0%} of the output gradients of "
                 f"{', '.join(map(display_name, under[:5]))} flush to zero in fp16"), under))
 
-    proposal = _proposal(weight_dtype, compute, risks, islands)
+    proposal = _proposal(weight_dtype, compute, risks, islands) if risks else get_plan(closest)
     switch = (f"mp = mixprec.MixedPrecision(mixprec.get_plan({proposal.name!r}"
               + (f", fp32_modules={list(islands)}" if islands else "") + ")); model, optimizer = mp.prepare(model, "
               "optimizer)  # then: with mp.autocast(): loss = ...; mp.backward(loss); mp.step()")
