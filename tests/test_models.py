@@ -28,6 +28,7 @@ TRAINING = {
     "vit": (90, 2e-3, 0.6),
     "mlp": (120, 3e-3, 0.7),
     "fragile": (120, 3e-3, 0.7),
+    "chargpt": (60, 3e-3, 0.33),  # real text: the most frequent character (a space) alone is 0.17
 }
 
 
@@ -47,7 +48,7 @@ def _gen(seed: int = 0) -> torch.Generator:
 
 
 def test_task_names_and_sizes() -> None:
-    assert TASKS == ("gpt", "cnn", "vit", "mlp", "fragile")
+    assert TASKS == ("gpt", "cnn", "vit", "mlp", "fragile", "chargpt")
     assert SIZES == ("tiny", "small")
     assert set(TRAINING) == set(TASKS)
 
@@ -200,7 +201,7 @@ def test_tiny_task_learns(name: str) -> None:
     assert acc >= floor, (
         f"{name}: accuracy {acc:.3f} after {steps} steps (chance {task.chance:.3f})"
     )
-    assert acc >= task.chance + 0.4
+    assert acc >= task.chance + (0.3 if name == "chargpt" else 0.4)
 
 
 def test_markov_language_ceiling() -> None:
@@ -277,3 +278,19 @@ def test_fragile_model_breaks_fp16_and_bf16_where_documented() -> None:
     with torch.autocast("cpu", dtype=torch.bfloat16):
         rounded = task.model.cancel.proj(cancel_in).float()
     assert (rounded - exact).norm() / exact.norm() > 0.3  # the signal is lost under the offset
+
+
+def test_python_docs_text_is_real_text_with_a_held_out_tail() -> None:
+    from mixprec.cli.models import build_task
+    from mixprec.cli.models.data import PythonDocsText
+
+    data = PythonDocsText(96, 64)
+    assert data.chars[0] == " " and "e" in data.chars[:5]  # English: a space, then e, t, a, ...
+    assert len(data.heldout) == pytest.approx(0.1 * (len(data.train) + len(data.heldout)), rel=1e-3)
+    x, y = data.sample(8, _gen())
+    assert x.shape == (8, 64) and torch.equal(x[:, 1:], y[:, :-1]) and int(x.max()) < 96
+    # the held-out batch is drawn from the held-out tail (windows of it, token for token)
+    task = build_task("chargpt", size="tiny", seed=0)
+    held, _ = task.eval_batch(16)
+    tail = "".join(map(chr, data.heldout.tolist()))
+    assert all("".join(map(chr, row.tolist())) in tail for row in held)

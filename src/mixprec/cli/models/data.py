@@ -12,7 +12,7 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["GaborImages", "MarkovLanguage", "Spirals"]
+__all__ = ["GaborImages", "MarkovLanguage", "PythonDocsText", "Spirals"]
 
 
 class MarkovLanguage:
@@ -66,6 +66,49 @@ class MarkovLanguage:
         for t in range(self.seq_len):
             tokens[:, t + 1] = self.successors[tokens[:, t], ranks[:, t]]
         return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+class PythonDocsText:
+    """Real English text, characters as tokens: the topic help that ships with every CPython
+    (``pydoc_data.topics``: the language reference's sections, about 465,000 characters),
+    read from disk, never downloaded.
+
+    The ``vocab_size - 1`` most frequent characters get their own token (ids 1, 2, ... in
+    order of frequency); the rest share token 0. The text's last 10% is held out:
+    :meth:`sample` draws windows from the first 90%, :meth:`sample_heldout` from the rest.
+    ``inputs`` and ``targets`` are ``(n, seq_len)``, ``targets`` shifted left by one.
+    The text is the running Python's, so figures on it are per Python version.
+    """
+
+    heldout_fraction = 0.1
+
+    def __init__(self, vocab_size: int, seq_len: int) -> None:
+        import pydoc_data.topics
+
+        text = "".join(pydoc_data.topics.topics[key] for key in sorted(pydoc_data.topics.topics))
+        counts: dict[str, int] = {}
+        for ch in text:
+            counts[ch] = counts.get(ch, 0) + 1
+        ranked = sorted(counts, key=lambda ch: (-counts[ch], ch))[: vocab_size - 1]
+        ids = {ch: i + 1 for i, ch in enumerate(ranked)}
+        tokens = torch.tensor([ids.get(ch, 0) for ch in text], dtype=torch.long)
+        cut = int(len(tokens) * (1 - self.heldout_fraction))
+        self.vocab_size, self.seq_len = vocab_size, seq_len
+        self.chars = "".join(ranked)
+        self.train, self.heldout = tokens[:cut], tokens[cut:]
+
+    def _windows(self, tokens: Tensor, n: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+        starts = torch.randint(0, len(tokens) - self.seq_len - 1, (n,), generator=generator)
+        rows = tokens[starts.unsqueeze(1) + torch.arange(self.seq_len + 1)]
+        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+    def sample(self, n: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+        """``n`` training windows of ``seq_len + 1`` characters, split into (inputs, targets)."""
+        return self._windows(self.train, n, generator)
+
+    def sample_heldout(self, n: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+        """``n`` windows from the held-out last 10% of the text."""
+        return self._windows(self.heldout, n, generator)
 
 
 class GaborImages:

@@ -98,7 +98,8 @@ class Task:
         cached = self._eval_cache.get(batch_size)
         if cached is None:
             generator = torch.Generator().manual_seed(self.eval_seed)
-            cached = self.data.sample(batch_size, generator)
+            heldout = getattr(self.data, "sample_heldout", None)  # a real dataset's held-out split
+            cached = (heldout or self.data.sample)(batch_size, generator)
             self._eval_cache[batch_size] = cached
         return cached[0].clone(), cached[1].clone()
 

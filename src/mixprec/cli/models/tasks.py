@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from mixprec.cli.models.cnn import ResNet, ResNetConfig
-from mixprec.cli.models.data import GaborImages, MarkovLanguage, Spirals
+from mixprec.cli.models.data import GaborImages, MarkovLanguage, PythonDocsText, Spirals
 from mixprec.cli.models.gpt import GPT, GPTConfig, TokenCrossEntropy
 from mixprec.cli.models.mlp import MLP, FragileMLP, MLPConfig
 from mixprec.cli.models.task import Task
@@ -42,6 +42,26 @@ def _gpt(size: str, seed: int) -> Task:
         default_batch_size=batch,
         eval_batch_size={"tiny": 256, "small": 32}[size],
         data=data,
+        eval_seed=_stream_seed(seed, _EVAL_STREAM),
+    )
+
+
+def _chargpt(size: str, seed: int) -> Task:
+    """A character-level GPT on real text (:class:`~mixprec.cli.models.data.PythonDocsText`)."""
+    config, batch = {
+        "tiny": (GPTConfig(vocab_size=96, seq_len=64, num_layers=2, dim=64, num_heads=4), 32),
+        "small": (GPTConfig(vocab_size=96, seq_len=256, num_layers=6, dim=512, num_heads=8), 8),
+    }[size]
+    return Task(
+        name="chargpt",
+        size=size,
+        seed=seed,
+        model=GPT(config),
+        criterion=TokenCrossEntropy(),
+        chance=1.0 / config.vocab_size,
+        default_batch_size=batch,
+        eval_batch_size={"tiny": 256, "small": 32}[size],
+        data=PythonDocsText(config.vocab_size, config.seq_len),
         eval_seed=_stream_seed(seed, _EVAL_STREAM),
     )
 
@@ -113,6 +133,7 @@ _BUILDERS: dict[str, Callable[[str, int], Task]] = {
     "vit": _vit,
     "mlp": _mlp,
     "fragile": lambda size, seed: _mlp(size, seed, fragile=True),
+    "chargpt": _chargpt,
 }
 
 TASKS: tuple[str, ...] = tuple(_BUILDERS)
