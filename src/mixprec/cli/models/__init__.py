@@ -1,11 +1,13 @@
-"""Built-in models and synthetic datasets with a real learning signal.
+"""Built-in models and datasets with a real learning signal.
 
-Five tasks, each at two sizes, for benchmarks, the CLI demo and tests of precision
-plans. Data is generated deterministically from a seed; nothing is downloaded.
+Six tasks, each at two sizes, for benchmarks, the CLI demo and tests of precision
+plans. Five draw synthetic data deterministically from a seed; ``chargpt`` reads real
+text that ships with Python (:class:`~mixprec.cli.models.data.PythonDocsText`). Nothing is
+downloaded.
 
 >>> from mixprec.cli.models import TASKS, build_task
 >>> TASKS
-('gpt', 'cnn', 'vit', 'mlp', 'fragile')
+('gpt', 'cnn', 'vit', 'mlp', 'fragile', 'chargpt')
 >>> task = build_task("gpt", size="tiny", seed=0)
 >>> inputs, targets = task.eval_batch(4)
 >>> loss = task.criterion(task.model(inputs), targets)
