@@ -47,10 +47,11 @@ def suggestion(finding: OverflowFinding, plan: Any, known_plans: tuple[str, ...]
     fp16 = getattr(plan, "compute_dtype", None) == torch.float16
     bf16 = " or use a bf16 plan, whose range is fp32's (on hardware with fast bf16)" if fp16 else ""
     if finding.what == "gradient of its output":
-        return ("the loss, or code outside the model's modules, overflowed: compute the loss in fp32 (pass it as "
-                f"prepare(..., criterion=...)), scale it down, or lower the learning rate;{bf16}").rstrip(";")
+        return ("compute the loss in fp32 (it, or code outside the model's modules, overflowed: pass the criterion "
+                f"as prepare(..., criterion=...)), scale it down, or lower the learning rate;{bf16}").rstrip(";")
     if finding.module == "":
-        return f"the model's own forward code, outside its submodules, overflowed: keep it in fp32 or lower the learning rate;{bf16}".rstrip(";")
+        return ("keep the model's own forward code (outside its submodules, where the overflow is) in fp32, or lower "
+                f"the learning rate;{bf16}").rstrip(";")
     existing = _islands(plan)
     module = finding.module
     if module in existing and "." in module:
@@ -150,7 +151,7 @@ class OverflowExplainer:
                 f"{suggestion(finding, self.plan, self.known_plans)}. (Found by the overflow tracer mixprec installs by "
                 "itself once skips persist, removed again now; MixedPrecision(trace_overflow=True) traces every step.)",
                 RuntimeWarning,
-                stacklevel=5,
+                stacklevel=6,  # _traced <- _after_step <- after_step <- _finish <- step() <- the loop
             )
             return finding
         tracer.reset()
