@@ -133,3 +133,22 @@ def test_the_suggestion_fits_the_plan():
     assert "get_plan" not in suggestion(_finding("2.fc"), custom, known)
     assert suggestion(_finding("3", what="gradient of its output"), plan, known).startswith("compute the loss in fp32")
     assert "bf16 plan" not in suggestion(_finding("2.fc"), get_plan("bf16-pure"), ("bf16-pure",))
+
+
+def test_a_copy_of_an_armed_model_carries_no_live_hook():
+    import copy
+    import io
+
+    model = _model()
+    explainer = OverflowExplainer(model, get_plan("fp16-mixed"))
+    explainer.after_step(0, "nonfinite_loss", 65536.0)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    for clone in (torch.load(buffer, weights_only=False), copy.deepcopy(model)):
+        clone(torch.randn(2, 16))
+    assert not explainer._forward_seen  # the copies' calls never reach this run's explainer
+    model(torch.randn(2, 16))
+    assert explainer._forward_seen
+    explainer.remove()
+    assert not model._forward_pre_hooks and not model._forward_hooks

@@ -127,12 +127,9 @@ class OverflowExplainer:
                 return None  # a scale backing off where it has room: dynamic scaling at work
         self.tracer = OverflowTracer(self.model)
         self._forward_seen = False
-        self._probe = self.model.register_forward_pre_hook(self._saw_forward)
+        self._probe = self.model.register_forward_pre_hook(_ForwardProbe(self))
         self._armed_at = self._steps
         return None
-
-    def _saw_forward(self, module: torch.nn.Module, args: Any) -> None:
-        self._forward_seen = True
 
     def _traced(self, reason: str | None) -> OverflowFinding | None:
         tracer = self.tracer
@@ -168,3 +165,28 @@ class OverflowExplainer:
         if self._probe is not None:
             self._probe.remove()
             self._probe = None
+
+
+class _ForwardProbe:
+    """The root's forward pre-hook telling the explainer that the model's hooks run. A copy or a
+    pickle of the model carries a no-op in its place (it belongs to this run, not the copy)."""
+
+    __slots__ = ("explainer",)
+
+    def __init__(self, explainer: OverflowExplainer) -> None:
+        self.explainer = explainer
+
+    def __call__(self, module: torch.nn.Module, args: Any) -> None:
+        self.explainer._forward_seen = True
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_NoProbe, ())
+
+
+class _NoProbe:
+    """What a copied or unpickled model holds instead of a :class:`_ForwardProbe`."""
+
+    __slots__ = ()
+
+    def __call__(self, module: torch.nn.Module, args: Any) -> None:
+        return None
