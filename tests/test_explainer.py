@@ -8,6 +8,7 @@ import warnings
 import pytest
 import torch
 
+import mixprec
 from mixprec import MixedPrecision, get_plan
 from mixprec.explainer import OverflowExplainer, suggestion
 from mixprec.tracing import OverflowFinding
@@ -152,3 +153,20 @@ def test_a_copy_of_an_armed_model_carries_no_live_hook():
     assert explainer._forward_seen
     explainer.remove()
     assert not model._forward_pre_hooks and not model._forward_hooks
+
+
+def test_a_constant_scale_that_overflows_is_explained_and_the_error_says_where():
+    """A constant scale has no room to back off into: its overflows arm the tracer at once."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    mp = MixedPrecision("fp16-mixed", scaler=mixprec.ConstantLossScaler(2.0**15), max_consecutive_skips=6)
+    model, _ = mp.prepare(model, torch.optim.SGD(model.parameters(), lr=1e-3))
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(RuntimeError, match="Diagnosis: the first traced"):
+        warnings.simplefilter("always")
+        for _ in range(10):
+            with mp.autocast():
+                loss = model(x).float().sum() * 10.0
+            mp.backward(loss)
+            mp.step()
+    assert any("mixprec: steps are being skipped" in str(w.message) for w in caught)

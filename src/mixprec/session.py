@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -48,7 +49,7 @@ from mixprec.prepare import (
 )
 from mixprec.process_groups import check_group, is_distributed, resolve_group
 from mixprec.resume import fp32_state_dict, session_state, validated_scaler_state
-from mixprec.scaling import LossScaler
+from mixprec.scaling import ConstantLossScaler, LossScaler
 from mixprec.step import (
     NormMemo,
     SkipDecision,
@@ -148,6 +149,7 @@ class MixedPrecision(StepRunner):
         self.trace_overflow = trace_overflow
         self.explain_overflow = explain_overflow
         self._explainer: OverflowExplainer | None = None
+        self._step_serial = 0
         self.optimizer_in_backward = optimizer_in_backward
         self.model: torch.nn.Module | None = None
         self.optimizers: list[torch.optim.Optimizer] = []
@@ -220,10 +222,14 @@ class MixedPrecision(StepRunner):
         self.plan, self.model, self.tracer = prepared.plan, prepared.model, prepared.tracer
         self._ddp = prepared.ddp
         inner: torch.nn.Module = prepared.model.module if is_ddp(prepared.model) else prepared.model  # type: ignore[assignment]
+        # a scale that never moves has no room to back off into: its first overflow counts
+        min_scale = self.scaler.get_scale() / 2 if isinstance(self.scaler, ConstantLossScaler) else getattr(
+            self.scaler, "_min_scale", None)  # (the explainer arms within 2x of it)
         self._explainer = OverflowExplainer(
             inner, self.plan, enabled=self.explain_overflow and self.tracer is None and not self.compile,
-            min_scale=getattr(self.scaler, "_min_scale", None), known_plans=plan_names(),
+            min_scale=min_scale, known_plans=plan_names(),
         )
+        weakref.finalize(self, self._explainer.remove)  # no hooks left on the model after this session
         # A skipped step must not keep what its forward wrote into buffers (BatchNorm statistics).
         self._buffers.install(prepared.module, prepared.model)
         return prepared.module

@@ -35,6 +35,7 @@ class StepRunner(ComposableSteps):
     _ledger: StepLedger
     _prepared: PreparedModel | None
     _explainer: OverflowExplainer | None
+    _step_serial: int
 
     def step(self, *, zero_grad: bool = True) -> StepResult:
         """At an accumulation boundary: unscale, check, clip, step every optimizer (or none), clear grads.
@@ -102,7 +103,7 @@ class StepRunner(ComposableSteps):
         if phases.result is None:
             overflow = self.tracer.first_overflow() if reason is not None and self.tracer is not None else None
             if self.tracer is None and self._explainer is not None:  # traces by itself once skips persist
-                decided = (self._ledger.optimizer_steps, self._ledger.consecutive_skips)  # (grows every step)
+                decided = self._step_serial  # (the same while an interrupted step is finished again)
                 scale = self.scaler.get_scale() if reason is not None else None  # (no sync on a clean step)
                 overflow = self._explainer.after_step(decided, reason, scale)  # (mixprec.explainer)
             if reason is None:
@@ -136,6 +137,7 @@ class StepRunner(ComposableSteps):
             self._phases.reset()
         else:
             self._phases.finished(stepped=stepped)
+        self._step_serial += 1  # (the explainer takes each step once, however it ended)
         self._norm_memo.forget()
         self._decision.reset()
         if self._in_backward is not None:

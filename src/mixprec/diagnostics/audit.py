@@ -39,7 +39,7 @@ from mixprec.diagnostics import _args as check
 from mixprec.diagnostics.headroom import FP16_MAX, headroom
 from mixprec.dtypes import LOW_PRECISION_DTYPES, dtype_name, parse_dtype
 from mixprec.formatting import display_name
-from mixprec.plans import Plan, get_plan
+from mixprec.plans import Plan, get_plan, plan_names
 from mixprec.scaling import LossScaler
 
 __all__ = ["AuditReport", "Risk", "audit"]
@@ -206,9 +206,10 @@ def audit(
         effective = "fp32 throughout" if not wrapped else f"mixprec's {type(optimizer).__name__}"
         closest = "fp32"
     if wrapped:
-        closest = {"MasterWeightOptimizer": f"{dtype_name(weight_dtype)}-master", "KahanOptimizer": "bf16-kahan",
-                   "StochasticRoundingOptimizer": "bf16-sr", "RemainderOptimizer": "bf16-master",
-                   "LowPrecisionOptimizer": f"{dtype_name(weight_dtype)}-pure"}.get(type(optimizer).__name__, closest)
+        named = {"MasterWeightOptimizer": f"{dtype_name(weight_dtype)}-master", "KahanOptimizer": "bf16-kahan",
+                 "StochasticRoundingOptimizer": "bf16-sr", "RemainderOptimizer": "bf16-master",
+                 "LowPrecisionOptimizer": f"{dtype_name(weight_dtype)}-pure"}.get(type(optimizer).__name__, closest)
+        closest = named if named in plan_names() else closest  # (a wrapper over fp32 weights: no such plan)
         effective = f"{dtype_name(weight_dtype)} weights with mixprec's {type(optimizer).__name__}"
     if fp16_compute and scale is None:
         risks.append(Risk("fp16_without_scaler", (
@@ -216,11 +217,11 @@ def audit(
             "2**-14 lose precision; a dynamic loss scale keeps them in range")))
 
     islands: tuple[str, ...] = ()
-    # measured on a copy; not for a loop mixprec already runs (it measures and explains overflows
-    # itself), nor a model with nothing to train
-    prepared = wrapped or isinstance(scaler, LossScaler)
-    if batch is not None and fp16_compute and trainable and not prepared:
-        with torch.random.fork_rng(devices=[]):  # the copy's forward (dropout) leaves the loop's RNG alone
+    # measured on a copy; not for a loop whose optimizer mixprec wraps (it explains overflows itself,
+    # and its prepared model casts inputs the copy would not), nor a model with nothing to train
+    if batch is not None and fp16_compute and trainable and not wrapped:
+        devices = sorted({p.device.index or 0 for p in floating if p.device.type == "cuda"})
+        with torch.random.fork_rng(devices=devices):  # the copy's forward (dropout) leaves the loop's RNG alone
             report = headroom(model, batch, criterion=criterion, loss_scale=scale if scale is not None else 1.0)
         near = tuple(m.module for m in report.values()
                      if m.module and m.act_amax == m.act_amax and m.act_amax > FP16_MAX / 2**HEADROOM_BITS)
