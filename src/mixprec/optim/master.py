@@ -435,7 +435,7 @@ class MasterWeightOptimizer(WrappedOptimizer):
         return self._model_params(list(self.params()))
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        state = {"_seeds": None, "_layout": [], **state}
+        state = {"_seeds": None, "_layout": [], "_frozen": [], **state}  # (pickles of earlier versions lack some)
         super().__setstate__(state)
         self._master_by_param = {id(p): m for p, m in self._pairs}  # a copy has new parameters
         register(self, [p for p, _ in self._pairs])
