@@ -34,8 +34,8 @@ class StepRunner(ComposableSteps):
     _buffers: BufferGuard
     _ledger: StepLedger
     _prepared: PreparedModel | None
-    _explainer: OverflowExplainer | None
-    _step_serial: int
+    _explainer: OverflowExplainer | None = None  # (class defaults: sessions pickled before they existed)
+    _step_serial: int = 0
 
     def step(self, *, zero_grad: bool = True) -> StepResult:
         """At an accumulation boundary: unscale, check, clip, step every optimizer (or none), clear grads.
