@@ -20,6 +20,10 @@ SCRIPT = Path(__file__).with_name("lightning_model_parallel.py")
 
 
 def _run(plan: str, policy: str, out: Path) -> list[dict]:
+    return _torchrun(SCRIPT, [plan, policy], out)
+
+
+def _torchrun(script: Path, args: list[str], out: Path) -> list:
     out.mkdir()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -27,7 +31,7 @@ def _run(plan: str, policy: str, out: Path) -> list[dict]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2]) + os.pathsep +
            os.environ.get("PYTHONPATH", "")}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(port), str(SCRIPT), plan, policy, str(out)]
+           "--master_port", str(port), str(script), *args, str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     files = [out / f"rank{r}.pt" for r in range(2)]
     if not all(f.exists() for f in files):
@@ -77,3 +81,11 @@ def test_configure_model_sharding_without_the_gather_dtype_is_refused_under_a_ma
     for result in _run("bf16-master", "none", tmp_path / "run"):
         assert "fp32: no param_dtype" in result.get("error", ""), result
         assert "fsdp_policy" in result["error"]
+
+
+def test_fabric_joint_setup_under_a_sharding_strategy_is_refused_at_setup(tmp_path):
+    """Before: the optimizer kept the pre-shard parameters, nothing trained and nothing was
+    said (loss 1.83 -> 1.69 in 10 steps against 0.336 for one process, an injected inf unseen)."""
+    for outcome in _torchrun(SCRIPT.with_name("fabric_joint_setup.py"), [], tmp_path / "run"):
+        assert outcome.startswith("setup(): optimizer SGD holds 4 of its 4 parameters that the model no longer has")
+        assert "fully_shard_model" in outcome

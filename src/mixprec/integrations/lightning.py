@@ -347,7 +347,11 @@ def setup(fabric: Any, module: torch.nn.Module, *optimizers: torch.optim.Optimiz
     plugin = _plugin(fabric, "setup()")
     plugin.convert_module(module)
     wrapped = plugin._wrap(optimizers)
-    return fabric.setup(module, *wrapped, **kwargs)
+    out = fabric.setup(module, *wrapped, **kwargs)
+    prepared = plugin.mp._prepared
+    if prepared is not None and wrapped:  # a strategy that sharded in fabric.setup left them stale: say so now
+        prepared.check_bound(plugin.mp.optimizers, "setup()")
+    return out
 
 
 def _plugin(fabric: Any, caller: str) -> MixprecPrecision:
