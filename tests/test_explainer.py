@@ -170,3 +170,15 @@ def test_a_constant_scale_that_overflows_is_explained_and_the_error_says_where()
             mp.backward(loss)
             mp.step()
     assert any("mixprec: steps are being skipped" in str(w.message) for w in caught)
+
+
+def test_the_session_gives_the_explainer_its_scalers_floor():
+    def floor(scaler):
+        mp = MixedPrecision("fp16-mixed", scaler=scaler)
+        model = _model(planted=False)
+        mp.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        return mp._explainer.min_scale
+
+    assert floor(mixprec.DynamicLossScaler(min_scale=128.0)) == 128.0
+    assert floor(mixprec.DynamicLossScaler()) is None
+    assert floor(mixprec.ConstantLossScaler(2.0**10)) == 2.0**9  # a constant scale: its own value is the floor

@@ -327,11 +327,7 @@ class ComposableSteps:
                 "(MixedPrecision(clip_grad_norm=...) clips in step(), after any clip_grad_norm_())"
             )
         if before is None:
-            if norm is None:
-                before = self._norm(grads, remember=False)
-            else:
-                call_hook(self.optimizers, "apply_pending_grad_scales")  # (none left after a fresh norm)
-                before = norm
+            before = norm if norm is not None else self._norm(grads, remember=False)  # (_norm settles deferred clips)
         clip_(grads, before, max_norm, self.optimizers)
         if norm is None:  # a framework's clip: step() reads the norm, and knows they are clipped
             memo.remember(grads, before, clipped_to=max_norm)  # finite exactly when the norm is

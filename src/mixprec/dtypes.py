@@ -15,6 +15,7 @@ torch.bfloat16
 from __future__ import annotations
 
 import enum
+import warnings
 from collections.abc import Collection
 from typing import Any
 
@@ -184,8 +185,6 @@ def check_frozen_casts(
     source, target = " and ".join(sources), dtype_name(casts[0][2])
     narrowing = any(torch.finfo(c[2]).bits < torch.finfo(c[1]).bits for c in casts)
     if convert:
-        import warnings
-
         warnings.warn(
             f"plan {plan_name!r} rounds {len(casts)} frozen {source} parameter(s) to {target} in place "
             f"(convert_frozen=True): {names}. They have no fp32 master: the stored base is no longer the one loaded",

@@ -39,7 +39,7 @@ ARMED_STEPS = 200
 def _islands(plan: Any) -> list[str]:
     policy = getattr(plan, "policy", None)
     rules = getattr(policy, "fp32_modules", ()) or ()
-    return [r for r in (getattr(rule, "pattern", rule) for rule in rules) if isinstance(r, str)]
+    return [rule for rule in rules if isinstance(rule, str)]  # (class rules cannot be named in a suggestion)
 
 
 def suggestion(finding: OverflowFinding, plan: Any, known_plans: tuple[str, ...] = ()) -> str:

@@ -224,7 +224,7 @@ class MixedPrecision(StepRunner):
         inner: torch.nn.Module = prepared.model.module if is_ddp(prepared.model) else prepared.model  # type: ignore[assignment]
         # a scale that never moves has no room to back off into: its first overflow counts
         min_scale = self.scaler.get_scale() / 2 if isinstance(self.scaler, ConstantLossScaler) else getattr(
-            self.scaler, "_min_scale", None)  # (the explainer arms within 2x of it)
+            self.scaler, "min_scale", None)  # (the explainer arms within 2x of it)
         self._explainer = OverflowExplainer(
             inner, self.plan, enabled=self.explain_overflow and self.tracer is None and not self.compile,
             min_scale=min_scale, known_plans=plan_names(),

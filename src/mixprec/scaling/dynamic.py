@@ -214,6 +214,11 @@ class DynamicLossScaler(LossScaler, ScalerPresets):
         return self._hysteresis
 
     @property
+    def min_scale(self) -> float | None:
+        """The lower bound the scale is clamped to (None: only :data:`SCALE_FLOOR`)."""
+        return self._min_scale
+
+    @property
     def hysteresis_mode(self) -> str:
         return self._hysteresis_mode
 
