@@ -42,7 +42,7 @@ def test_a_loop_prepared_by_mixprec_gets_no_risk_and_keeps_its_plan(plan):
     report = audit(model, opt, mp.scaler, (torch.randn(4, 8), torch.tensor([0, 1, 0, 1])), autocast=autocast,
                    criterion=nn.CrossEntropyLoss())
     assert report.ok, (plan, str(report))
-    assert report.proposal.name == plan  # no risk: nothing to switch to
+    assert report.proposed_plan.name == plan  # no risk: nothing to switch to
 
 
 def test_a_frozen_fp16_base_without_a_scaler_is_fp16_compute():
@@ -52,7 +52,7 @@ def test_a_frozen_fp16_base_without_a_scaler_is_fp16_compute():
     report = audit(model, torch.optim.AdamW(model[1].parameters()))
     assert [r.code for r in report.risks] == ["fp16_without_scaler"]
     assert "frozen fp16 base" in report.effective
-    assert report.proposal.name == "fp16-mixed"  # which leaves the frozen base in fp16
+    assert report.proposed_plan.name == "fp16-mixed"  # which leaves the frozen base in fp16
 
 
 def test_pure_bf16_is_named_and_kahan_keeps_the_updates_it_loses():
@@ -61,7 +61,7 @@ def test_pure_bf16_is_named_and_kahan_keeps_the_updates_it_loses():
         model.weight.fill_(1.0)
     report = audit(model, torch.optim.SGD(model.parameters(), lr=1e-3))
     assert {r.code for r in report.risks} == {"pure_low_precision", "low_precision_state", "low_precision_accumulation"}
-    assert report.proposal.name == "bf16-kahan"
+    assert report.proposed_plan.name == "bf16-kahan"
     assert "get_plan('bf16-kahan')" in report.switch
 
     def train(prepare: bool) -> float:
@@ -69,7 +69,7 @@ def test_pure_bf16_is_named_and_kahan_keeps_the_updates_it_loses():
         with torch.no_grad():
             m.weight.fill_(1.0)
         opt = torch.optim.SGD(m.parameters(), lr=1e-3)
-        mp = MixedPrecision(report.proposal) if prepare else None
+        mp = MixedPrecision(report.proposed_plan) if prepare else None
         if mp is not None:
             m, opt = mp.prepare(m, opt)
         for _ in range(20):  # each update is -1e-3: below half a bf16 unit of 1.0 (3.9e-3)
@@ -91,9 +91,9 @@ def test_fp16_autocast_without_a_scaler_is_named_and_the_proposal_keeps_the_grad
     report = audit(model, torch.optim.SGD(model.parameters(), lr=0.1), None, batch, autocast="fp16", criterion=tiny_loss)
     codes = {r.code for r in report.risks}
     assert {"fp16_without_scaler", "gradient_underflow"} <= codes
-    assert report.proposal.name == "fp16-mixed"
+    assert report.proposed_plan.name == "fp16-mixed"
     before = headroom(model, batch, criterion=tiny_loss, loss_scale=1.0)
-    mp = MixedPrecision(report.proposal)
+    mp = MixedPrecision(report.proposed_plan)
     after = headroom(model, batch, criterion=tiny_loss, loss_scale=mp.scaler.get_scale())
     worst = max(m.grad_underflow_fp16 for m in before.values() if m.grad_values)
     assert worst > 0.01
@@ -119,7 +119,7 @@ def test_activations_near_fp16s_range_are_named_and_the_island_keeps_a_larger_in
                    autocast="fp16")
     risk = next(r for r in report.risks if r.code == "activation_headroom")
     assert "1.fc" in risk.modules
-    assert "1.fc" in report.proposal.policy.fp32_modules and "fp32_modules=[" in report.switch
+    assert "1.fc" in report.proposed_plan.policy.fp32_modules and "fp32_modules=[" in report.switch
 
     def loss_is_finite(plan) -> bool:  # the same loop, on inputs whose activations pass 65504
         torch.manual_seed(0)
@@ -132,7 +132,7 @@ def test_activations_near_fp16s_range_are_named_and_the_island_keeps_a_larger_in
             return bool(torch.isfinite(m(batch).float().sum()))
 
     assert not loss_is_finite("fp16-mixed")
-    assert loss_is_finite(report.proposal)
+    assert loss_is_finite(report.proposed_plan)
 
 
 def test_bad_arguments_are_named():

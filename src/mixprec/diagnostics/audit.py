@@ -22,7 +22,7 @@ A loop with no risk gets an empty :attr:`AuditReport.risks`.
 >>> report = audit(model, torch.optim.AdamW(model.parameters()))
 >>> [r.code for r in report.risks]
 ['pure_low_precision', 'low_precision_state', 'low_precision_accumulation']
->>> report.proposal.name
+>>> report.proposed_plan.name
 'bf16-kahan'
 """
 
@@ -74,16 +74,17 @@ class AuditReport:
 
     Attributes:
         effective: the precision the setup runs, in words.
-        closest: the mixprec plan that runs the same precision (its risks included).
+        effective_plan: the name of the mixprec plan that runs the same precision (its risks included).
         risks: the risks found (empty: nothing to fix).
-        proposal: the mixprec plan that removes them (with fp32 islands where measured).
-        switch: the line that switches the loop to :attr:`proposal`.
+        proposed_plan: the mixprec plan that removes them (with fp32 islands where measured;
+            with no risk, :attr:`effective_plan` itself).
+        switch: the line that switches the loop to :attr:`proposed_plan`.
     """
 
     effective: str
-    closest: str
+    effective_plan: str
     risks: tuple[Risk, ...]
-    proposal: Plan
+    proposed_plan: Plan
     switch: str
 
     @property
@@ -92,14 +93,14 @@ class AuditReport:
         return not self.risks
 
     def __str__(self) -> str:
-        lines = [f"effective precision: {self.effective} (as mixprec's {self.closest!r})"]
+        lines = [f"effective precision: {self.effective} (as mixprec's {self.effective_plan!r})"]
         if not self.risks:
             lines.append("no precision risk found")
         for risk in self.risks:
             lines.append(f"risk [{risk.code}]: {risk.message}")
-        lines.append(f"proposal: {self.proposal.name}" + (
-            f" with fp32 islands {list(self.proposal.policy.fp32_modules)}"
-            if self.proposal.policy is not None and self.proposal.policy.fp32_modules else ""))
+        lines.append(f"proposal: {self.proposed_plan.name}" + (
+            f" with fp32 islands {list(self.proposed_plan.policy.fp32_modules)}"
+            if self.proposed_plan.policy is not None and self.proposed_plan.policy.fp32_modules else ""))
         lines.append(f"switch: {self.switch}")
         return "\n".join(lines)
 
