@@ -182,3 +182,25 @@ def test_the_session_gives_the_explainer_its_scalers_floor():
     assert floor(mixprec.DynamicLossScaler(min_scale=128.0)) == 128.0
     assert floor(mixprec.DynamicLossScaler()) is None
     assert floor(mixprec.ConstantLossScaler(2.0**10)) == 2.0**9  # a constant scale: its own value is the floor
+
+
+def test_an_inf_in_the_batch_blames_the_data_not_a_module():
+    """A batch that already holds inf is the data's fault: no fp32 island is suggested (the
+    first module used to be blamed for passing it on)."""
+    mp = MixedPrecision("bf16-mixed")
+    model = _model(planted=False)
+    model, opt = mp.prepare(model, torch.optim.SGD(model.parameters(), lr=1e-3))
+    g = torch.Generator().manual_seed(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            x = torch.randn(8, 16, generator=g)
+            x[0, 0] = float("inf")
+            with mp.autocast():
+                loss = model(x).float().pow(2).mean()
+            mp.backward(loss)
+            assert mp.step().skip_reason == "nonfinite_loss"
+    warned = [str(w.message) for w in caught if "mixprec: steps are being skipped" in str(w.message)]
+    assert len(warned) == 1
+    assert "the model's input already held inf" in warned[0]
+    assert "check the data" in warned[0] and "fp32_modules" not in warned[0]

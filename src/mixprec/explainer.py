@@ -44,6 +44,9 @@ def _islands(plan: Any) -> list[str]:
 
 def suggestion(finding: OverflowFinding, plan: Any, known_plans: tuple[str, ...] = ()) -> str:
     """The fix for ``finding`` under ``plan``, in one sentence."""
+    if finding.in_input:
+        return ("check the data: the batch held inf/NaN before the model ran (no precision setting fixes that; "
+                "filter such batches, or find where the loader produces them)")
     fp16 = getattr(plan, "compute_dtype", None) == torch.float16
     bf16 = " or use a bf16 plan, whose range is fp32's (on hardware with fast bf16)" if fp16 else ""
     if finding.what == "gradient of its output":

@@ -60,9 +60,12 @@ __all__ = ["OverflowFinding", "OverflowTracer", "trace_overflow"]
 Direction = Literal["forward", "backward"]
 
 # Event codes: what a record measured.
-_FWD_OUT, _BWD_OUT, _BWD_IN, _BWD_PARAM = 0, 1, 2, 3
+_FWD_OUT, _BWD_OUT, _BWD_IN, _BWD_PARAM, _FWD_IN = 0, 1, 2, 3, 4
+#: what a finding names when the model's input itself held inf/NaN (the data, not the precision)
+MODEL_INPUT = "the model's input"
 _WHAT = {
     _FWD_OUT: "output",
+    _FWD_IN: MODEL_INPUT,
     _BWD_OUT: "gradient of its output",
     _BWD_IN: "gradient of its input",
     _BWD_PARAM: "gradient of its parameters",
@@ -80,7 +83,9 @@ class OverflowFinding:
             it produced became inf/NaN).
         what: which tensor: ``"output"``, ``"gradient of its input"``, ``"gradient of its
             parameters"`` or ``"gradient of its output"`` (the last only when no module
-            produced the non-finite gradient, e.g. the loss itself).
+            produced the non-finite gradient, e.g. the loss itself); :data:`MODEL_INPUT`
+            when a floating tensor passed to the model itself was already inf/NaN (the
+            data; ``module`` is then ``""``, the model).
         step: the tracer's step counter (advanced by :meth:`OverflowTracer.reset`, which
             the front door calls after each real step, and by the first forward after a
             finding was handed out).
@@ -107,7 +112,15 @@ class OverflowFinding:
         """Largest finite value of :attr:`dtype`."""
         return float(torch.finfo(self.dtype).max)
 
+    @property
+    def in_input(self) -> bool:
+        """True when the model's own input already held the inf/NaN: no precision produced it."""
+        return self.what == MODEL_INPUT
+
     def __str__(self) -> str:
+        if self.in_input:
+            return (f"non-finite input at step {self.step}: {MODEL_INPUT} already held {self.kind} "
+                    f"({dtype_name(self.dtype)} tensor) before any module ran")
         seen = (
             f"largest finite |value| seen there {format_number(self.max_abs)}"
             if self.max_abs is not None
@@ -265,11 +278,13 @@ class OverflowTracer:
         for pos, (module, code, call, _, _) in enumerate(records):
             value = values[pos]
             if math.isfinite(value):
+                if code == _FWD_IN:
+                    continue
                 key = (module, 0 if code == _FWD_OUT else 1)
                 if value > self._peaks.get(key, -1.0):
                     self._peaks[key] = value
                 continue
-            if code == _FWD_OUT:
+            if code in (_FWD_OUT, _FWD_IN):
                 return pos
             if code == _BWD_OUT:
                 self._out_bad.add((module, call))
@@ -286,7 +301,7 @@ class OverflowTracer:
 
     def _make_finding(self, record: _Record, value: float) -> OverflowFinding:
         module, code, call, dtype, _ = record
-        direction: Direction = "forward" if code == _FWD_OUT else "backward"
+        direction: Direction = "forward" if code in (_FWD_OUT, _FWD_IN) else "backward"
         return OverflowFinding(
             module=self._names[module],
             module_type=self._types[module],
@@ -296,7 +311,7 @@ class OverflowTracer:
             call=call,
             dtype=dtype,
             kind="nan" if math.isnan(value) else "inf",
-            max_abs=self._peaks.get((module, 0 if code == _FWD_OUT else 1)),
+            max_abs=None if code == _FWD_IN else self._peaks.get((module, 0 if code == _FWD_OUT else 1)),
         )
 
     # --------------------------------------------------------------- public
@@ -313,7 +328,7 @@ class OverflowTracer:
                 previous, self._previous = self._previous, []
                 values = _read(previous)
                 for pos, (module, code, _, _, _) in enumerate(previous):
-                    if math.isfinite(values[pos]):
+                    if code != _FWD_IN and math.isfinite(values[pos]):
                         key = (module, 0 if code == _FWD_OUT else 1)
                         self._peaks[key] = max(self._peaks.get(key, -1.0), values[pos])
             self._resolve()
@@ -394,7 +409,12 @@ class _Site:
         tracer, index = self.tracer, self.index
         if index == 0 and tracer._reported:
             tracer.reset()  # a finding was handed out: this forward starts the next step
-        if tracer._idle or not tracer.backward or not torch.is_grad_enabled():
+        if tracer._idle:
+            return
+        if index == 0:  # the batch itself: inf/NaN there is the data's, not a module's
+            for t in floating_tensors(args):
+                tracer._record(0, _FWD_IN, tracer._calls[0], t)
+        if not tracer.backward or not torch.is_grad_enabled():
             return
         call = tracer._calls[index]
         for t in floating_tensors(args):

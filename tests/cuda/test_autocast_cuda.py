@@ -27,6 +27,7 @@ from torch import nn
 from mixprec.amp import autocast
 from mixprec.amp.mode import PolicyMode
 from mixprec.policy import OpPolicy, Precision, compare_with_torch, default_table
+from mixprec.policy.tables import TABLES_TORCH_VERSION
 from tests.test_policy import CPU_CASES, Case, _case, _flat, _map, _r, assert_bitwise
 
 pytestmark = [
@@ -46,6 +47,22 @@ VIA_DTYPE_ARGUMENT = frozenset({
     "cumprod", "cumsum", "linalg_matrix_norm", "linalg_vector_norm", "log_softmax", "norm",
     "prod", "softmax", "sum",
 })  # fmt: skip
+
+
+# What an older torch's CUDA autocast registers differently from the pinned table, as seen
+# on a GPU (torch 2.11.0+cu130, H200): (only in mixprec's table, only in torch's).
+KNOWN_TORCH_DELTAS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
+    "2.11": (frozenset({"rms_norm"}), frozenset({"_cudnn_rnn"})),
+}
+TORCH_MINOR = ".".join(torch.__version__.split("+")[0].split(".")[:2])
+
+
+def _skip_if_class_differs_here(op: str) -> None:
+    """An op whose class this (older) torch's autocast does not share with the pinned table."""
+    only_mixprec, only_torch = KNOWN_TORCH_DELTAS.get(TORCH_MINOR, (frozenset(), frozenset()))
+    if op in only_mixprec | only_torch:
+        pytest.skip(f"torch {TORCH_MINOR}'s CUDA autocast lists {op!r} otherwise than the table pinned to torch "
+                    f"{TABLES_TORCH_VERSION} (a recorded difference, checked by test_pinned_cuda_table_matches_this_torch)")
 
 
 def _pos(*shape: int, seed: int = 0) -> torch.Tensor:
@@ -159,7 +176,14 @@ def test_pinned_cuda_table_matches_this_torch() -> None:
     diff = compare_with_torch("cuda")
     if diff is None:
         pytest.skip("this torch does not expose its autocast registrations")
-    assert diff.empty, str(diff)
+    if TORCH_MINOR == TABLES_TORCH_VERSION:
+        assert diff.empty, str(diff)
+        return
+    if TORCH_MINOR not in KNOWN_TORCH_DELTAS:
+        pytest.skip(f"the CUDA table is pinned to torch {TABLES_TORCH_VERSION}; no record of torch {TORCH_MINOR}'s "
+                    f"differences (found: {diff})")
+    only_mixprec, only_torch = KNOWN_TORCH_DELTAS[TORCH_MINOR]
+    assert (set(diff.only_in_mixprec), set(diff.only_in_torch)) == (set(only_mixprec), set(only_torch)), str(diff)
 
 
 # ------------------------------------------------------------------------- helpers
@@ -255,6 +279,7 @@ def _case_params() -> list[Any]:
 @pytest.mark.parametrize(("op", "index"), _case_params())
 def test_cuda_op_class_engine_and_torch_agree(op: str, index: int, dtype: torch.dtype) -> None:
     _needs(dtype)
+    _skip_if_class_differs_here(op)
     precision = CUDA_TABLE.precision_of(op)
     assert precision is not None
     for label, transform in _variants(op, dtype):
