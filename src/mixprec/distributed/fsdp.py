@@ -13,10 +13,22 @@ fp32 / tf32   None (fp32)            ``plan.reduce_dtype``   fp32
 ``*-mixed``   None (fp32)            ``plan.reduce_dtype``   autocast casts per op, as without FSDP
 ``*-master``  the compute dtype      ``plan.reduce_dtype``   bf16/fp16 weights; norm layers in
                                                               their own fp32 units
+
+``*-pure``     None (as stored)       ``plan.reduce_dtype``   bf16/fp16 shards, no master: the
+``*-kahan``                                                   optimizer wrapper steps each rank's
+``bf16-sr``                                                   local shard (compensation sharded
+                                                              like the weights); norm layers in
+                                                              their own fp32 units
 ============  =====================  ======================  ==================================
 
-Pure, Kahan / stochastic-rounding and fp8 plans are refused under FSDP2 (their
-optimizer wrappers and fp8 layers are not written for sharded parameters).
+The plans without masters keep their low-precision weights as the shards themselves:
+:func:`fully_shard_model` converts the model for the plan first (the plan's casts, islands,
+fp32 norm layers), then shards it. Their optimizer wrappers update elementwise, so each
+rank steps its own shard (Adam, AdamW and SGD, and the other elementwise torch optimizers);
+Kahan compensation and optimizer state are DTensors sharded like the weights, and
+stochastic rounding draws different noise per shard (replicas of one shard, under HSDP,
+the same). fp8 plans and remainder masters (``remainders=True``: FSDP2's fp32 shards are
+the masters already) are refused.
 
 >>> from mixprec.distributed import fsdp_policy
 >>> policy = fsdp_policy("bf16-master")
@@ -80,6 +92,17 @@ def _fsdp_api() -> Any:
     return api
 
 
+#: plan families whose weights are low precision without a master: sharded as they are stored
+LOW_SHARD_FAMILIES = ("pure", "lowbit")
+
+
+def keeps_low_shards(plan: Plan) -> bool:
+    """True for a plan whose bf16/fp16 weights are themselves the FSDP2 shards (pure, Kahan,
+    stochastic rounding): no master, the optimizer wrapper steps the local shards."""
+    base = plan.base if isinstance(plan, ShardedPlan) and plan.base is not None else plan
+    return base.family in LOW_SHARD_FAMILIES
+
+
 def fsdp_policy(plan: str | Plan) -> Any:
     """The ``MixedPrecisionPolicy`` for FSDP2 that makes it compute as ``plan`` says.
 
@@ -90,12 +113,18 @@ def fsdp_policy(plan: str | Plan) -> Any:
     base = plan.base if isinstance(plan, ShardedPlan) and plan.base is not None else plan
     if not base.supports_fsdp:
         raise ValueError(
-            f"plan {plan.name!r} ({base.family}) is not supported under FSDP2: its optimizer or layers are not "
-            "written for sharded parameters. Use a '*-mixed' or '*-master' plan ('bf16-master' under FSDP2 "
-            "keeps fp32 shards as the master weights and all-gathers bf16)."
+            f"plan {plan.name!r} ({base.family}) is not supported under FSDP2: its layers are not written for "
+            "sharded parameters. Use a '*-mixed', '*-master', '*-pure', '*-kahan' or 'bf16-sr' plan."
+        )
+    if getattr(base, "remainders", False):
+        raise ValueError(
+            f"plan {plan.name!r} keeps its masters as remainders (remainders=True), which FSDP2 does not need: its "
+            "fp32 shards are the masters, sharded (4 B per parameter / world size). Use get_plan('bf16-master') "
+            "under FSDP2, or 'bf16-kahan' for 2 B of compensation per parameter and bf16 optimizer state."
         )
     weight = plan.weight_dtype
-    param_dtype = None if weight == torch.float32 else weight
+    # low-precision shards (pure, Kahan, SR) are all-gathered as they are stored
+    param_dtype = None if weight == torch.float32 or keeps_low_shards(base) else weight
     return _fsdp_api().MixedPrecisionPolicy(
         param_dtype=param_dtype, reduce_dtype=plan.reduce_dtype, output_dtype=None, cast_forward_inputs=True
     )
@@ -167,7 +196,9 @@ def fully_shard_model(
     """Apply FSDP2 to ``model`` with the policy of ``plan``, bottom-up.
 
     Args:
-        model: an fp32 model on its device (CPU with gloo, or CUDA with NCCL).
+        model: an fp32 model on its device (CPU with gloo, or CUDA with NCCL). Under a plan
+            without masters (pure, Kahan, SR) it is first converted as the plan says (its
+            low-precision weights become the shards; fp32 norm layers and islands their own units).
         plan: the plan the run uses (also pass it to :class:`~mixprec.MixedPrecision`).
         mesh: a 1-D ``DeviceMesh`` (default: all ranks, on the model's device type).
         units: module classes (or a ``(qualified_name, module) -> bool`` predicate) that each
@@ -180,6 +211,14 @@ def fully_shard_model(
     plan = get_plan(plan)
     api = _fsdp_api()
     policy = fsdp_policy(plan)
+    low_shards = keeps_low_shards(plan)
+    if low_shards:
+        if has_fsdp(model):
+            raise ValueError(
+                f"fully_shard_model(plan={plan.name!r}) got a model already sharded: a plan without masters converts "
+                "the model before sharding it. Pass the unsharded model"
+            )
+        _convert_for(model, plan)
     if mesh is None:
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -192,13 +231,25 @@ def fully_shard_model(
     for name, module in reversed(modules):  # children before parents
         if module is model:
             continue
-        own_params = next(module.parameters(recurse=False), None) is not None
-        if policy.param_dtype is not None and own_params and isinstance(module, NORM_LAYERS):
+        own = list(module.parameters(recurse=False))
+        if policy.param_dtype is not None and own and isinstance(module, NORM_LAYERS):
+            api.fully_shard(module, mesh=mesh, mp_policy=fp32_policy, **fully_shard_kwargs)
+        elif low_shards and own and any(p.dtype != plan.weight_dtype for p in own):
+            # fp32 norm layers and islands: a unit all-gathers one dtype
             api.fully_shard(module, mesh=mesh, mp_policy=fp32_policy, **fully_shard_kwargs)
         elif match(name, module):
             api.fully_shard(module, mesh=mesh, mp_policy=policy, **fully_shard_kwargs)
     api.fully_shard(model, mesh=mesh, mp_policy=policy, **fully_shard_kwargs)
     return model
+
+
+def _convert_for(model: torch.nn.Module, plan: Plan) -> None:
+    """Cast an unsharded ``model`` as ``plan`` does at ``prepare()`` (its islands back in fp32)."""
+    from mixprec.islands import apply_fp32_islands
+
+    plan.convert_model(model)
+    if plan.policy is not None and plan.policy.fp32_modules:
+        apply_fp32_islands(model, plan.policy)
 
 
 def _by_class(classes: tuple[type[torch.nn.Module], ...]) -> Callable[[str, torch.nn.Module], bool]:
@@ -229,7 +280,15 @@ class ShardedPlan(Plan):
         return self.base.family if self.base is not None else "mixed"
 
     @property
+    def low_shards(self) -> bool:
+        """The weights are low precision without a master (pure, Kahan, SR): the shards themselves."""
+        return self.base is not None and self.base.family in LOW_SHARD_FAMILIES
+
+    @property
     def weight_dtype(self) -> torch.dtype:
+        if self.low_shards:
+            assert self.base is not None
+            return self.base.weight_dtype
         return self.param_dtype or torch.float32
 
     @property
@@ -241,10 +300,28 @@ class ShardedPlan(Plan):
         return torch.float32 if self.param_dtype is not None else None
 
     @property
+    def optimizer_state_dtype(self) -> torch.dtype:
+        if self.low_shards:
+            assert self.base is not None
+            return self.base.optimizer_state_dtype
+        return super().optimizer_state_dtype
+
+    @property
     def grad_accum_dtype(self) -> torch.dtype:
-        return torch.float32
+        return self.weight_dtype if self.low_shards else torch.float32
+
+    def state_kinds(self) -> tuple[Any, ...]:
+        return self.base.state_kinds() if self.low_shards and self.base is not None else ()
 
     def tensor_dtypes(self) -> dict[str, str]:
+        if self.low_shards:
+            assert self.base is not None
+            rows = self.base.tensor_dtypes()
+            low = dtype_name(self.weight_dtype)
+            rows["weights"] = f"{low} shards, all-gathered as stored (norm layers fp32 units)"
+            rows["grads"] = f"{low} unsharded, reduce-scattered in {dtype_name(self.reduce_dtype)} into {low} shards"
+            rows["all-reduce"] = f"{dtype_name(self.reduce_dtype)} (reduce-scatter)"
+            return rows
         rows = super().tensor_dtypes()
         gathered = dtype_name(self.weight_dtype)
         rows["weights"] = f"fp32 shards; all-gathered as {gathered}" + (
@@ -257,14 +334,20 @@ class ShardedPlan(Plan):
 
     def fingerprint(self) -> dict[str, str]:
         base = self.base.fingerprint() if self.base is not None else super().fingerprint()
+        if self.low_shards:  # the base plan's own optimizer wrapper steps the shards
+            return {**base, "family": f"fsdp2-{self.base_family}"}
         return {**base, "family": f"fsdp2-{self.base_family}", "optimizer": "plain"}
 
     def convert_model(self, model: torch.nn.Module) -> dict[torch.Tensor, torch.Tensor]:
+        if self.low_shards:
+            check_low_shards(model, self)
         return {}
 
     def wrap_optimizer(
         self, optimizer: torch.optim.Optimizer, fp32_values: dict[torch.Tensor, torch.Tensor]
     ) -> torch.optim.Optimizer:
+        if self.low_shards and self.base is not None:
+            return self.base.wrap_optimizer(optimizer, {})
         return optimizer
 
     # The base plan's step hooks still apply on shards (its own layers, its flags).
@@ -290,6 +373,20 @@ class ShardedPlan(Plan):
             return
         with self.base.autocast(device_type):
             yield
+
+
+def check_low_shards(model: torch.nn.Module, plan: ShardedPlan) -> None:
+    """Refuse a model sharded in fp32 under a plan whose low-precision weights are the shards
+    (pure, Kahan, SR): FSDP2 shards hold the weights as they were when ``fully_shard`` ran, and
+    casting them afterwards would replace every parameter under the optimizer."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if trainable and not any(p.dtype == plan.weight_dtype for p in trainable):
+        raise ValueError(
+            f"plan {plan.name!r} trains {dtype_name(plan.weight_dtype)} weights without masters, but this FSDP2 model "
+            f"was sharded with {dtype_name(trainable[0].dtype)} weights: under FSDP2 the shards are the weights, "
+            "converted before sharding. Shard with mixprec.distributed.fully_shard_model(model, plan, ...) (it "
+            "converts, then shards), then build the optimizer and prepare"
+        )
 
 
 def sharded_plan(plan: str | Plan) -> ShardedPlan:

@@ -60,7 +60,10 @@ _ADAM_STYLE: tuple[type[torch.optim.Optimizer], ...] = (
 
 
 def nbytes(t: torch.Tensor) -> int:
-    """Bytes of ``t``'s elements (a fake or meta tensor too)."""
+    """Bytes of ``t``'s elements (a fake or meta tensor too; this rank's shard of a DTensor)."""
+    local = getattr(t, "_local_tensor", None)
+    if isinstance(local, torch.Tensor):
+        t = local
     return t.numel() * t.element_size()
 
 

@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from mixprec.optim import shards
 from mixprec.optim.compiled import CompileSetting
 from mixprec.optim.fast import Piece
 from mixprec.optim.follow import WriteWatch, load_compensation, register
@@ -121,10 +122,13 @@ class KahanOptimizer(LowPrecisionOptimizer):
         self._follow_loads()  # a copy holds new parameters
 
     def _compensation_for(self, param: torch.Tensor) -> torch.Tensor:
-        comp = self._comp.get(param)
+        """The compensation of ``param``, made at zero where it has none; for the local stand-in
+        of an FSDP2 shard, the local part of its parameter's (sharded) compensation."""
+        owner = self._owner(param)
+        comp = self._comp.get(owner)
         if comp is None:
-            comp = self._comp[param] = torch.zeros_like(param, memory_format=torch.preserve_format)
-        return comp
+            comp = self._comp[owner] = torch.zeros_like(owner, memory_format=torch.preserve_format)
+        return shards.local_of(comp) if owner is not param else comp
 
     def _expand_into(self, param: torch.Tensor, out: torch.Tensor) -> None:
         out.copy_(param).add_(self._compensation_for(param))
@@ -132,7 +136,7 @@ class KahanOptimizer(LowPrecisionOptimizer):
     def _store(self, param: torch.Tensor, value32: torch.Tensor) -> None:
         param.copy_(value32)
         # value32 is scratch of this step: reuse it for the residual
-        self._comp[param].copy_(value32.sub_(param))
+        self._compensation_for(param).copy_(value32.sub_(param))
 
     def _expand_many(self, pieces: list[Piece], values: list[torch.Tensor]) -> None:
         torch._foreach_copy_(values, [pc.value for pc in pieces])
@@ -142,7 +146,7 @@ class KahanOptimizer(LowPrecisionOptimizer):
         targets = [pc.value for pc in pieces]
         torch._foreach_copy_(targets, values)
         torch._foreach_sub_(values, targets)
-        torch._foreach_copy_([pc.of(self._comp[pc.param]) for pc in pieces], values)
+        torch._foreach_copy_([pc.of(self._compensation_for(pc.param)) for pc in pieces], values)
 
     def _compiled_rounding_inputs(self) -> tuple[Callable[[torch.Tensor], torch.Tensor] | None, list[int] | None]:
         return self._compensation_for, None

@@ -105,7 +105,9 @@ class StateKind:
         """Bytes of this kind's tensor for ``param`` (0 where it does not apply)."""
         if not self.applies(param):
             return 0
-        return self.shape_for(param).numel() * self.dtype_for(param).itemsize
+        local = getattr(param, "_local_tensor", None)  # an FSDP2 shard: this rank's part
+        share = local.numel() / max(param.numel(), 1) if isinstance(local, torch.Tensor) else 1.0
+        return round(self.shape_for(param).numel() * share) * self.dtype_for(param).itemsize
 
     @torch.no_grad()
     def new(self, param: torch.Tensor) -> torch.Tensor:
@@ -215,7 +217,8 @@ class KindStore:
             for p in unique:
                 value = values.get(p)
                 if value is not None:
-                    total += value.numel() * value.element_size()
+                    local = getattr(value, "_local_tensor", value)  # an FSDP2 shard: this rank's part
+                    total += local.numel() * value.element_size()
                 elif p.requires_grad:  # a frozen parameter is never stepped: it never gets one
                     total += kind.nbytes_for(p)
             out[kind.category] = out.get(kind.category, 0) + total

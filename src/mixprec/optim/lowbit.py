@@ -41,7 +41,7 @@ import torch
 
 from mixprec.compiling import check_environment
 from mixprec.dtypes import LOW_PRECISION_DTYPES
-from mixprec.optim import footprint, generic, routing
+from mixprec.optim import footprint, generic, routing, shards
 from mixprec.optim import states as qstates
 from mixprec.optim.base import WrappedOptimizer
 from mixprec.optim.checks import (
@@ -154,6 +154,10 @@ class LowPrecisionOptimizer(WrappedOptimizer):
         # factors this step's low-precision gradients still owe, applied to their fp32
         # expansions (a clip of :class:`RemainderOptimizer`, see ``scale_grads_later``)
         self._grad_scales: list[torch.Tensor] = []
+        # FSDP2: id(sharded parameter) -> (it, the plain stand-in of its local shard), see _step_shards
+        self._shard_views: dict[int, tuple[torch.Tensor, torch.nn.Parameter]] = {}
+        if any(shards.is_dtensor(p) for p in self._low_params()):
+            shards.check_shardable(optimizer, self.state_dtype, type(self).__name__)
 
     def _low_params(self) -> list[torch.nn.Parameter]:
         return [p for p in self.params() if p.dtype in LOW_PRECISION_DTYPES]
@@ -225,6 +229,10 @@ class LowPrecisionOptimizer(WrappedOptimizer):
                     continue
                 group["params"] = active
                 kind = self._fast_kind(group)
+                if shards.is_dtensor(active[0]):  # FSDP2: each rank steps its own shards
+                    self._step_shards(group, active, kind, scratch)
+                    group["params"] = []
+                    continue
                 if kind == "adam":  # the compiled route (mixprec.optim.routing) steps what it takes
                     active = group["params"] = routing.compiled_route(self, group, active, whole_step=selected is None)
                 if active and kind is not None:
@@ -245,6 +253,37 @@ class LowPrecisionOptimizer(WrappedOptimizer):
             self.note_written(written)
         self.kinds.after_step(stepped)  # the state kinds' own rules (none of the built-in kinds has one)
         return result
+
+    def _step_shards(self, group: dict[str, Any], active: list[torch.nn.Parameter], kind: str | None,
+                     scratch: generic.Scratch) -> None:
+        """``active`` (FSDP2 DTensors) stepped as their local shards (:mod:`mixprec.optim.shards`):
+        the eager fast path (or the generic one), never the compiled route."""
+        shards.check_shardable(self.optimizer, self.state_dtype, type(self).__name__)
+        with shards.ShardViews(self.optimizer, active, self._shard_cache()) as views:
+            group["params"] = views
+            if kind is not None:
+                fast_step(
+                    self.optimizer, group, views, kind=kind, state_dtype=self.state_dtype,
+                    expand=self._expand_many, store=self._store_many,
+                    chunk_numel=self._chunk_limit(views[0].device),
+                    fused=self.fused and fused_available(views[0].device), plain_store=self.rounding == "nearest",
+                    grad_scales=self._pending_grad_scales(),
+                )
+            else:
+                for view in views:
+                    if view.grad is not None:
+                        self._step_one(view, group, scratch)
+
+    def _shard_cache(self) -> dict[int, tuple[torch.Tensor, torch.nn.Parameter]]:
+        cache = self.__dict__.get("_shard_views")
+        if cache is None:  # (a wrapper pickled before shards were stepped)
+            cache = self._shard_views = {}
+        return cache
+
+    def _owner(self, param: torch.Tensor) -> torch.Tensor:
+        """The parameter ``param`` stands for: a sharded parameter for its local stand-in
+        during a sharded step (state kinds are kept for the real parameter), else itself."""
+        return shards.owner_of(param)
 
     def _chunk_limit(self, device: torch.device) -> int:
         """Elements the fast path expands at a time on ``device``: ``chunk_numel``, else the

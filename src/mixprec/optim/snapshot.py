@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from mixprec.optim.kinds import KindStore
+from mixprec.optim.shards import local_of
 
 __all__ = ["Saved", "Snapshot", "all_or_nothing", "clone_all", "masters_nonfinite"]
 
@@ -54,15 +55,15 @@ class Saved:
 
 
 def clone_all(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Copies of ``tensors`` (one foreach copy per device and dtype)."""
+    """Copies of ``tensors`` (one foreach copy per device and dtype; DTensors stay DTensors)."""
     out = [torch.empty_like(t) for t in tensors]
     groups: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
     for t, c in zip(tensors, out, strict=True):
         dst, src = groups.setdefault((t.device, t.dtype), ([], []))
         dst.append(c)
         src.append(t)
-    for dst, src in groups.values():
-        torch._foreach_copy_(dst, src)
+    for dst, src in groups.values():  # FSDP2 shards: copied as this rank's local tensors
+        torch._foreach_copy_([local_of(t) for t in dst], [local_of(t) for t in src])
     return out
 
 
@@ -123,9 +124,10 @@ class Snapshot:
 
     @torch.no_grad()
     def became_nonfinite(self) -> torch.Tensor:
-        """A bool tensor: an fp16 parameter that was finite when copied holds a non-finite value now."""
+        """A bool tensor: an fp16 parameter that was finite when copied holds a non-finite value now
+        (in this rank's shard of an FSDP2 parameter: the caller all-reduces the decision)."""
         flags = [
-            (torch.isfinite(e.value) & ~torch.isfinite(e.param)).any() for e in self.entries
+            (torch.isfinite(local_of(e.value)) & ~torch.isfinite(local_of(e.param))).any() for e in self.entries
             if e.param.dtype == torch.float16
         ]
         if not flags:
@@ -175,7 +177,7 @@ class Snapshot:
                     else:
                         self.kinds.values[name][key] = saved
         for targets, values in by_layout.values():
-            torch._foreach_copy_(targets, values)
+            torch._foreach_copy_([local_of(t) for t in targets], [local_of(t) for t in values])
         if self.groups is not None:
             for group, saved_group in zip(self.optimizer.param_groups, self.groups, strict=False):
                 group.update(saved_group)
@@ -188,7 +190,7 @@ class Snapshot:
         for e in self.entries:
             tensors = [e.value, *(v for v in (e.state or {}).values() if isinstance(v, torch.Tensor))]
             tensors += [v for v in e.kinds.values() if v is not None]
-            total += sum(t.numel() * t.element_size() for t in tensors)
+            total += sum(local_of(t).numel() * t.element_size() for t in tensors)
         return total
 
 

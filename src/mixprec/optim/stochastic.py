@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from mixprec.optim import shards
 from mixprec.optim.compiled import CompileSetting
 from mixprec.optim.fast import Piece
 from mixprec.optim.lowbit import LowPrecisionOptimizer
@@ -84,9 +85,17 @@ class StochasticRoundingOptimizer(LowPrecisionOptimizer):
     def _generator(self, device: torch.device) -> torch.Generator:
         gen = self._generators.get(device)
         if gen is None:
-            gen = torch.Generator(device=device).manual_seed(self._seed)
+            # FSDP2: each shard draws its own noise (the same seed would round element i of
+            # every shard alike); replicas of a shard (DDP, HSDP) draw the same
+            offset = self.__dict__.get("_shard_offset", 0)
+            gen = torch.Generator(device=device).manual_seed((self._seed + offset * 0x9E3779B97F4A7C15) % (1 << 63))
             self._generators[device] = gen
         return gen
+
+    def _step_shards(self, group: dict[str, Any], active: list[torch.nn.Parameter], kind: str | None,
+                     scratch: dict[Any, torch.Tensor]) -> None:
+        self._shard_offset = shards.shard_index(active[0])
+        super()._step_shards(group, active, kind, scratch)
 
     def _store(self, param: torch.Tensor, value32: torch.Tensor) -> None:
         param.copy_(stochastic_round(value32, generator=self._generator(value32.device)))

@@ -39,6 +39,7 @@ class LowBitPlan(Plan):
 
     family: ClassVar[str] = "lowbit"
     supports_optimizer_in_backward: ClassVar[bool] = True
+    supports_fsdp: ClassVar[bool] = True  # sharded as stored; the wrapper steps local shards
     supports_sparse_grads: ClassVar[bool] = False  # the wrapper expands gradients to fp32 densely
     summary: ClassVar[str] = "bf16 weights and compute, compensated updates, no fp32 master"
 

@@ -37,6 +37,7 @@ class PurePlan(Plan):
 
     family: ClassVar[str] = "pure"
     supports_optimizer_in_backward: ClassVar[bool] = True
+    supports_fsdp: ClassVar[bool] = True  # sharded as stored; the wrapper steps local shards
     supports_sparse_grads: ClassVar[bool] = False  # the wrapper expands gradients to fp32 densely
     summary: ClassVar[str] = "low precision everything, no master weights"
 

@@ -1,0 +1,169 @@
+"""Every plan without masters under FSDP2 (two gloo ranks): bf16/fp16 shards stepped by mixprec's wrappers.
+
+The reference is one process on the global batch, from the same low-precision weights
+(converted before sharding; a Kahan run then starts from zero compensation in both). The
+sharded update is elementwise, so the runs differ only in the gradients' rounding (each
+rank's backward sees half the batch; the reduce-scatter averages in fp32 and rounds to
+the weights' dtype once).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+import torch
+
+from mixprec import MixedPrecision, get_plan
+from mixprec.cli.models import build_task
+from tests._dist import run_ranks
+from tests.test_distributed import _check_close, _fsdp2_available, _global_batch, _params, _rank_slice
+
+WORLD = 2
+STEPS, INF_STEP = 5, 2
+PLANS = ("bf16-pure", "fp16-pure", "bf16-kahan", "bf16-sr", "fp16-master")
+
+
+def _train(plan_name: str, rank: int, world: int, *, shard: bool, adam: bool = False) -> dict:
+    from mixprec.distributed import fully_shard_model, local_tensor
+
+    task = build_task("mlp", size="tiny", seed=0)
+    plan = get_plan(plan_name)
+    model = task.model
+    if plan.family in ("pure", "lowbit"):
+        plan.convert_model(model)  # the reference starts from the same low-precision weights
+    mp = MixedPrecision(plan, clip_grad_norm=1.0)
+    if shard:
+        model = fully_shard_model(model, plan, units=(type(model.blocks[0]),))
+    opt = (torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01) if adam
+           else torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    model, opt, criterion = mp.prepare(model, opt, criterion=task.criterion)
+    stepped, norms, losses = [], [], []
+    for step in range(STEPS):
+        x, y = _global_batch(task, step, 16)
+        if shard:
+            x, y = _rank_slice(x, rank, world), _rank_slice(y, rank, world)
+        with mp.autocast():
+            loss = criterion(model(x), y)
+        mp.backward(loss)
+        if step == INF_STEP and rank == 0:  # one rank's local shard only
+            first = next(p for p in model.parameters() if p.grad is not None)
+            local_tensor(first.grad).view(-1)[0] = float("inf")
+        result = mp.step()
+        stepped.append(result.stepped)
+        norms.append(result.grad_norm)
+        total = loss.detach().float().clone()
+        if shard:  # the global batch's loss: the mean of the ranks' halves
+            torch.distributed.all_reduce(total)
+            total /= world
+        losses.append(float(total))
+    if shard:
+        params = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    else:
+        params = _params(model)
+    return {
+        "params": params, "stepped": stepped, "norms": norms, "losses": losses,
+        "dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+        "state": {k: v for k, v in opt.state_bytes().items() if v} if hasattr(opt, "state_bytes") else {},
+        "wrapper": type(opt).__name__,
+    }
+
+
+def _worker(rank: int, world: int, out: str) -> None:
+    results = {name: _train(name, rank, world, shard=True) for name in PLANS}
+    results["bf16-kahan adamw"] = _train("bf16-kahan", rank, world, shard=True, adam=True)
+    torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+
+
+@pytest.mark.distributed
+def test_plans_without_masters_train_sharded_like_one_process(tmp_path):
+    reason = _fsdp2_available()
+    if reason is not None:
+        pytest.skip(reason)
+    run_ranks(_worker, WORLD, str(tmp_path))
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(WORLD))
+    expected_skips = [step != INF_STEP for step in range(STEPS)]
+    for label in (*PLANS, "bf16-kahan adamw"):
+        a, b = r0[label], r1[label]
+        plan_name, adam = label.split()[0], label.endswith("adamw")
+        reference = _train(plan_name, 0, 1, shard=False, adam=adam)
+        if plan_name != "fp16-master":  # (its fp32 shards are the masters: torch's optimizer steps them)
+            assert a["wrapper"] == reference["wrapper"], label  # the plan's own optimizer wrapper
+            assert a["dtypes"] == reference["dtypes"], label  # bf16/fp16 shards, fp32 norm layers
+        # one skip decision: an inf in one rank's shard skips the step on both
+        assert a["stepped"] == b["stepped"] == expected_skips, label
+        assert a["norms"] == b["norms"], label  # the whole gradient's norm, on both ranks
+        assert a["losses"] == b["losses"], label
+        for name in a["params"]:  # the gathered weights are the same on both ranks
+            assert torch.equal(a["params"][name], b["params"][name]), (label, name)
+        for step in range(STEPS):
+            if step != INF_STEP:
+                assert a["norms"][step] == pytest.approx(reference["norms"][step], rel=2e-2), (label, step)
+                assert a["losses"][step] == pytest.approx(reference["losses"][step], rel=1e-2), (label, step)
+        if plan_name == "bf16-sr":
+            # each shard draws its own rounding noise, one process other noise: every stored
+            # update may round to the other neighbour, one bf16 ulp (2**-8 relative) per step
+            for name, ref in reference["params"].items():
+                diff = (a["params"][name].float() - ref.float()).abs()
+                assert bool((diff <= 2e-3 + STEPS * 2.0**-8 * ref.float().abs()).all()), (label, name, diff.max())
+        else:
+            _check_close(a["params"], reference["params"], f"FSDP2 {label}")
+        # each rank keeps half of the optimizer's state (and of the Kahan compensation); under
+        # fp16-master the fp32 shards are the masters, and torch's optimizer state is its own
+        for key, one in (reference["state"].items() if plan_name != "fp16-master" else ()):
+            per_rank = a["state"][key]
+            assert abs(per_rank - one / WORLD) <= 0.05 * one / WORLD, (label, key, per_rank, one)
+
+
+def _refusal_worker(rank: int, world: int, out: str) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    from mixprec.distributed import fully_shard_model
+
+    found = {}
+    torch.manual_seed(0)
+    model = fully_shard(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)))  # fp32 shards
+    try:
+        MixedPrecision("bf16-kahan").prepare(model, torch.optim.AdamW(model.parameters()))
+    except ValueError as exc:
+        found["fp32 shards"] = str(exc)
+    model = fully_shard_model(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)), "bf16-kahan")
+    try:  # refused when the wrapper is made, before any step
+        MixedPrecision("bf16-kahan").prepare(model, torch.optim.Adafactor(model.parameters()))
+    except ValueError as exc:
+        found["adafactor"] = str(exc)
+    try:
+        MixedPrecision(get_plan("bf16-kahan", state_dtype="8bit")).prepare(model, torch.optim.AdamW(model.parameters()))
+    except ValueError as exc:
+        found["8bit"] = str(exc)
+    torch.save(found, os.path.join(out, f"rank{rank}.pt"))
+
+
+@pytest.mark.distributed
+def test_what_cannot_be_sharded_is_refused_with_the_fix(tmp_path):
+    reason = _fsdp2_available()
+    if reason is not None:
+        pytest.skip(reason)
+    run_ranks(_refusal_worker, WORLD, str(tmp_path))
+    found = torch.load(tmp_path / "rank0.pt", weights_only=True)
+    assert "was sharded with fp32 weights" in found["fp32 shards"]
+    assert "fully_shard_model(model, plan" in found["fp32 shards"]
+    assert "Adafactor is not one of them" in found["adafactor"]
+    assert "8-bit optimizer states are not supported on FSDP2 shards" in found["8bit"]
+
+
+def test_policies_of_the_plans_without_masters():
+    from mixprec.distributed import fsdp_policy, sharded_plan
+
+    for name in ("bf16-pure", "bf16-kahan", "bf16-sr", "fp16-pure"):
+        policy = fsdp_policy(name)
+        assert policy.param_dtype is None  # the shards are bf16/fp16 already: gathered as stored
+        plan = sharded_plan(name)
+        assert plan.weight_dtype == get_plan(name).weight_dtype and plan.master_dtype is None
+        assert plan.fingerprint()["optimizer"] == get_plan(name).fingerprint()["optimizer"]
+    assert "compensation" in str(sharded_plan("bf16-kahan").explain())
+    with pytest.raises(ValueError, match=re.escape("FSDP2 does not need")):
+        fsdp_policy(get_plan("bf16-master", remainders=True))
+    with pytest.raises(ValueError, match=re.escape("is not supported under FSDP2")):
+        fsdp_policy("fp8-mixed")
