@@ -65,7 +65,7 @@ from typing import Any
 
 import torch
 
-from mixprec.checkpoint import files
+from mixprec.checkpoint import files, sharded
 from mixprec.checkpoint.checks import (
     check_model,
     check_mp,
@@ -185,6 +185,47 @@ def save_checkpoint(
     }
     if rng:
         payload["rng"] = _rng_state()
+    if sharded.is_sharded(unwrap_model(model)):
+        _save_parts(path, payload)
+        return
+    _write(path, payload)
+
+
+def _save_parts(path: str, payload: dict[str, Any]) -> None:
+    """An FSDP2 run's checkpoint: each rank's part, then ``path`` naming them (:mod:`mixprec.checkpoint.sharded`)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(f"cannot save checkpoint {path!r}: the model holds FSDP2 shards but no process group is initialised")
+    places: dict[str, Any] = {"model": [], "optimizers": []}
+    payload["model"] = sharded.localize(payload["model"], places["model"])
+    local_opts = []
+    for state in payload["optimizers"]:
+        found: list[list[Any]] = []
+        local_opts.append(sharded.localize(state, found))
+        places["optimizers"].append(found)
+    payload["optimizers"] = local_opts
+    save, rank, world = sharded.save_id(), dist.get_rank(), dist.get_world_size()
+    payload["sharded"] = {"save": save, "rank": rank, "world": world, "dtensors": places}
+    part = sharded.part_path(path, save, rank, world)
+    error: BaseException | None = None
+    try:
+        os.makedirs(os.path.dirname(part), exist_ok=True)
+        _write(part, payload)
+    except BaseException as exc:  # every rank learns of it before anyone switches to this save
+        error = exc
+    sharded.agree(error is None, f"saving checkpoint {path!r}")
+    if error is not None:
+        raise error
+    if rank == 0:  # every part is written: switch to this save, then drop the earlier ones
+        _write(path, {"format": FORMAT, "sharded": {"save": save, "world": world}})
+        sharded.remove_old_saves(path, save)
+    dist.barrier()
+
+
+def _write(path: str, payload: dict[str, Any]) -> None:
+    """Check, write, fsync, read back and rename ``payload`` over ``path``: all or nothing."""
+    folder = os.path.dirname(os.path.abspath(path))
     safe = files.safe_global_types()
     for key, value in payload.items():
         files.check_loadable(value, key, safe)
@@ -261,8 +302,43 @@ def load_checkpoint(
     module = unwrap_model(model)
     payload = files.read(str(path))
     verify_checksums(path, payload, payload.get("checksum"))
+    if "sharded" in payload and "model" not in payload:  # an FSDP2 run's: this rank's part
+        error: BaseException | None = None
+        try:
+            payload = _read_part(str(path), payload, module, optimizers)
+            _check_payload(str(path), payload, module, optimizers, mp, allow_plan_change, rng)
+        except BaseException as exc:  # one decision for every rank: all load, or none changes
+            error = exc
+        sharded.agree(error is None, f"loading checkpoint {str(path)!r}")
+        if error is not None:
+            raise error
+    else:
+        _check_payload(path, payload, module, optimizers, mp, allow_plan_change, rng)
+    return _apply(path, payload, module, optimizers, mp, allow_plan_change, rng)
 
-    # 1. validate every part (the plan first: a checkpoint of another plan explains every other mismatch)
+
+def _read_part(path: str, pointer: dict[str, Any], module: torch.nn.Module,
+               optimizers: Sequence[torch.optim.Optimizer]) -> dict[str, Any]:
+    save = pointer["sharded"]["save"]
+    rank, world = sharded.check_world(path, pointer["sharded"])
+    part = sharded.part_path(path, save, rank, world)
+    payload = files.read(part)
+    verify_checksums(part, payload, payload.get("checksum"))
+    if payload.get("sharded", {}).get("save") != save:
+        raise ValueError(f"checkpoint {path!r}: {part!r} belongs to another save; the checkpoint folder was changed by hand")
+    if len(payload["optimizers"]) != len(optimizers):
+        raise ValueError(
+            f"the checkpoint holds {len(payload['optimizers'])} optimizer states but {len(optimizers)} "
+            "optimizers were given; pass the same optimizers, in the same order, as when saving"
+        )
+    sharded.restore_dtensors(path, payload, module, optimizers)
+    return payload
+
+
+def _check_payload(path: str, payload: dict[str, Any], module: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer],
+                   mp: MixedPrecision | None, allow_plan_change: bool, rng: bool) -> None:
+    """Step 1 of a load: validate every part, changing nothing."""
+    # the plan first: a checkpoint of another plan explains every other mismatch
     if mp is not None:
         check_mp(path, mp, payload["mixed_precision"], allow_plan_change)
     check_model(path, module, payload["model"])
@@ -278,14 +354,18 @@ def load_checkpoint(
         raise ValueError(f"checkpoint {path!r}: 'optimizer_classes' is not one class name per optimizer state")
     for i, (opt, state) in enumerate(zip(optimizers, payload["optimizers"], strict=True)):
         check_optimizer(path, i, opt, state, None if classes is None else classes[i])
-    restore_rng = rng and "rng" in payload
-    if restore_rng:
+    if rng and "rng" in payload:
         check_rng(path, payload["rng"])
+
+
+def _apply(path: str, payload: dict[str, Any], module: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer],
+           mp: MixedPrecision | None, allow_plan_change: bool, rng: bool) -> dict[str, Any]:
+    """Step 2 of a load: apply, restoring what was applied if a later part still fails."""
+    restore_rng = rng and "rng" in payload
     model_state, converted = payload["model"], fp32_weights(path, module, optimizers, payload)
     if converted[0]:
         model_state = {**model_state, **converted[0]}
 
-    # 2. apply, restoring what was applied if a later part still fails
     model_before = _snapshot(module.state_dict())
     opts_before = [_snapshot(opt.state_dict()) for opt in optimizers]
     rng_before = _rng_state() if restore_rng else None

@@ -252,6 +252,11 @@ def read(path: str) -> dict[str, Any]:
         ) from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise ValueError(f"{path!r} is not a mixprec checkpoint (written by mixprec.save_checkpoint)")
+    pointer = payload.get("sharded")
+    if "model" not in payload and isinstance(pointer, dict):  # an FSDP2 run's: names the save whose parts hold it
+        if not isinstance(pointer.get("save"), str) or not isinstance(pointer.get("world"), int):
+            raise ValueError(f"checkpoint {path!r} names its parts wrongly ({pointer!r}); it is not what mixprec wrote")
+        return payload
     required: dict[str, type | tuple[type, ...]] = {"model": dict, "optimizers": list, "mixed_precision": (dict, type(None)), "extra": dict}
     for key, kinds in required.items():
         if key not in payload:
