@@ -18,7 +18,13 @@ import torch
 from mixprec import MixedPrecision, get_plan
 from mixprec.cli.models import build_task
 from tests._dist import run_ranks
-from tests.test_distributed import _check_close, _fsdp2_available, _global_batch, _params, _rank_slice
+from tests.test_distributed import (
+    _check_close,
+    _fsdp2_available,
+    _global_batch,
+    _params,
+    _rank_slice,
+)
 
 WORLD = 2
 STEPS, INF_STEP = 5, 2
@@ -220,7 +226,7 @@ def _resume_worker(rank: int, world: int, out: str) -> None:
 
             write = ckpt._write
 
-            def failing(target: str, payload: dict) -> None:
+            def failing(target: str, payload: dict, write=write) -> None:
                 if "rank00001" in target:
                     raise OSError(28, "No space left on device")
                 write(target, payload)
