@@ -11,6 +11,10 @@ from __future__ import annotations
 
 import os
 import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +31,7 @@ from tests.test_distributed import (
 )
 
 WORLD = 2
+ROOT = Path(__file__).resolve().parent.parent
 STEPS, INF_STEP = 5, 2
 PLANS = ("bf16-pure", "fp16-pure", "bf16-kahan", "bf16-sr", "fp16-master")
 
@@ -288,3 +293,114 @@ def _one_rank_load_worker(rank: int, world: int, out: str) -> None:
     except ValueError as exc:
         found = str(exc)
     torch.save(found, os.path.join(out, "one-rank.pt"))
+
+
+# ------------------------------------------------------------------------------- HSDP
+HSDP_PLANS = ("bf16-kahan", "bf16-sr", "bf16-master")
+
+
+def _hsdp_worker(rank: int, world: int, out: str) -> None:
+    """A 2-D mesh: 2 replicas x 2 shards (HSDP; as two nodes of two ranks each)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from mixprec.distributed import fully_shard_model, local_tensor
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    results = {}
+    for plan_name in HSDP_PLANS:
+        task = build_task("mlp", size="tiny", seed=0)
+        plan = get_plan(plan_name)
+        model = task.model
+        if plan.family == "lowbit":
+            plan.convert_model(model)
+        mp = MixedPrecision(plan, clip_grad_norm=1.0)
+        model = fully_shard_model(model, plan, mesh=mesh, units=(type(model.blocks[0]),))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        model, opt, criterion = mp.prepare(model, opt, criterion=task.criterion)
+        stepped, norms = [], []
+        for step in range(STEPS):
+            x, y = _global_batch(task, step, 16)
+            x, y = _rank_slice(x, rank, world), _rank_slice(y, rank, world)
+            with mp.autocast():
+                loss = criterion(model(x), y)
+            mp.backward(loss)
+            if step == INF_STEP and rank == 3:
+                first = next(p for p in model.parameters() if p.grad is not None)
+                local_tensor(first.grad).view(-1)[0] = float("inf")
+            result = mp.step()
+            stepped.append(result.stepped)
+            norms.append(result.grad_norm)
+        results[plan_name] = {
+            "params": {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()},
+            "local": {n: local_tensor(p).detach().clone() for n, p in model.named_parameters()},
+            "stepped": stepped, "norms": norms,
+        }
+    torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+
+
+@pytest.mark.distributed
+def test_hsdp_two_replicas_of_two_shards_train_like_one_process(tmp_path):
+    reason = _fsdp2_available()
+    if reason is not None:
+        pytest.skip(reason)
+    run_ranks(_hsdp_worker, 4, str(tmp_path))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(4)]
+    expected = [step != INF_STEP for step in range(STEPS)]
+    for plan_name in HSDP_PLANS:
+        reference = _train(plan_name, 0, 1, shard=False)
+        runs = [r[plan_name] for r in ranks]
+        assert all(run["stepped"] == expected for run in runs), (plan_name, [run["stepped"] for run in runs])
+        # the whole gradient's norm on every rank (at the injected step each replica sees its own
+        # gradients: the inf was planted after the reduction, in one replica)
+        clean = [step for step in range(STEPS) if step != INF_STEP]
+        assert all([run["norms"][s] for s in clean] == [runs[0]["norms"][s] for s in clean] for run in runs), plan_name
+        for name in runs[0]["params"]:
+            assert all(torch.equal(run["params"][name], runs[0]["params"][name]) for run in runs), (plan_name, name)
+            # rank r holds shard r % 2 of replica r // 2: replicas hold equal shards, rounding noise included
+            assert torch.equal(runs[0]["local"][name], runs[2]["local"][name]), (plan_name, name)
+            assert torch.equal(runs[1]["local"][name], runs[3]["local"][name]), (plan_name, name)
+        for step in range(STEPS):
+            if step != INF_STEP:
+                assert runs[0]["norms"][step] == pytest.approx(reference["norms"][step], rel=2e-2), (plan_name, step)
+        if plan_name == "bf16-sr":
+            for name, ref in reference["params"].items():
+                diff = (runs[0]["params"][name].float() - ref.float()).abs()
+                assert bool((diff <= 2e-3 + STEPS * 2.0**-8 * ref.float().abs()).all()), (plan_name, name)
+        else:
+            _check_close(runs[0]["params"], reference["params"], f"HSDP {plan_name}")
+
+
+def _two_nodes(tmp: Path, *args: str) -> None:
+    """``examples/train_fsdp.py`` launched as two torchrun nodes of one process each on localhost."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    if os.path.exists("/sys/class/net/lo"):
+        env["GLOO_SOCKET_IFNAME"] = "lo"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
+           f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=nodes{port}", "--local-addr=127.0.0.1",
+           str(ROOT / "examples" / "train_fsdp.py"), *args]
+    nodes = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    outputs = [node.communicate(timeout=180)[0] for node in nodes]
+    assert all(node.returncode == 0 for node in nodes), "\n".join(o[-3000:] for o in outputs)
+    (tmp / f"log{port}.txt").write_text("\n".join(outputs))
+
+
+@pytest.mark.distributed
+def test_two_torchrun_nodes_hsdp_resume_bit_for_bit(tmp_path):
+    """`torchrun --nnodes 2 --nproc_per_node 1` on localhost: each node one replica (HSDP, 2 x 1 mesh).
+    Stopped at step 6 and resumed from its sharded checkpoint, it ends where a straight run ends."""
+    reason = _fsdp2_available()
+    if reason is not None:
+        pytest.skip(reason)
+    common = ["--plan", "bf16-sr", "--replicas", "2", "--ckpt-every", "6"]
+    _two_nodes(tmp_path, *common, "--steps", "6", "--ckpt", str(tmp_path / "ck.pt"))
+    _two_nodes(tmp_path, *common, "--steps", "12", "--ckpt", str(tmp_path / "ck.pt"), "--out", str(tmp_path / "resumed.pt"))
+    _two_nodes(tmp_path, *common, "--steps", "12", "--out", str(tmp_path / "straight.pt"))
+    resumed, straight = (torch.load(tmp_path / f"{n}.pt", weights_only=True) for n in ("resumed", "straight"))
+    assert resumed["world"] == straight["world"] == 2
+    assert resumed["losses"] == straight["losses"][6:]
+    assert straight["losses"][-1] < straight["losses"][0]
+    for name, w in straight["weights"].items():
+        assert torch.equal(resumed["weights"][name], w), name
