@@ -243,6 +243,30 @@ def _resume_worker(rank: int, world: int, out: str) -> None:
                 failed = str(exc)
             finally:
                 ckpt._write = write
+
+            def failing_switch(target: str, payload: dict, write=write, path=path) -> None:
+                if target == path:  # rank 0's switch to the new save: no rank may wait for it forever
+                    raise OSError(122, "Disk quota exceeded")
+                write(target, payload)
+
+            ckpt._write = failing_switch
+            try:
+                save_checkpoint(path, model=model, optimizers=[opt], mp=mp)
+            except (OSError, RuntimeError) as exc:
+                failed += " | " + str(exc)
+            finally:
+                ckpt._write = write
+            # a load that fails on one rank while applying is undone on every rank
+            task3, mp3, model3, opt3, _ = _session(plan_name)
+            before = _full(model3)
+            if rank == 1:
+                mp3.load_state_dict = lambda *a, **k: (_ for _ in ()).throw(ValueError("planted"))
+            try:
+                load_checkpoint(path, model=model3, optimizers=[opt3], mp=mp3)
+            except (ValueError, RuntimeError) as exc:
+                failed += " | " + str(exc)
+            after = _full(model3)
+            failed += " | unchanged" if all(torch.equal(before[n], after[n]) for n in before) else " | changed"
         # a fresh run resumed from the checkpoint continues bit for bit
         task, mp2, model2, opt2, criterion2 = _session(plan_name)
         load_checkpoint(path, model=model2, optimizers=[opt2], mp=mp2)
@@ -271,9 +295,13 @@ def test_sharded_checkpoints_resume_bit_for_bit(tmp_path):
         assert a["resumed"] == a["losses"][3:], plan_name
         assert b["resumed"] == b["losses"][3:], plan_name
         assert len(a["after"]) == 1 and a["after"][0] not in a["files"], plan_name  # the earlier parts removed
-        if plan_name == "bf16-kahan":  # the failed save: refused on both ranks, the checkpoint still loads
-            assert "No space left on device" in b["failed"], b["failed"]
-            assert "failed on another rank" in a["failed"], a["failed"]
+        if plan_name == "bf16-kahan":  # the failed saves: refused on both ranks, the checkpoint still loads
+            fa, fb = a["failed"].split(" | "), b["failed"].split(" | ")
+            assert "No space left on device" in fb[0] and "failed on another rank" in fa[0], (fa, fb)
+            assert "Disk quota exceeded" in fa[1] and "failed on another rank" in fb[1], (fa, fb)
+            # the failed load: rank 1's own error, rank 0 undone too
+            assert "planted" in fb[2] and "failed on another rank" in fa[2], (fa, fb)
+            assert fa[3] == fb[3] == "unchanged", (fa, fb)
         else:
             assert a["files"] == b["files"] and len(a["files"]) == 1, plan_name
         parts = sorted(os.listdir(tmp_path / f"{plan_name}.pt.shards" / a["after"][0]))

@@ -60,7 +60,7 @@ import os
 import stat
 import sys
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -169,58 +169,84 @@ def save_checkpoint(
         raise TypeError(f"mp must be a mixprec.MixedPrecision or None, got {type(mp).__name__}")
     if extra is not None and not isinstance(extra, Mapping):
         raise TypeError(f"extra must be a dict or None, got {type(extra).__name__}")
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise FileNotFoundError(f"cannot save checkpoint {path!r}: folder {folder!r} does not exist; create it first")
-    # The session first: after an interrupted backward under optimizer-in-backward, its
-    # state_dict() undoes the half-applied updates, so the weights saved next are whole.
-    mixed = None if mp is None else mp.state_dict()
-    payload: dict[str, Any] = {
-        "format": FORMAT,
-        "model": unwrap_model(model).state_dict(),
-        "optimizers": [opt.state_dict() for opt in optimizers],
-        "optimizer_classes": [optimizer_class(opt) for opt in optimizers],
-        "mixed_precision": mixed,
-        "extra": dict(extra) if extra is not None else {},
-    }
-    if rng:
-        payload["rng"] = _rng_state()
+
+    def build() -> dict[str, Any]:
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):
+            raise FileNotFoundError(f"cannot save checkpoint {path!r}: folder {folder!r} does not exist; create it first")
+        # The session first: after an interrupted backward under optimizer-in-backward, its
+        # state_dict() undoes the half-applied updates, so the weights saved next are whole.
+        mixed = None if mp is None else mp.state_dict()
+        payload: dict[str, Any] = {
+            "format": FORMAT,
+            "model": unwrap_model(model).state_dict(),
+            "optimizers": [opt.state_dict() for opt in optimizers],
+            "optimizer_classes": [optimizer_class(opt) for opt in optimizers],
+            "mixed_precision": mixed,
+            "extra": dict(extra) if extra is not None else {},
+        }
+        if rng:
+            payload["rng"] = _rng_state()
+        return payload
+
     if sharded.is_sharded(unwrap_model(model)):
-        _save_parts(path, payload)
+        _save_parts(path, build, _group_of(path, mp, "save"))
         return
-    _write(path, payload)
+    _write(path, build())
 
 
-def _save_parts(path: str, payload: dict[str, Any]) -> None:
-    """An FSDP2 run's checkpoint: each rank's part, then ``path`` naming them (:mod:`mixprec.checkpoint.sharded`)."""
+def _group_of(path: str, mp: MixedPrecision | None, what: str) -> Any:
+    """The process group a sharded checkpoint is saved or loaded over: the session's, else the default."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
-        raise ValueError(f"cannot save checkpoint {path!r}: the model holds FSDP2 shards but no process group is initialised")
-    places: dict[str, Any] = {"model": [], "optimizers": []}
-    payload["model"] = sharded.localize(payload["model"], places["model"])
-    local_opts = []
-    for state in payload["optimizers"]:
-        found: list[list[Any]] = []
-        local_opts.append(sharded.localize(state, found))
-        places["optimizers"].append(found)
-    payload["optimizers"] = local_opts
-    save, rank, world = sharded.save_id(), dist.get_rank(), dist.get_world_size()
-    payload["sharded"] = {"save": save, "rank": rank, "world": world, "dtensors": places}
-    part = sharded.part_path(path, save, rank, world)
+        raise ValueError(f"cannot {what} checkpoint {path!r}: the model holds FSDP2 shards but no process group is "
+                         "initialised; call it on every rank after init_process_group")
+    group = getattr(mp, "process_group", None)
+    return group if group is not None else dist.group.WORLD
+
+
+def _save_parts(path: str, build: Any, group: Any) -> None:
+    """An FSDP2 run's checkpoint: each rank's part, then ``path`` naming them (:mod:`mixprec.checkpoint.sharded`).
+    Every rank takes part in every collective, whatever fails where: one decision for all."""
+    import torch.distributed as dist
+
     error: BaseException | None = None
+    payload: dict[str, Any] = {}
     try:
-        os.makedirs(os.path.dirname(part), exist_ok=True)
-        _write(part, payload)
+        payload = build()
+        places: dict[str, Any] = {"model": [], "optimizers": []}
+        payload["model"] = sharded.localize(payload["model"], places["model"])
+        local_opts = []
+        for state in payload["optimizers"]:
+            found: list[list[Any]] = []
+            local_opts.append(sharded.localize(state, found))
+            places["optimizers"].append(found)
+        payload["optimizers"] = local_opts
+        payload["sharded"] = {"dtensors": places}
     except BaseException as exc:  # every rank learns of it before anyone switches to this save
         error = exc
-    sharded.agree(error is None, f"saving checkpoint {path!r}")
+    save, rank, world = sharded.save_id(group), dist.get_rank(group), dist.get_world_size(group)
+    if error is None:
+        payload["sharded"].update(save=save, rank=rank, world=world)
+        part = sharded.part_path(path, save, rank, world)
+        try:
+            os.makedirs(os.path.dirname(part), exist_ok=True)
+            _write(part, payload)
+        except BaseException as exc:
+            error = exc
+    sharded.agree(error is None, f"saving checkpoint {path!r}", group)
     if error is not None:
         raise error
     if rank == 0:  # every part is written: switch to this save, then drop the earlier ones
-        _write(path, {"format": FORMAT, "sharded": {"save": save, "world": world}})
-        sharded.remove_old_saves(path, save)
-    dist.barrier()
+        try:
+            _write(path, {"format": FORMAT, "sharded": {"save": save, "world": world}})
+            sharded.remove_old_saves(path, save)
+        except BaseException as exc:
+            error = exc
+    sharded.agree(error is None, f"switching checkpoint {path!r} to the new save", group)
+    if error is not None:
+        raise error
 
 
 def _write(path: str, payload: dict[str, Any]) -> None:
@@ -300,27 +326,37 @@ def load_checkpoint(
         raise TypeError(f"mp must be a mixprec.MixedPrecision or None, got {type(mp).__name__}")
     path = os.fspath(path)
     module = unwrap_model(model)
-    payload = files.read(str(path))
-    verify_checksums(path, payload, payload.get("checksum"))
-    if "sharded" in payload and "model" not in payload:  # an FSDP2 run's: this rank's part
+    if sharded.is_sharded(module):  # an FSDP2 run: this rank's part, one decision for every rank
+        group = _group_of(str(path), mp, "load")
         error: BaseException | None = None
         try:
-            payload = _read_part(str(path), payload, module, optimizers)
+            pointer = files.read(str(path))
+            verify_checksums(path, pointer, pointer.get("checksum"))
+            if "sharded" not in pointer or "model" in pointer:
+                raise ValueError(f"checkpoint {str(path)!r} was saved by an unsharded run; this model holds FSDP2 shards. "
+                                 "Load it into the unsharded model, then shard")
+            payload = _read_part(str(path), pointer, module, optimizers, group)
             _check_payload(str(path), payload, module, optimizers, mp, allow_plan_change, rng)
-        except BaseException as exc:  # one decision for every rank: all load, or none changes
+        except BaseException as exc:
             error = exc
-        sharded.agree(error is None, f"loading checkpoint {str(path)!r}")
+        sharded.agree(error is None, f"loading checkpoint {str(path)!r}", group)
         if error is not None:
             raise error
-    else:
-        _check_payload(path, payload, module, optimizers, mp, allow_plan_change, rng)
+        return _apply(path, payload, module, optimizers, mp, allow_plan_change, rng,
+                      agree=lambda ok: sharded.agree(ok, f"loading checkpoint {str(path)!r}", group))
+    payload = files.read(str(path))
+    verify_checksums(path, payload, payload.get("checksum"))
+    if "sharded" in payload and "model" not in payload:
+        raise ValueError(f"checkpoint {str(path)!r} holds FSDP2 shards (one part per rank); load it into the model "
+                         "sharded as when saving, on every rank")
+    _check_payload(path, payload, module, optimizers, mp, allow_plan_change, rng)
     return _apply(path, payload, module, optimizers, mp, allow_plan_change, rng)
 
 
 def _read_part(path: str, pointer: dict[str, Any], module: torch.nn.Module,
-               optimizers: Sequence[torch.optim.Optimizer]) -> dict[str, Any]:
+               optimizers: Sequence[torch.optim.Optimizer], group: Any) -> dict[str, Any]:
     save = pointer["sharded"]["save"]
-    rank, world = sharded.check_world(path, pointer["sharded"])
+    rank, world = sharded.check_world(path, pointer["sharded"], group)
     part = sharded.part_path(path, save, rank, world)
     payload = files.read(part)
     verify_checksums(part, payload, payload.get("checksum"))
@@ -359,8 +395,10 @@ def _check_payload(path: str, payload: dict[str, Any], module: torch.nn.Module, 
 
 
 def _apply(path: str, payload: dict[str, Any], module: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer],
-           mp: MixedPrecision | None, allow_plan_change: bool, rng: bool) -> dict[str, Any]:
-    """Step 2 of a load: apply, restoring what was applied if a later part still fails."""
+           mp: MixedPrecision | None, allow_plan_change: bool, rng: bool,
+           agree: Callable[[bool], None] | None = None) -> dict[str, Any]:
+    """Step 2 of a load: apply, restoring what was applied if a later part still fails (or, with
+    ``agree``, an FSDP2 run's collective decision, if another rank's load failed)."""
     restore_rng = rng and "rng" in payload
     model_state, converted = payload["model"], fp32_weights(path, module, optimizers, payload)
     if converted[0]:
@@ -384,7 +422,11 @@ def _apply(path: str, payload: dict[str, Any], module: torch.nn.Module, optimize
         if mp is not None:
             mp_touched = True
             mp.load_state_dict(payload["mixed_precision"], allow_plan_change=allow_plan_change)
+        if agree is not None:
+            agree(True)  # raises PeerFailed when another rank's load failed: then undone here too
     except Exception as exc:
+        if agree is not None and not isinstance(exc, sharded.PeerFailed):
+            agree(False)
         module.load_state_dict(model_before)
         # every optimizer, applied or not: a failed load may have changed the one that raised, and
         # restoring the model reaches the masters of the others (they follow loads into the model)
@@ -395,7 +437,7 @@ def _apply(path: str, payload: dict[str, Any], module: torch.nn.Module, optimize
         if mp_touched and mp is not None and mp_before is not None:
             with contextlib.suppress(Exception):
                 mp.load_state_dict(mp_before)
-        if isinstance(exc, ValueError | TypeError | OSError):
+        if isinstance(exc, ValueError | TypeError | OSError | sharded.PeerFailed):
             raise
         raise ValueError(f"checkpoint {path!r} could not be applied ({exc}); nothing was changed") from exc
     if converted[1]:

@@ -35,7 +35,8 @@ import torch.distributed as dist
 
 from mixprec.optim.shards import is_dtensor, local_of, wrap_like
 
-__all__ = ["is_sharded", "localize", "part_path", "restore_dtensors", "save_id", "shards_folder"]
+__all__ = ["PeerFailed", "agree", "check_world", "is_sharded", "localize", "part_path", "restore_dtensors", "save_id",
+           "shards_folder"]
 
 Path = tuple[Any, ...]
 
@@ -54,10 +55,11 @@ def part_path(path: str, save: str, rank: int, world: int) -> str:
     return os.path.join(shards_folder(path), save, f"rank{rank:05d}-of-{world:05d}.pt")
 
 
-def save_id() -> str:
-    """A new id for one save, the same on every rank (rank 0 draws it)."""
-    box = [uuid.uuid4().hex if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
+def save_id(group: Any) -> str:
+    """A new id for one save, the same on every rank of ``group`` (its first rank draws it)."""
+    box = [uuid.uuid4().hex if dist.get_rank(group) == 0 else None]
+    src = dist.get_global_rank(group, 0) if group is not None and group is not dist.group.WORLD else 0
+    dist.broadcast_object_list(box, src=src, group=group)
     return str(box[0])
 
 
@@ -132,11 +134,9 @@ def restore_dtensors(path: str, payload: dict[str, Any], module: torch.nn.Module
             _set(payload["optimizers"][i], entry, wrap_like(local, param))
 
 
-def check_world(path: str, pointer: dict[str, Any]) -> tuple[int, int]:
-    """(rank, world) of this run, refused where the checkpoint was saved by another world size."""
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ValueError(f"checkpoint {path!r} holds FSDP2 shards: load it on every rank after init_process_group")
-    rank, world = dist.get_rank(), dist.get_world_size()
+def check_world(path: str, pointer: dict[str, Any], group: Any) -> tuple[int, int]:
+    """(rank, world) of this run in ``group``, refused where the checkpoint was saved by another world size."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
     saved = int(pointer["world"])
     if saved != world:
         raise ValueError(
@@ -147,12 +147,25 @@ def check_world(path: str, pointer: dict[str, Any]) -> tuple[int, int]:
     return rank, world
 
 
-def agree(ok: bool, what: str) -> None:
-    """Raise on every rank when ``ok`` is False on any rank (one decision for all)."""
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    if not bool(flag.item()) and ok:
-        raise RuntimeError(f"{what} failed on another rank (see its error); nothing was changed here either")
+class PeerFailed(RuntimeError):
+    """Another rank failed the save or load this rank was taking part in (its own error says why)."""
+
+
+def _flag_device(group: Any) -> torch.device:
+    """Where a flag for a collective over ``group`` lives: NCCL takes CUDA tensors only."""
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def agree(ok: bool, what: str, group: Any) -> None:
+    """One decision for every rank of ``group``: raises :class:`PeerFailed` on a rank that
+    succeeded when another did not (the failing rank raises its own error)."""
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=_flag_device(group))
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    if ok and not bool(flag.item()):
+        raise PeerFailed(f"{what} failed on another rank (see its error); nothing was changed here either")
 
 
 def old_saves(path: str, keep: str) -> Iterator[str]:

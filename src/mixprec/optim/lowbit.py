@@ -256,11 +256,15 @@ class LowPrecisionOptimizer(WrappedOptimizer):
 
     def _step_shards(self, group: dict[str, Any], active: list[torch.nn.Parameter], kind: str | None,
                      scratch: generic.Scratch) -> None:
-        """``active`` (FSDP2 DTensors) stepped as their local shards (:mod:`mixprec.optim.shards`):
-        the eager fast path (or the generic one), never the compiled route."""
+        """``active`` (FSDP2 DTensors) stepped as their local shards (:mod:`mixprec.optim.shards`),
+        on the route an unsharded step takes (compiled, fast or generic)."""
         shards.check_shardable(self.optimizer, self.state_dtype, type(self).__name__)
         with shards.ShardViews(self.optimizer, active, self._shard_cache()) as views:
             group["params"] = views
+            if kind == "adam":
+                views = group["params"] = routing.compiled_route(self, group, views, whole_step=True)
+            if not views:
+                return
             if kind is not None:
                 fast_step(
                     self.optimizer, group, views, kind=kind, state_dtype=self.state_dtype,
