@@ -204,3 +204,39 @@ def test_an_inf_in_the_batch_blames_the_data_not_a_module():
     assert len(warned) == 1
     assert "the model's input already held inf" in warned[0]
     assert "check the data" in warned[0] and "fp32_modules" not in warned[0]
+
+
+def test_an_additive_attention_mask_and_a_pure_plans_input_cast_are_not_blamed_on_the_data():
+    """-inf in a float mask is by design; an fp16 cast of finite fp32 data that overflows is the
+    plan's doing, not the data's (the tracer sees the inputs as the caller passed them)."""
+    from mixprec.tracing import OverflowTracer
+
+    class Masked(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            return torch.softmax(self.fc(x) + mask, dim=-1)
+
+    model = Masked()
+    mask = torch.triu(torch.full((4, 4), float("-inf")), diagonal=1)
+    with OverflowTracer(model) as tracer:
+        model(torch.randn(4, 4), mask).sum().backward()
+        assert tracer.first_overflow() is None
+    with OverflowTracer(model) as tracer:  # a NaN given by keyword is the data's
+        model(torch.randn(4, 4), mask=torch.full((4, 4), float("nan"))).sum().backward()
+        finding = tracer.first_overflow()
+        assert finding is not None and finding.in_input
+    # fp16-pure casts finite fp32 data of 1e5 to inf: the first layer is named, not the data
+    mp = MixedPrecision("fp16-pure")
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    net, opt = mp.prepare(net, torch.optim.SGD(net.parameters(), lr=1e-3))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            loss = net(torch.full((2, 4), 1e5)).float().sum()
+            mp.backward(loss)
+            mp.step()
+    warned = [str(w.message) for w in caught if "mixprec: steps are being skipped" in str(w.message)]
+    assert warned and "check the data" not in warned[0], warned

@@ -215,6 +215,9 @@ class OverflowTracer:
             self._names.append(name)
             self._types.append(type(module).__name__)
             self._calls.append(0)
+            if index == 0:  # the model's own inputs, as the caller passed them (before any input cast)
+                self._handles.append(module.register_forward_pre_hook(_Site(self, 0).inputs, with_kwargs=True,
+                                                                      prepend=True))
             if self.backward or index == 0:
                 self._handles.append(module.register_forward_pre_hook(self._pre_hook(index)))
             if self.backward:
@@ -277,14 +280,16 @@ class OverflowTracer:
         """Position of the first culprit record; remembers peaks and fallbacks on the way."""
         for pos, (module, code, call, _, _) in enumerate(records):
             value = values[pos]
+            if code == _FWD_IN:  # the model's input: its largest element NaN or +inf (-inf: a mask)
+                if math.isnan(value) or value == math.inf:
+                    return pos
+                continue
             if math.isfinite(value):
-                if code == _FWD_IN:
-                    continue
                 key = (module, 0 if code == _FWD_OUT else 1)
                 if value > self._peaks.get(key, -1.0):
                     self._peaks[key] = value
                 continue
-            if code in (_FWD_OUT, _FWD_IN):
+            if code == _FWD_OUT:
                 return pos
             if code == _BWD_OUT:
                 self._out_bad.add((module, call))
@@ -409,17 +414,30 @@ class _Site:
         tracer, index = self.tracer, self.index
         if index == 0 and tracer._reported:
             tracer.reset()  # a finding was handed out: this forward starts the next step
-        if tracer._idle:
-            return
-        if index == 0:  # the batch itself: inf/NaN there is the data's, not a module's
-            for t in floating_tensors(args):
-                tracer._record(0, _FWD_IN, tracer._calls[0], t)
-        if not tracer.backward or not torch.is_grad_enabled():
+        if tracer._idle or not tracer.backward or not torch.is_grad_enabled():
             return
         call = tracer._calls[index]
         for t in floating_tensors(args):
             if t.requires_grad:
                 t.register_hook(tracer._grad_hook(index, _BWD_IN, call))
+
+    def inputs(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """The model's floating inputs, positional and keyword: a NaN or +inf there is the data's
+        (-inf alone is not counted: additive attention masks hold it by design)."""
+        tracer = self.tracer
+        if tracer._idle:
+            return
+        if tracer._reported:
+            tracer.reset()  # a finding was handed out: this forward starts the next step
+        for t in floating_tensors((args, kwargs)):
+            try:
+                largest = t.detach().amax() if t.numel() else None
+            except (RuntimeError, NotImplementedError):  # a dtype without a reduction kernel (fp8)
+                largest = None
+            if largest is not None:
+                tracer._records.append((0, _FWD_IN, tracer._calls[0], t.dtype, largest))
+        if len(tracer._records) >= tracer.max_records:
+            tracer._resolve()
 
     def post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         tracer, index = self.tracer, self.index
