@@ -5,8 +5,10 @@ rank), sharded by ``mixprec.distributed.fully_shard_model``, and on one process 
 (the bytes reference). Reported per row:
 
 - the median step time (forward, backward, optimizer step) on the ranks, and its ratio to
-  the baseline row, PyTorch's own bf16 FSDP2 (``MixedPrecisionPolicy(param_dtype=bf16)``,
-  fp32 shards, plain ``torch.optim.AdamW``: no mixprec), interleaved repeat by repeat;
+  the baselines, PyTorch's own bf16 FSDP2 (``MixedPrecisionPolicy(param_dtype=bf16)``, fp32
+  shards, plain ``torch.optim.AdamW``: no mixprec), without autocast (everything bf16, as
+  the pure plans) and under ``torch.autocast`` (fp32 for the ops autocast keeps in fp32, as
+  the mixed, master, Kahan and SR plans), all rows interleaved step by step;
 - training-state bytes per parameter of the whole model (weights, gradients, masters,
   Kahan compensation, optimizer state; counted from storages after a step,
   ``mixprec.diagnostics.training_state_bytes_per_param``) held by one rank, and by one
@@ -32,6 +34,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 BASELINE = "torch FSDP2 bf16"
+BASELINE_AUTOCAST = "torch FSDP2 bf16 + torch.autocast"
+BASELINES = (BASELINE, BASELINE_AUTOCAST)
 PLANS = ("bf16-mixed", "bf16-master", "bf16-pure", "bf16-kahan", "bf16-sr")
 
 
@@ -56,7 +60,7 @@ def _build(row: str, args: argparse.Namespace, device: torch.device, *, shard: b
     model = task.model.to(device)
     blocks = getattr(model, "blocks", None)
     units = (type(blocks[0]),) if blocks is not None and len(blocks) else ()
-    if row == BASELINE:
+    if row in BASELINES:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -65,7 +69,7 @@ def _build(row: str, args: argparse.Namespace, device: torch.device, *, shard: b
                 fully_shard(module, mp_policy=policy)
         fully_shard(model, mp_policy=policy)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
-        return task, None, model, opt, task.criterion
+        return task, row, model, opt, task.criterion
     session = MixedPrecision(row)
     if shard:
         model = fully_shard_model(model, session.plan, units=units)
@@ -75,8 +79,12 @@ def _build(row: str, args: argparse.Namespace, device: torch.device, *, shard: b
 
 
 def _step(task: Any, session: Any, model: Any, opt: Any, criterion: Any, x: torch.Tensor, y: torch.Tensor) -> None:
-    if session is None:
-        loss = criterion(model(x), y)
+    if isinstance(session, str):  # a baseline: torch alone
+        if session == BASELINE_AUTOCAST:
+            with torch.autocast(x.device.type, dtype=torch.bfloat16):
+                loss = criterion(model(x), y)
+        else:
+            loss = criterion(model(x), y)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -98,7 +106,7 @@ def _rank(rank: int, world: int, init_file: str, args: argparse.Namespace, out: 
     device = _device(rank)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{init_file}",
                            rank=rank, world_size=world)
-    rows = [BASELINE, *args.plans]
+    rows = [*BASELINES, *args.plans]
     runs = {row: _build(row, args, device, shard=True) for row in rows}
     per_rank = args.batch // world
     times: dict[str, list[float]] = {row: [] for row in rows}
@@ -155,13 +163,17 @@ def main(argv: list[str] | None = None) -> None:
     print(f"`python benchmarks/bench_fsdp.py {' '.join(sys.argv[1:] if argv is None else argv)}` "
           f"({args.model}-{args.size}, {args.world} ranks, {device}, torch {torch.__version__}, global batch "
           f"{args.batch}, medians of {args.steps} steps)\n")
-    print("| row | step ms | vs torch FSDP2 bf16 | state B/param, one process | per rank | per rank / one process |")
-    print("|---|---:|---:|---:|---:|---:|")
-    base = result[BASELINE]["ms"]
-    print(f"| {BASELINE} (no mixprec) | {base:.1f} | 1.00x | - | - | - |")
+    print("| row | step ms | vs torch FSDP2 bf16 | vs + torch.autocast | state B/param, one process | per rank | "
+          "per rank / one process |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    base, auto = result[BASELINE]["ms"], result[BASELINE_AUTOCAST]["ms"]
+    for row in BASELINES:
+        ms = result[row]["ms"]
+        print(f"| {row} (no mixprec) | {ms:.1f} | {ms / base:.2f}x | {ms / auto:.2f}x | - | - | - |")
     for row in args.plans:
         ms, per = result[row]["ms"], result[row]["bytes"]
-        print(f"| {row} | {ms:.1f} | {ms / base:.2f}x | {single[row]:.2f} | {per:.2f} | {per / single[row]:.3f} |")
+        print(f"| {row} | {ms:.1f} | {ms / base:.2f}x | {ms / auto:.2f}x | {single[row]:.2f} | {per:.2f} | "
+              f"{per / single[row]:.3f} |")
 
 
 if __name__ == "__main__":

@@ -132,3 +132,11 @@ def floating_tensors(value: Any) -> Iterator[torch.Tensor]:
 def map_floating(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     """``value`` with ``fn`` applied to every floating-point tensor; containers keep their types."""
     return map_tensors(lambda t: fn(t) if t.is_floating_point() else t, value)
+
+
+def shard_local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (sharing its storage; in-place ops act on the shard), else ``t``:
+    per-rank elementwise work (a found-inf check, a clip factor) skips DTensor's dispatch."""
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else t
+

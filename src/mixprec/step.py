@@ -24,7 +24,7 @@ import torch
 
 from mixprec.distributed.fsdp import has_dtensor, total_grad_norm
 from mixprec.ledger import StepLedger, StepResult, skip_error, warn_zero_grads
-from mixprec.nested import by_device_dtype
+from mixprec.nested import by_device_dtype, shard_local
 from mixprec.plans import Plan
 from mixprec.process_groups import all_reduce_max, resolve_group
 from mixprec.scaling import LossScaler
@@ -204,7 +204,7 @@ def clip_(
             taken.update(map(id, later(coef)))
     if taken:
         grads = [g for g in grads if id(g) not in taken]
-    for (device, _), gs in by_device_dtype(grads).items():
+    for (device, _), gs in by_device_dtype([shard_local(g) for g in grads]).items():  # FSDP2: local shards
         torch._foreach_mul_(gs, coef.to(device))
 
 

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import torch
 
-from mixprec.nested import by_device_dtype
+from mixprec.nested import by_device_dtype, shard_local
 
 __all__ = ["grad_tensors", "unscale_and_check"]
 
@@ -57,7 +57,8 @@ def unscale_and_check(
     This rank only: the caller all-reduces the flag where ranks must agree.
     """
     with torch.no_grad():
-        groups = by_device_dtype(grad_tensors(optimizer))
+        # FSDP2 shards as this rank's local tensors: the check is per rank (the caller all-reduces)
+        groups = by_device_dtype([shard_local(g) for g in grad_tensors(optimizer)])
         per_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         for (grad_device, dtype), grads in groups.items():
             if dtype.is_complex:  # unscaled and checked as their real and imaginary parts
