@@ -203,7 +203,9 @@ def fully_shard_model(
         mesh: a 1-D ``DeviceMesh`` (default: all ranks, on the model's device type).
         units: module classes (or a ``(qualified_name, module) -> bool`` predicate) that each
             become their own FSDP unit, e.g. the transformer block class; the root is
-            always one. Master plans also shard every norm layer as an fp32 unit.
+            always one. The layers a plan computes in fp32 while the rest gathers in low
+            precision (norm layers under master plans; norm layers and fp32 islands under
+            pure, Kahan and SR plans) form one fp32 unit together, gathered once per step.
         **fully_shard_kwargs: passed to ``fully_shard`` (``reshard_after_forward``, ...).
 
     Returns the same module object, now an ``FSDPModule``.
@@ -228,16 +230,23 @@ def fully_shard_model(
     match = units if callable(units) else _by_class(tuple(units))
     fp32_policy = api.MixedPrecisionPolicy(param_dtype=None, reduce_dtype=plan.reduce_dtype)
     modules = list(model.named_modules())
-    for name, module in reversed(modules):  # children before parents
-        if module is model:
+    fp32_modules = []  # computed in fp32 under a plan that gathers the rest in low precision
+    for _, module in modules:
+        if module is model or next(module.parameters(recurse=False), None) is None:
             continue
         own = list(module.parameters(recurse=False))
-        if policy.param_dtype is not None and own and isinstance(module, NORM_LAYERS):
-            api.fully_shard(module, mesh=mesh, mp_policy=fp32_policy, **fully_shard_kwargs)
-        elif low_shards and own and any(p.dtype != plan.weight_dtype for p in own):
-            # fp32 norm layers and islands: a unit all-gathers one dtype
-            api.fully_shard(module, mesh=mesh, mp_policy=fp32_policy, **fully_shard_kwargs)
-        elif match(name, module):
+        if (policy.param_dtype is not None and isinstance(module, NORM_LAYERS)) or (
+            low_shards and any(p.dtype != plan.weight_dtype for p in own)  # fp32 norm layers and islands
+        ):
+            fp32_modules.append(module)
+    if fp32_modules:
+        # one fp32 unit for all of them (a unit all-gathers one dtype): a unit per norm layer
+        # would cost a gather and hooks each; they are small, so they stay gathered all step
+        api.fully_shard(fp32_modules, mesh=mesh, mp_policy=fp32_policy,
+                        **{**fully_shard_kwargs, "reshard_after_forward": False})
+    grouped = {id(m) for m in fp32_modules}
+    for name, module in reversed(modules):  # children before parents
+        if module is not model and id(module) not in grouped and match(name, module):
             api.fully_shard(module, mesh=mesh, mp_policy=policy, **fully_shard_kwargs)
     api.fully_shard(model, mesh=mesh, mp_policy=policy, **fully_shard_kwargs)
     return model
