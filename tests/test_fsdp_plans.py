@@ -148,6 +148,42 @@ def _refusal_worker(rank: int, world: int, out: str) -> None:
         MixedPrecision(get_plan("bf16-kahan", state_dtype="8bit")).prepare(model, torch.optim.AdamW(model.parameters()))
     except ValueError as exc:
         found["8bit"] = str(exc)
+    # by hand, with torch's usual bf16 policy: the fp32 norm layer would be gathered in bf16
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2))
+    get_plan("bf16-kahan").convert_model(net)
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    fully_shard(net[1], mp_policy=bf16)
+    fully_shard(net, mp_policy=bf16)
+    try:
+        MixedPrecision("bf16-kahan").prepare(net, torch.optim.AdamW(net.parameters()))
+    except ValueError as exc:
+        found["bf16 gather"] = str(exc)
+    model = fully_shard_model(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)), "bf16-kahan")
+    try:
+        MixedPrecision("bf16-kahan", optimizer_in_backward=True).prepare(model, torch.optim.AdamW(model.parameters()))
+    except ValueError as exc:
+        found["in backward"] = str(exc)
+    from mixprec.optim import KahanOptimizer, RemainderOptimizer
+
+    try:
+        RemainderOptimizer(torch.optim.AdamW(model.parameters()))
+    except ValueError as exc:
+        found["remainder"] = str(exc)
+    opt = KahanOptimizer(torch.optim.AdamW(model.parameters()))
+    try:
+        opt.set_compensation(next(model.parameters()), torch.zeros(8, 8, dtype=torch.bfloat16))
+    except ValueError as exc:
+        found["set_compensation"] = str(exc)
+    # state predicted before the first step: this rank's part
+    found["predicted"] = opt.state_bytes()
+    model(torch.randn(2, 8, dtype=torch.bfloat16)).float().sum().backward()
+    opt.step()
+    found["measured"] = opt.state_bytes()
+    # a pickle or copy of the wrapper carries no stand-ins of this run's shards
+    found["copy views"] = len(opt.__getstate__()["_shard_views"])
+    found["views"] = len(opt._shard_views)
     torch.save(found, os.path.join(out, f"rank{rank}.pt"))
 
 
@@ -162,6 +198,34 @@ def test_what_cannot_be_sharded_is_refused_with_the_fix(tmp_path):
     assert "fully_shard_model(model, plan" in found["fp32 shards"]
     assert "Adafactor is not one of them" in found["adafactor"]
     assert "8-bit optimizer states are not supported on FSDP2 shards" in found["8bit"]
+    assert "holds fp32 weights gathered as bf16" in found["bf16 gather"], found["bf16 gather"]
+    assert "optimizer_in_backward=True does not" in found["in backward"]  # (several ranks: refused for that first)
+    assert "does not run on FSDP2 shards" in found["remainder"]
+    assert "pass a DTensor sharded like it" in found["set_compensation"]
+    assert found["predicted"] == found["measured"], (found["predicted"], found["measured"])
+    assert found["views"] == 4 and found["copy views"] == 0
+
+
+def _in_backward_worker(rank: int, world: int, out: str) -> None:
+    from mixprec.distributed import fully_shard_model
+
+    model = fully_shard_model(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)), "bf16-kahan")
+    try:
+        MixedPrecision("bf16-kahan", optimizer_in_backward=True).prepare(model, torch.optim.AdamW(model.parameters()))
+        found = "prepared"
+    except ValueError as exc:
+        found = str(exc)
+    torch.save(found, os.path.join(out, "in-backward.pt"))
+
+
+@pytest.mark.distributed
+def test_optimizer_in_backward_is_refused_on_a_one_rank_fsdp2_model(tmp_path):
+    reason = _fsdp2_available()
+    if reason is not None:
+        pytest.skip(reason)
+    run_ranks(_in_backward_worker, 1, str(tmp_path))
+    found = torch.load(tmp_path / "in-backward.pt", weights_only=True)
+    assert "optimizer_in_backward=True does not run on an FSDP2 model" in found, found
 
 
 def test_policies_of_the_plans_without_masters():

@@ -29,6 +29,7 @@ from mixprec.buffers import BufferGuard
 from mixprec.compiling import check_environment
 from mixprec.composable import FirstParameter
 from mixprec.distributed.ddp import is_ddp
+from mixprec.distributed.fsdp import has_fsdp
 from mixprec.explainer import OverflowExplainer
 from mixprec.optim import InBackwardOptimizer
 from mixprec.options import (
@@ -280,6 +281,11 @@ class MixedPrecision(StepRunner):
             raise ValueError(
                 "optimizer_in_backward=True takes one optimizer on a model without DDP; pass a single "
                 "optimizer (one param group per learning rate) to prepare()"
+            )
+        if self.optimizer_in_backward and has_fsdp(self._prepared.model):
+            raise ValueError(
+                "optimizer_in_backward=True does not run on an FSDP2 model (its gradients are reduce-scattered "
+                "after the backward hooks that would step them); drop optimizer_in_backward, or train unsharded"
             )
         wrapped = wrap_optimizers(self._prepared, optimizers, self.optimizers, caller)
         if self.optimizer_in_backward and wrapped:

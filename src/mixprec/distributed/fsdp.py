@@ -169,6 +169,9 @@ def check_sharded_policy(model: torch.nn.Module, plan: ShardedPlan) -> None:
     (``plan.param_dtype`` bf16/fp16) every FSDP2 unit but norm layers must gather the fp32
     shards in that dtype, or those units would compute in another dtype than the plan says,
     without a word. (fp32 shards under a mixed plan are cast per op by autocast: any policy.)"""
+    if plan.low_shards:
+        _check_low_units(model, plan)
+        return
     if plan.param_dtype is None:
         return
     wrong = {name: dtype for name, dtype in _gather_dtypes(model).items() if dtype != plan.param_dtype}
@@ -183,6 +186,33 @@ def check_sharded_policy(model: torch.nn.Module, plan: ShardedPlan) -> None:
         "configure_model too), or shard with mixprec.distributed.fully_shard_model(module, plan, mesh=...); or "
         "use a '*-mixed' plan, which casts per op"
     )
+
+
+def _check_low_units(model: torch.nn.Module, plan: ShardedPlan) -> None:
+    """Under a plan whose low-precision weights are the shards, every FSDP2 unit must gather its
+    weights as they are stored (``param_dtype`` None or their own dtype) and hold one dtype:
+    an fp32 norm layer gathered in bf16 would compute in bf16, a unit of bf16 and fp32 weights
+    fails in FSDP's first backward."""
+    seen: set[int] = set()
+    for name, module in model.named_modules():
+        if not is_fsdp(module):
+            continue
+        state = module._get_fsdp_state()  # type: ignore[operator]
+        group = getattr(state, "_fsdp_param_group", None)
+        if group is None or id(group) in seen:
+            continue
+        seen.add(id(group))
+        dtypes = {fp.sharded_param.dtype for fp in group.fsdp_params if fp.sharded_param.requires_grad}
+        gather = getattr(group.mp_policy, "param_dtype", None)
+        unit = name or "<root>"
+        if len(dtypes) > 1 or (gather is not None and dtypes and gather not in dtypes):
+            stored = ", ".join(sorted(dtype_name(d) for d in dtypes))
+            raise ValueError(
+                f"plan {plan.name!r} under FSDP2 keeps its weights as the shards and gathers them as stored, but unit "
+                f"{unit!r} holds {stored} weights" + (f" gathered as {dtype_name(gather)}" if gather is not None else "")
+                + ": shard with mixprec.distributed.fully_shard_model(model, plan, ...) (fp32 norm layers and islands "
+                "get their own fp32 unit), or pass mp_policy=fsdp_policy(plan) and keep fp32 layers in units of their own"
+            )
 
 
 def fully_shard_model(

@@ -34,6 +34,7 @@ from mixprec.optim.fast import chunks, default_chunk_numel, fast_kind, fused_ava
 
 __all__ = [
     "StateLayout",
+    "local_share",
     "low_precision_step_transient",
     "nbytes",
     "optimizer_state_bytes",
@@ -182,8 +183,18 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
                     counted.add(id(v))
                     total += nbytes(v)
         else:
-            total += sum(s.numel() * dtype.itemsize for s, dtype in layouts.get(id(q), {}).values())
+            share = local_share(q)  # per-element state of an FSDP2 shard: this rank's part (a step count: whole)
+            total += sum(round(s.numel() * (share if s == q.shape else 1.0)) * dtype.itemsize
+                         for s, dtype in layouts.get(id(q), {}).values())
     return total
+
+
+def local_share(param: torch.Tensor) -> float:
+    """The fraction of ``param``'s elements this rank holds: its shard's of an FSDP2 DTensor, else 1."""
+    local = getattr(param, "_local_tensor", None)
+    if not isinstance(local, torch.Tensor) or not param.numel():
+        return 1.0
+    return local.numel() / param.numel()
 
 
 def state_tensors_of(state: dict[Any, Any]) -> Iterator[torch.Tensor]:

@@ -85,6 +85,11 @@ class KahanOptimizer(LowPrecisionOptimizer):
                 f"set_compensation() on a {param.dtype} parameter: only bf16/fp16 weights have compensation "
                 "(an fp32 one loses no update to rounding)"
             )
+        if shards.is_dtensor(param) and not shards.is_dtensor(value):
+            raise ValueError(
+                "set_compensation(value=...) got a plain tensor for an FSDP2-sharded parameter; pass a DTensor sharded "
+                "like it (e.g. torch.zeros_like(param))"
+            )
         if value.shape != param.shape:
             raise ValueError(
                 f"set_compensation(value=...) has shape {tuple(value.shape)}, but the parameter {tuple(param.shape)}; "

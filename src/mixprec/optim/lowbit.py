@@ -229,10 +229,13 @@ class LowPrecisionOptimizer(WrappedOptimizer):
                     continue
                 group["params"] = active
                 kind = self._fast_kind(group)
-                if shards.is_dtensor(active[0]):  # FSDP2: each rank steps its own shards
-                    self._step_shards(group, active, kind, scratch)
-                    group["params"] = []
-                    continue
+                sharded = [p for p in active if shards.is_dtensor(p)]
+                if sharded:  # FSDP2: each rank steps its own shards; plain parameters as usual
+                    self._step_shards(group, sharded, kind, scratch)
+                    active = group["params"] = [p for p in active if not shards.is_dtensor(p)]
+                    if not active:
+                        group["params"] = []
+                        continue
                 if kind == "adam":  # the compiled route (mixprec.optim.routing) steps what it takes
                     active = group["params"] = routing.compiled_route(self, group, active, whole_step=selected is None)
                 if active and kind is not None:
@@ -259,6 +262,12 @@ class LowPrecisionOptimizer(WrappedOptimizer):
         """``active`` (FSDP2 DTensors) stepped as their local shards (:mod:`mixprec.optim.shards`),
         on the route an unsharded step takes (compiled, fast or generic)."""
         shards.check_shardable(self.optimizer, self.state_dtype, type(self).__name__)
+        added = sorted(set(self.kinds.kinds) - {k.name for k in type(self).state_kinds})
+        if added:
+            raise ValueError(
+                f"{type(self).__name__}: state kinds added with add_state_kind ({', '.join(added)}) are not supported "
+                "on FSDP2 shards (their tensors would be made whole, not sharded); train unsharded, or drop them"
+            )
         with shards.ShardViews(self.optimizer, active, self._shard_cache()) as views:
             group["params"] = views
             if kind == "adam":
@@ -277,6 +286,11 @@ class LowPrecisionOptimizer(WrappedOptimizer):
                 for view in views:
                     if view.grad is not None:
                         self._step_one(view, group, scratch)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(super().__getstate__())
+        state["_shard_views"] = {}  # stand-ins of this run's shards: a copy makes its own
+        return state
 
     def _shard_cache(self) -> dict[int, tuple[torch.Tensor, torch.nn.Parameter]]:
         cache = self.__dict__.get("_shard_views")
@@ -448,7 +462,9 @@ class LowPrecisionOptimizer(WrappedOptimizer):
                 continue
             for shape, dtype in layouts.get(id(q), {}).values():
                 shaped = id(q) in low_ids and shape == q.shape and dtype.is_floating_point
-                total += qstates.tensor_bytes(shape.numel(), self.state_dtype) if shaped else shape.numel() * dtype.itemsize
+                per_element = shape == q.shape  # of an FSDP2 shard: this rank's part (a step count: whole)
+                numel = round(shape.numel() * footprint.local_share(q)) if per_element else shape.numel()
+                total += qstates.tensor_bytes(numel, self.state_dtype) if shaped else numel * dtype.itemsize
         return self.kind_bytes({"optimizer_state": total})
 
     def step_transient_bytes(self) -> int:

@@ -33,6 +33,7 @@ from typing import Any, ClassVar
 import torch
 
 from mixprec.nested import by_device_dtype
+from mixprec.optim import shards
 from mixprec.optim.compiled import CompileSetting
 from mixprec.optim.fast import Piece, prefer_fast_update
 from mixprec.optim.follow import WriteWatch, master_value, register
@@ -94,6 +95,11 @@ class RemainderOptimizer(LowPrecisionOptimizer):
             raise ValueError(
                 "RemainderOptimizer has no compiled route yet: pass compile=False (its fast path runs "
                 "torch's fused kernel on the rebuilt fp32 masters)"
+            )
+        if any(shards.is_dtensor(p) for group in optimizer.param_groups for p in group["params"]):
+            raise ValueError(
+                "RemainderOptimizer does not run on FSDP2 shards: there the fp32 shards are the masters already "
+                "(get_plan('bf16-master') under FSDP2 keeps them sharded, 4 B per parameter / world size)"
             )
         super().__init__(
             optimizer, state_dtype=state_dtype, fast=fast, chunk_numel=chunk_numel, fused=fused, compile=False
