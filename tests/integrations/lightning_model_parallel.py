@@ -4,7 +4,8 @@ mixprec plugin, 10 steps on 2 gloo ranks. Writes each rank's losses, final full 
 the error it raised, to ``<out>/rank<r>.pt``.
 
 Usage: torchrun --nproc_per_node 2 lightning_model_parallel.py PLAN POLICY OUT
-(POLICY: "policy" passes mp_policy=fsdp_policy(PLAN) to fully_shard, "none" passes nothing)
+(POLICY: "policy" passes mp_policy=fsdp_policy(PLAN) to fully_shard, "none" passes nothing,
+"mixprec" shards with mixprec.distributed.fully_shard_model(self.net, PLAN, mesh=...))
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import lightning as L  # noqa: E402
 from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 
-from mixprec.distributed import fsdp_policy  # noqa: E402
+from mixprec.distributed import fsdp_policy, fully_shard_model  # noqa: E402
 from mixprec.integrations.lightning import MixprecPrecision  # noqa: E402
 
 STEPS, MICRO = 10, 4
@@ -46,6 +47,9 @@ class Sharded(L.LightningModule):
 
     def configure_model(self) -> None:
         mesh = self.device_mesh["data_parallel"]
+        if "plan" in self.policy:  # the plans without masters: mixprec converts, then shards
+            fully_shard_model(self.net, self.policy["plan"], mesh=mesh, units=(torch.nn.Linear,))
+            return
         for layer in (self.net[0], self.net[2], self.net):
             fully_shard(layer, mesh=mesh, **self.policy)
 
@@ -61,7 +65,8 @@ class Sharded(L.LightningModule):
 
 def main() -> None:
     plan, policy_arg, out = sys.argv[1:4]
-    policy = {"mp_policy": fsdp_policy(plan)} if policy_arg == "policy" else {}
+    policy = ({"mp_policy": fsdp_policy(plan)} if policy_arg == "policy" else
+              {"plan": plan} if policy_arg == "mixprec" else {})
     x, y = data()
     rank = int(os.environ["RANK"])
     # rank r gets rows r, r + 2, ... of each global batch of 2 * MICRO (a DistributedSampler's split)

@@ -75,6 +75,22 @@ def test_configure_model_sharding_trains_as_one_process(tmp_path, plan):
         torch.testing.assert_close(a["params"][name].float(), ref, rtol=2e-2, atol=2e-3)
 
 
+@pytest.mark.parametrize("plan", ["bf16-kahan", "bf16-sr"])
+def test_configure_model_sharding_with_fully_shard_model_trains_the_plans_without_masters(tmp_path, plan):
+    """bf16 weights as the shards, stepped by mixprec's Kahan / SR wrappers inside Lightning."""
+    ranks = _run(plan, "mixprec", tmp_path / "run")
+    assert all("error" not in r for r in ranks), [r.get("error") for r in ranks]
+    a, b = ranks
+    for name in a["params"]:
+        assert a["params"][name].dtype == torch.bfloat16
+        assert torch.equal(a["params"][name], b["params"][name]), name
+    losses, params = _one_process(plan)
+    both = [(x + y) / 2 for x, y in zip(a["losses"], b["losses"], strict=True)]
+    assert both == pytest.approx(losses, rel=2e-2)
+    for name, ref in params.items():
+        torch.testing.assert_close(a["params"][name].float(), ref, rtol=2e-2, atol=2e-3)
+
+
 def test_configure_model_sharding_without_the_gather_dtype_is_refused_under_a_master_plan(tmp_path):
     """Before: the master plan did not see FSDP inside the LightningModule (it failed in Lightning's
     model.to() or ran fp32). Now: the missing param_dtype is named, with the fix."""
