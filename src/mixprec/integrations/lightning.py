@@ -62,7 +62,7 @@ from lightning.pytorch.utilities import GradClipAlgorithmType  # noqa: E402
 
 from mixprec.session import MixedPrecision, StepResult  # noqa: E402
 
-__all__ = ["MixprecPrecision", "setup"]
+__all__ = ["MixprecPrecision", "setup", "setup_optimizers"]
 
 
 def _inner(optimizer: Any) -> Any:
@@ -101,9 +101,12 @@ class MixprecPrecision(Precision):
         self._islands = False
         self._originals: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._outer_dtypes: list[torch.dtype] = []
+        self._defer = False  # set by setup() while Fabric shards the model
 
     # ------------------------------------------------------------ setup
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        if getattr(self, "_defer", False):  # Fabric shards in setup: prepared after (see setup())
+            return module
         if self.mp.model is None:
             module = self.mp.prepare_model(module)
         elif self.mp.model is not module:
@@ -343,8 +346,32 @@ def setup(fabric: Any, module: torch.nn.Module, *optimizers: torch.optim.Optimiz
     Fabric gives a precision plugin the model but never the optimizers; this converts the
     model, wraps the optimizers (fp32 masters, Kahan / stochastic rounding) and then lets
     Fabric set them up. Returns what ``fabric.setup`` returns.
+
+    Under a strategy that shards the model in ``fabric.setup`` (``ModelParallelStrategy``),
+    set the model up alone, then build the optimizer over its sharded parameters and set it
+    up with :func:`setup_optimizers` (Fabric's documented order): the model is prepared
+    after Fabric sharded it, so the plan runs on the shards (FSDP2 plans,
+    :mod:`mixprec.distributed.fsdp`). Its ``parallelize_fn`` shards with
+    ``mixprec.distributed.fully_shard_model(model, plan, mesh=device_mesh["data_parallel"])``
+    (or passes ``mp_policy=fsdp_policy(plan)`` to ``fully_shard``).
     """
     plugin = _plugin(fabric, "setup()")
+    if _shards_in_setup(fabric):
+        if optimizers:
+            names = ", ".join(type(o).__name__ for o in optimizers)
+            raise RuntimeError(
+                f"setup(): {type(fabric.strategy).__name__} shards the model inside fabric.setup, which would leave "
+                f"the optimizer(s) {names} holding parameters the model no longer has. Set the model up alone, then "
+                "the optimizer: model = setup(fabric, model); opt = torch.optim.AdamW(model.parameters()); "
+                "opt = setup_optimizers(fabric, opt). (Or shard first with mixprec.distributed.fully_shard_model.)"
+            )
+        plugin._defer = True
+        try:
+            out = fabric.setup(module, **kwargs)
+        finally:
+            plugin._defer = False
+        plugin.convert_module(getattr(out, "_forward_module", module))  # now sharded: the plan runs on the shards
+        return out
     plugin.convert_module(module)
     wrapped = plugin._wrap(optimizers)
     out = fabric.setup(module, *wrapped, **kwargs)
@@ -352,6 +379,28 @@ def setup(fabric: Any, module: torch.nn.Module, *optimizers: torch.optim.Optimiz
     if prepared is not None and wrapped:  # a strategy that sharded in fabric.setup left them stale: say so now
         prepared.check_bound(plugin.mp.optimizers, "setup()")
     return out
+
+
+def setup_optimizers(fabric: Any, *optimizers: torch.optim.Optimizer) -> Any:
+    """``fabric.setup_optimizers(*optimizers)`` with the optimizers wrapped for the plan first:
+    for a model set up alone with :func:`setup` (Fabric's order under sharding strategies)."""
+    plugin = _plugin(fabric, "setup_optimizers()")
+    if plugin.mp.model is None:
+        raise RuntimeError("setup_optimizers(): set the model up first with mixprec's setup(fabric, model)")
+    wrapped = plugin._wrap(optimizers)
+    prepared = plugin.mp._prepared
+    if prepared is not None:
+        prepared.check_bound(plugin.mp.optimizers, "setup_optimizers()")
+    return fabric.setup_optimizers(*wrapped)
+
+
+def _shards_in_setup(fabric: Any) -> bool:
+    """Whether ``fabric``'s strategy shards the model inside ``fabric.setup`` (FSDP2 through ``ModelParallelStrategy``)."""
+    try:
+        from lightning.fabric.strategies import ModelParallelStrategy
+    except ImportError:  # pragma: no cover - Lightning without it
+        return False
+    return isinstance(getattr(fabric, "strategy", None), ModelParallelStrategy)
 
 
 def _plugin(fabric: Any, caller: str) -> MixprecPrecision:

@@ -76,8 +76,9 @@ def owner_of(param: torch.Tensor) -> torch.Tensor:
     return getattr(param, "_mixprec_shard_of", param)
 
 
-def check_shardable(optimizer: torch.optim.Optimizer, state_dtype: torch.dtype | None, owner: str) -> None:
-    """Refuse what cannot step FSDP2 shards independently, naming the fix."""
+def check_shardable(optimizer: torch.optim.Optimizer, moments: torch.dtype | None, owner: str) -> None:
+    """Refuse what cannot step FSDP2 shards independently (``moments``: the wrapper's state
+    dtype), naming the fix."""
     if type(optimizer) not in ELEMENTWISE:
         names = ", ".join(c.__name__ for c in ELEMENTWISE)
         raise ValueError(
@@ -87,7 +88,7 @@ def check_shardable(optimizer: torch.optim.Optimizer, state_dtype: torch.dtype |
         )
     from mixprec.optim import states as qstates
 
-    if state_dtype == qstates.Q8:
+    if moments == qstates.Q8:
         raise ValueError(
             f"{owner}: 8-bit optimizer states are not supported on FSDP2 shards (their blocks would straddle "
             "shards); use state_dtype='bf16' there"
