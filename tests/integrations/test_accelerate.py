@@ -167,6 +167,15 @@ def test_accelerator_mixed_precision_and_mixprec_conflict():
         prepare(acc, MixedPrecision("bf16-mixed"), model, torch.optim.SGD(model.parameters(), lr=0.1))
 
 
+def test_an_fsdp_accelerator_is_refused_not_run_as_ddp(monkeypatch):
+    """On CPU Accelerate ignores an FSDP plugin and runs DDP; mixprec says so instead."""
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    acc = Accelerator(cpu=True)
+    model = TinyMLP()
+    with pytest.raises(ValueError, match=re.escape("this Accelerator runs FSDP")):
+        prepare(acc, MixedPrecision("bf16-mixed"), model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
 def test_clip_in_the_middle_of_accumulation_is_refused():
     acc = Accelerator(cpu=True, gradient_accumulation_steps=2)
     model = TinyMLP()

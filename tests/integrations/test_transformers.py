@@ -191,6 +191,13 @@ def test_training_arguments_precision_flags_conflict(tmp_path):
         MixprecTrainer(model=gpt2(), args=args, precision="fp16-mixed")
 
 
+def test_trainer_fsdp_is_refused_not_run_as_ddp(tmp_path):
+    """The Trainer's fsdp= used to run DDP on CPU under MixprecTrainer, without a word."""
+    args = TrainingArguments(output_dir=str(tmp_path), fsdp=True, use_cpu=True, report_to=[])
+    with pytest.raises(ValueError, match=re.escape("TrainingArguments(fsdp=...) asks the Trainer for FSDP")):
+        MixprecTrainer(model=gpt2(), args=args, precision="bf16-mixed")
+
+
 def test_missing_framework_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)
     monkeypatch.delitem(sys.modules, "mixprec.integrations.transformers", raising=False)

@@ -47,6 +47,7 @@ the accelerator's precision hooks to mixprec:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -76,6 +77,15 @@ def _plain_module(model: torch.nn.Module) -> torch.nn.Module:
 def _check_accelerator(accelerator: Any) -> None:
     if not isinstance(accelerator, Accelerator):
         raise TypeError(f"accelerator must be an accelerate.Accelerator, got {type(accelerator).__name__}")
+    state = getattr(accelerator, "state", None)
+    engine = ("FSDP" if getattr(state, "fsdp_plugin", None) is not None or os.environ.get("ACCELERATE_USE_FSDP", "").lower()
+              in ("1", "true") else "DeepSpeed" if getattr(state, "deepspeed_plugin", None) is not None else None)
+    if engine is not None:
+        raise ValueError(
+            f"this Accelerator runs {engine}, which mixprec's Accelerate integration does not support: its engine "
+            "applies its own precision (and on CPU Accelerate ignores an FSDP plugin and runs DDP, without a word). "
+            "Use an Accelerator without it (DDP), or shard with mixprec.distributed.fully_shard_model in your own loop"
+        )
     mixed = str(getattr(accelerator, "mixed_precision", "no"))
     if mixed != "no":
         raise ValueError(

@@ -102,6 +102,15 @@ class MixprecTrainer(Trainer):
 
     # -------------------------------------------------------------- wiring
     def create_accelerator_and_postprocess(self) -> None:
+        for flag, what in (("fsdp", "FSDP"), ("deepspeed", "DeepSpeed")):
+            if getattr(self.args, flag, None):
+                raise ValueError(
+                    f"TrainingArguments({flag}=...) asks the Trainer for {what}, which MixprecTrainer does not "
+                    f"integrate: its engine applies its own precision (and on CPU Accelerate would run DDP instead, "
+                    "without a word). For sharded training shard the model at load time "
+                    "(from_pretrained(..., distributed_config=...)) or use mixprec's own loop with "
+                    "mixprec.distributed.fully_shard_model; drop " + flag + "= here"
+                )
         for flag in ("fp16", "bf16", "fp16_full_eval", "bf16_full_eval"):
             if getattr(self.args, flag, False):
                 raise ValueError(
