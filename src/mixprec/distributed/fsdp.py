@@ -183,8 +183,10 @@ def check_sharded_policy(model: torch.nn.Module, plan: ShardedPlan) -> None:
         f"plan {plan.name!r} under FSDP2 all-gathers the fp32 shards in {dtype_name(plan.param_dtype)}, but "
         f"{len(wrong)} fully_shard unit(s) of this model gather otherwise: {units}; they would compute in that "
         "dtype. Pass mp_policy=mixprec.distributed.fsdp_policy(plan) to each fully_shard call (in Lightning's "
-        "configure_model too), or shard with mixprec.distributed.fully_shard_model(module, plan, mesh=...); or "
-        "use a '*-mixed' plan, which casts per op"
+        "configure_model too), or shard with mixprec.distributed.fully_shard_model(module, plan, mesh=...)"
+        + (" (transformers' load-time sharding: DistributedConfig(..., fsdp_mixed_precision=True))"
+           if plan.param_dtype == torch.bfloat16 else "")
+        + "; or use a '*-mixed' plan, which casts per op"
     )
 
 
@@ -424,7 +426,9 @@ def check_low_shards(model: torch.nn.Module, plan: ShardedPlan) -> None:
             f"plan {plan.name!r} trains {dtype_name(plan.weight_dtype)} weights without masters, but this FSDP2 model "
             f"was sharded with {dtype_name(trainable[0].dtype)} weights: under FSDP2 the shards are the weights, "
             "converted before sharding. Shard with mixprec.distributed.fully_shard_model(model, plan, ...) (it "
-            "converts, then shards), then build the optimizer and prepare"
+            "converts, then shards), then build the optimizer and prepare; with transformers' load-time sharding, "
+            f"load in that dtype: from_pretrained(..., dtype=torch.{str(plan.weight_dtype).split('.')[-1]}, "
+            "distributed_config=...) (norm layers then stay in it too)"
         )
 
 
