@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from transformers import DistributedConfig, GPT2Config, GPT2LMHeadModel  # noqa: E402, F401
+from transformers import GPT2Config, GPT2LMHeadModel
 
 pytestmark = [pytest.mark.integration, pytest.mark.distributed]
 
