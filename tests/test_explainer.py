@@ -240,3 +240,17 @@ def test_an_additive_attention_mask_and_a_pure_plans_input_cast_are_not_blamed_o
             mp.step()
     warned = [str(w.message) for w in caught if "mixprec: steps are being skipped" in str(w.message)]
     assert warned and "check the data" not in warned[0], warned
+
+
+def test_every_bad_batch_in_a_row_is_blamed_on_the_data():
+    """After a finding was handed out, the next forward starts a new step: its inputs are read too."""
+    from mixprec.tracing import OverflowTracer
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+    with OverflowTracer(model) as tracer:
+        for _ in range(3):
+            x = torch.randn(2, 4)
+            x[0, 0] = float("nan")
+            model(x).sum().backward()
+            finding = tracer.first_overflow()
+            assert finding is not None and finding.in_input, finding

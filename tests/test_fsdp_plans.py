@@ -32,7 +32,7 @@ from tests.test_distributed import (
 
 WORLD = 2
 ROOT = Path(__file__).resolve().parent.parent
-STEPS, INF_STEP = 5, 2
+STEPS, INF_STEP = 10, 4
 PLANS = ("bf16-pure", "fp16-pure", "bf16-kahan", "bf16-sr", "fp16-master")
 
 
@@ -181,6 +181,31 @@ def _refusal_worker(rank: int, world: int, out: str) -> None:
     model(torch.randn(2, 8, dtype=torch.bfloat16)).float().sum().backward()
     opt.step()
     found["measured"] = opt.state_bytes()
+    # an fp32 island holding its own parameter and units inside it: shards, trains
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x)
+
+    class Enc(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.pos = torch.nn.Parameter(torch.zeros(8))
+            self.blocks = torch.nn.Sequential(Block(), Block())
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.blocks(x + self.pos)
+
+    island_plan = get_plan("bf16-pure", fp32_modules=["0"])
+    net = fully_shard_model(torch.nn.Sequential(Enc(), torch.nn.Linear(8, 2)), island_plan, units=(Block,),
+                            reshard_after_forward=True)
+    net, island_opt = MixedPrecision(island_plan).prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    net(torch.randn(2, 8)).float().sum().backward()
+    island_opt.step()
+    found["island"] = sorted({str(p.dtype) for p in net[0].parameters()}) + sorted({str(p.dtype) for p in net[1].parameters()})
     # a pickle or copy of the wrapper carries no stand-ins of this run's shards
     found["copy views"] = len(opt.__getstate__()["_shard_views"])
     found["views"] = len(opt._shard_views)
@@ -204,6 +229,7 @@ def test_what_cannot_be_sharded_is_refused_with_the_fix(tmp_path):
     assert "pass a DTensor sharded like it" in found["set_compensation"]
     assert found["predicted"] == found["measured"], (found["predicted"], found["measured"])
     assert found["views"] == 4 and found["copy views"] == 0
+    assert found["island"] == ["torch.float32", "torch.bfloat16"]  # the island fp32, the rest bf16
 
 
 def _in_backward_worker(rank: int, world: int, out: str) -> None:

@@ -425,10 +425,10 @@ class _Site:
         """The model's floating inputs, positional and keyword: a NaN or +inf there is the data's
         (-inf alone is not counted: additive attention masks hold it by design)."""
         tracer = self.tracer
-        if tracer._idle:
-            return
         if tracer._reported:
             tracer.reset()  # a finding was handed out: this forward starts the next step
+        if tracer._idle:
+            return
         for t in floating_tensors((args, kwargs)):
             try:
                 largest = t.detach().amax() if t.numel() else None

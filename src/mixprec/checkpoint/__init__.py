@@ -203,6 +203,12 @@ def _group_of(path: str, mp: MixedPrecision | None, what: str) -> Any:
         raise ValueError(f"cannot {what} checkpoint {path!r}: the model holds FSDP2 shards but no process group is "
                          "initialised; call it on every rank after init_process_group")
     group = getattr(mp, "process_group", None)
+    if group is not None and dist.get_world_size(group) != dist.get_world_size():
+        raise ValueError(
+            f"cannot {what} checkpoint {path!r} over the session's process group of {dist.get_world_size(group)} of "
+            f"{dist.get_world_size()} ranks: a sharded checkpoint's parts are named and switched in by every rank "
+            "of the world. Save with a MixedPrecision whose process_group spans all ranks (the default)"
+        )
     return group if group is not None else dist.group.WORLD
 
 
@@ -241,9 +247,10 @@ def _save_parts(path: str, build: Any, group: Any) -> None:
     if rank == 0:  # every part is written: switch to this save, then drop the earlier ones
         try:
             _write(path, {"format": FORMAT, "sharded": {"save": save, "world": world}})
-            sharded.remove_old_saves(path, save)
         except BaseException as exc:
             error = exc
+        else:
+            sharded.remove_old_saves(path, save)  # (ignores what it cannot remove: the switch stands)
     sharded.agree(error is None, f"switching checkpoint {path!r} to the new save", group)
     if error is not None:
         raise error
@@ -400,17 +407,21 @@ def _apply(path: str, payload: dict[str, Any], module: torch.nn.Module, optimize
     """Step 2 of a load: apply, restoring what was applied if a later part still fails (or, with
     ``agree``, an FSDP2 run's collective decision, if another rank's load failed)."""
     restore_rng = rng and "rng" in payload
-    model_state, converted = payload["model"], fp32_weights(path, module, optimizers, payload)
-    if converted[0]:
-        model_state = {**model_state, **converted[0]}
-
-    model_before = _snapshot(module.state_dict())
-    opts_before = [_snapshot(opt.state_dict()) for opt in optimizers]
-    rng_before = _rng_state() if restore_rng else None
     mp_before: dict[str, Any] | None = None
-    if mp is not None:
-        with contextlib.suppress(RuntimeError):  # mid-accumulation sessions have no state_dict
-            mp_before = _snapshot(mp.state_dict())
+    try:
+        model_state, converted = payload["model"], fp32_weights(path, module, optimizers, payload)
+        if converted[0]:
+            model_state = {**model_state, **converted[0]}
+        model_before = _snapshot(module.state_dict())
+        opts_before = [_snapshot(opt.state_dict()) for opt in optimizers]
+        rng_before = _rng_state() if restore_rng else None
+        if mp is not None:
+            with contextlib.suppress(RuntimeError):  # mid-accumulation sessions have no state_dict
+                mp_before = _snapshot(mp.state_dict())
+    except BaseException:  # (out of memory for the copies, say) nothing applied: the other ranks undo theirs
+        if agree is not None:
+            agree(False)
+        raise
     rng_applied = mp_touched = False
     try:
         module.load_state_dict(model_state)
@@ -424,20 +435,22 @@ def _apply(path: str, payload: dict[str, Any], module: torch.nn.Module, optimize
             mp.load_state_dict(payload["mixed_precision"], allow_plan_change=allow_plan_change)
         if agree is not None:
             agree(True)  # raises PeerFailed when another rank's load failed: then undone here too
-    except Exception as exc:
-        if agree is not None and not isinstance(exc, sharded.PeerFailed):
-            agree(False)
-        module.load_state_dict(model_before)
-        # every optimizer, applied or not: a failed load may have changed the one that raised, and
-        # restoring the model reaches the masters of the others (they follow loads into the model)
-        for opt, before in zip(optimizers, opts_before, strict=True):
-            opt.load_state_dict(before)
-        if rng_applied and rng_before is not None:
-            _set_rng_state(rng_before)
-        if mp_touched and mp is not None and mp_before is not None:
-            with contextlib.suppress(Exception):
-                mp.load_state_dict(mp_before)
-        if isinstance(exc, ValueError | TypeError | OSError | sharded.PeerFailed):
+    except BaseException as exc:  # an interrupt too: undone here, and the other ranks told
+        try:
+            module.load_state_dict(model_before)
+            # every optimizer, applied or not: a failed load may have changed the one that raised, and
+            # restoring the model reaches the masters of the others (they follow loads into the model)
+            for opt, before in zip(optimizers, opts_before, strict=True):
+                opt.load_state_dict(before)
+            if rng_applied and rng_before is not None:
+                _set_rng_state(rng_before)
+            if mp_touched and mp is not None and mp_before is not None:
+                with contextlib.suppress(Exception):
+                    mp.load_state_dict(mp_before)
+        finally:
+            if agree is not None and not isinstance(exc, sharded.PeerFailed):
+                agree(False)
+        if not isinstance(exc, Exception) or isinstance(exc, ValueError | TypeError | OSError | sharded.PeerFailed):
             raise
         raise ValueError(f"checkpoint {path!r} could not be applied ({exc}); nothing was changed") from exc
     if converted[1]:

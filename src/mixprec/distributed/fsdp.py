@@ -12,13 +12,13 @@ plan family   ``param_dtype``        ``reduce_dtype``        how it computes
 fp32 / tf32   None (fp32)            ``plan.reduce_dtype``   fp32
 ``*-mixed``   None (fp32)            ``plan.reduce_dtype``   autocast casts per op, as without FSDP
 ``*-master``  the compute dtype      ``plan.reduce_dtype``   bf16/fp16 weights; norm layers in
-                                                              their own fp32 units
+                                                              one fp32 unit
 
 ``*-pure``     None (as stored)       ``plan.reduce_dtype``   bf16/fp16 shards, no master: the
 ``*-kahan``                                                   optimizer wrapper steps each rank's
 ``bf16-sr``                                                   local shard (compensation sharded
                                                               like the weights); norm layers in
-                                                              their own fp32 units
+                                                              one fp32 unit, islands in their own
 ============  =====================  ======================  ==================================
 
 The plans without masters keep their low-precision weights as the shards themselves:
@@ -213,7 +213,7 @@ def _check_low_units(model: torch.nn.Module, plan: ShardedPlan) -> None:
                 f"plan {plan.name!r} under FSDP2 keeps its weights as the shards and gathers them as stored, but unit "
                 f"{unit!r} holds {stored} weights" + (f" gathered as {dtype_name(gather)}" if gather is not None else "")
                 + ": shard with mixprec.distributed.fully_shard_model(model, plan, ...) (fp32 norm layers and islands "
-                "get their own fp32 unit), or pass mp_policy=fsdp_policy(plan) and keep fp32 layers in units of their own"
+                "go to fp32 units), or pass mp_policy=fsdp_policy(plan) and keep fp32 layers in units of their own"
             )
 
 
@@ -235,9 +235,10 @@ def fully_shard_model(
         mesh: a 1-D ``DeviceMesh`` (default: all ranks, on the model's device type).
         units: module classes (or a ``(qualified_name, module) -> bool`` predicate) that each
             become their own FSDP unit, e.g. the transformer block class; the root is
-            always one. The layers a plan computes in fp32 while the rest gathers in low
-            precision (norm layers under master plans; norm layers and fp32 islands under
-            pure, Kahan and SR plans) form one fp32 unit together, gathered once per step.
+            always one. Norm layers a plan keeps in fp32 while the rest gathers in low
+            precision form one fp32 unit together, gathered at the first of them and kept
+            until the backward; fp32 islands (pure, Kahan and SR plans) are fp32 units of
+            their own.
         **fully_shard_kwargs: passed to ``fully_shard`` (``reshard_after_forward``, ...).
 
     Returns the same module object, now an ``FSDPModule``.
@@ -262,23 +263,27 @@ def fully_shard_model(
     match = units if callable(units) else _by_class(tuple(units))
     fp32_policy = api.MixedPrecisionPolicy(param_dtype=None, reduce_dtype=plan.reduce_dtype)
     modules = list(model.named_modules())
-    fp32_modules = []  # computed in fp32 under a plan that gathers the rest in low precision
-    for _, module in modules:
-        if module is model or next(module.parameters(recurse=False), None) is None:
-            continue
+
+    def fp32_own(module: torch.nn.Module) -> bool:  # its own parameters stay fp32 while the rest gathers low
         own = list(module.parameters(recurse=False))
-        if (policy.param_dtype is not None and isinstance(module, NORM_LAYERS)) or (
-            low_shards and any(p.dtype != plan.weight_dtype for p in own)  # fp32 norm layers and islands
-        ):
-            fp32_modules.append(module)
-    if fp32_modules:
-        # one fp32 unit for all of them (a unit all-gathers one dtype): a unit per norm layer
-        # would cost a gather and hooks each; they are small, so they stay gathered all step
-        api.fully_shard(fp32_modules, mesh=mesh, mp_policy=fp32_policy,
-                        **{**fully_shard_kwargs, "reshard_after_forward": False})
-    grouped = {id(m) for m in fp32_modules}
+        return bool(own) and (
+            (policy.param_dtype is not None and isinstance(module, NORM_LAYERS))
+            or (low_shards and any(p.dtype != plan.weight_dtype for p in own))
+        )
+
+    # norm layers (leaves, a negligible share of the weights): one fp32 unit for all of them,
+    # gathered at the first and kept until the backward, instead of a unit (a gather and four
+    # hooks of host time) each
+    norms = [m for _, m in modules if m is not model and isinstance(m, NORM_LAYERS) and fp32_own(m)]
+    if norms:
+        api.fully_shard(norms, mesh=mesh, mp_policy=fp32_policy, **{**fully_shard_kwargs, "reshard_after_forward": False})
+    grouped = {id(m) for m in norms}
     for name, module in reversed(modules):  # children before parents
-        if module is not model and id(module) not in grouped and match(name, module):
+        if module is model or id(module) in grouped:
+            continue
+        if fp32_own(module):  # an fp32 island: its own fp32 unit (a unit all-gathers one dtype)
+            api.fully_shard(module, mesh=mesh, mp_policy=fp32_policy, **fully_shard_kwargs)
+        elif match(name, module):
             api.fully_shard(module, mesh=mesh, mp_policy=policy, **fully_shard_kwargs)
     api.fully_shard(model, mesh=mesh, mp_policy=policy, **fully_shard_kwargs)
     return model

@@ -220,6 +220,17 @@ def split_wrapper_state(state_dict: Any, key: str, owner: str) -> tuple[dict[str
     sd = dict(state_dict)
     extra = sd.pop(key, None)
     if extra is None:
+        state = sd.get("state")
+        if isinstance(state, Mapping) and state and all(isinstance(k, str) for k in state):
+            # parameters named by their qualified names: torch.distributed.checkpoint's
+            # get_optimizer_state_dict, which keeps only "state" and "param_groups"
+            raise ValueError(
+                f"this optimizer state_dict names its parameters by qualified name and has no {key!r} entry: it went "
+                "through torch.distributed.checkpoint's get_optimizer_state_dict (Fabric's and Lightning's sharded "
+                f"checkpoints), which keeps only 'state' and 'param_groups' and drops what a {owner} keeps beside "
+                "them (Kahan compensation, rounding noise). Save and load with mixprec.save_checkpoint / "
+                "load_checkpoint on every rank instead (one part per rank, resumed bit for bit)"
+            )
         raise ValueError(
             f"this optimizer state_dict has no {key!r} entry: it was not saved by a "
             f"{owner}; load it into the optimizer that saved it"
