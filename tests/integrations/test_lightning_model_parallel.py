@@ -119,3 +119,15 @@ def test_fabric_documented_order_under_a_sharding_strategy_trains_as_one_process
     assert both == pytest.approx(losses, rel=2e-2)
     for name, ref in params.items():
         torch.testing.assert_close(a["params"][name].float(), ref, rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.parametrize("plan", ["bf16-kahan", "bf16-sr"])
+def test_fabric_sharded_checkpoint_keeps_compensation_and_noise_and_resumes_bit_for_bit(tmp_path, plan):
+    """fabric.save / fabric.load (torch.distributed.checkpoint) keep only the optimizer's 'state'
+    and 'param_groups': the wrapper's compensation and per-shard rounding noise travel in its
+    first param group. Before, the load was refused for a missing entry."""
+    for rank in _torchrun(SCRIPT.with_name("fabric_sharded_checkpoint.py"), [plan], tmp_path / "run"):
+        assert rank["resumed"] == rank["straight"], plan
+        for name, w in rank["after"].items():
+            assert torch.equal(rank["resumed_weights"][name], w), (plan, name)
+

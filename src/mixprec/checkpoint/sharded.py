@@ -89,9 +89,10 @@ def _set(obj: Any, path: Sequence[Any], value: Any) -> None:
 
 
 def _param_index(path: Sequence[Any]) -> int | None:
-    """The parameter index in an optimizer state_dict path (``state/3/exp_avg``, ``<wrapper>/compensation/3``)."""
+    """The parameter index in an optimizer state_dict path: its last int (``state/3/exp_avg``,
+    ``<wrapper>/compensation/3``, ``param_groups/0/<wrapper>/compensation/3``)."""
     ints = [k for k in path if isinstance(k, int) and not isinstance(k, bool)]
-    return ints[0] if ints else None
+    return ints[-1] if ints else None
 
 
 def _params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -212,6 +212,21 @@ def check_state_shapes(params: Sequence[torch.Tensor], state_dict: dict[str, Any
 
 
 # ------------------------------------------------------------ the wrappers' own entries
+def lift_wrapper_state(state_dict: Any, key: str) -> Any:
+    """``state_dict`` with a wrapper's entry ``key`` at the top level: a wrapper over FSDP2 shards
+    keeps it in a param group (where torch.distributed.checkpoint keeps it); a shallow copy
+    when it is moved, ``state_dict`` itself otherwise."""
+    if not isinstance(state_dict, Mapping) or key in state_dict:
+        return state_dict
+    groups = state_dict.get("param_groups")
+    if not isinstance(groups, list) or not any(isinstance(g, Mapping) and key in g for g in groups):
+        return state_dict
+    lifted = dict(state_dict)
+    lifted["param_groups"] = [{k: v for k, v in g.items() if k != key} if isinstance(g, Mapping) else g for g in groups]
+    lifted[key] = next(g[key] for g in groups if isinstance(g, Mapping) and key in g)
+    return lifted
+
+
 def split_wrapper_state(state_dict: Any, key: str, owner: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """``state_dict`` as (the inner optimizer's state_dict, the wrapper's own entry ``key``),
     refused (TypeError/ValueError naming ``owner``) when it is not a dict or lacks the entry."""
@@ -226,10 +241,10 @@ def split_wrapper_state(state_dict: Any, key: str, owner: str) -> tuple[dict[str
             # get_optimizer_state_dict, which keeps only "state" and "param_groups"
             raise ValueError(
                 f"this optimizer state_dict names its parameters by qualified name and has no {key!r} entry: it went "
-                "through torch.distributed.checkpoint's get_optimizer_state_dict (Fabric's and Lightning's sharded "
-                f"checkpoints), which keeps only 'state' and 'param_groups' and drops what a {owner} keeps beside "
-                "them (Kahan compensation, rounding noise). Save and load with mixprec.save_checkpoint / "
-                "load_checkpoint on every rank instead (one part per rank, resumed bit for bit)"
+                "through torch.distributed.checkpoint's get_optimizer_state_dict, which keeps only 'state' and "
+                f"'param_groups' and drops what a {owner} keeps beside them (Kahan compensation, rounding noise), "
+                "from an optimizer over unsharded parameters (over FSDP2 shards the entry travels in a param group). "
+                "Save and load with mixprec.save_checkpoint / load_checkpoint instead"
             )
         raise ValueError(
             f"this optimizer state_dict has no {key!r} entry: it was not saved by a "

@@ -50,6 +50,7 @@ from mixprec.optim.checks import (
     check_kind_state,
     check_rounding_state,
     check_state_shapes,
+    lift_wrapper_state,
     split_wrapper_state,
 )
 from mixprec.optim.compiled import CompileSetting, check_compile_setting
@@ -419,15 +420,24 @@ class LowPrecisionOptimizer(WrappedOptimizer):
         self.kinds.load(extra, list(self.params()))
 
     def state_dict(self) -> dict[str, Any]:
+        """The inner optimizer's state_dict and this wrapper's own entry (compensation, rounding
+        noise, compiled layouts) under ``"mixprec_lowbit"``. Over FSDP2 shards the entry goes into
+        the first param group instead, where ``torch.distributed.checkpoint``'s
+        ``get_optimizer_state_dict`` (Fabric's and Lightning's sharded checkpoints) keeps it: it
+        keeps only ``state`` and ``param_groups``. :meth:`load_state_dict` reads either place."""
         sd = self.optimizer.state_dict()
-        sd[self._STATE_KEY] = {**self.extra_state(), "compiled_layouts": sorted(self._compiled_layouts)}
+        extra = {**self.extra_state(), "compiled_layouts": sorted(self._compiled_layouts)}
+        if sd.get("param_groups") and any(shards.is_dtensor(p) for p in self._low_params()):
+            sd["param_groups"][0][self._STATE_KEY] = extra  # (torch's state_dict copies each group)
+        else:
+            sd[self._STATE_KEY] = extra
         return sd
 
     def check_state_dict(self, state_dict: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         """Everything :meth:`load_state_dict` checks, changing nothing; returns (the inner
         optimizer's state_dict, this wrapper's own entry)."""
         owner, params = type(self).__name__, list(self.params())
-        sd, extra = split_wrapper_state(state_dict, self._STATE_KEY, owner)
+        sd, extra = split_wrapper_state(lift_wrapper_state(state_dict, self._STATE_KEY), self._STATE_KEY, owner)
         check_rounding_state(extra, self.rounding, owner)
         check_kind_state(self.kinds, extra, params, owner)
         check_inner_state_dict(self.optimizer, sd)

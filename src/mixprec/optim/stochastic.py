@@ -113,8 +113,12 @@ class StochasticRoundingOptimizer(LowPrecisionOptimizer):
         return None, self._counter
 
     def rounding_state(self) -> dict[str, Any]:
+        # FSDP2: each shard's generator under its own key ("cpu/shard1"), so a checkpoint that keeps
+        # one copy of what the ranks share (torch.distributed.checkpoint) keeps every rank's noise
+        offset = self.__dict__.get("_shard_offset")
+        suffix = "" if offset is None else f"/shard{offset}"
         return {
-            "generators": {str(dev): g.get_state() for dev, g in self._generators.items()},
+            "generators": {f"{dev}{suffix}": g.get_state() for dev, g in self._generators.items()},
             "seed": self._seed,
             "counter": self._counter[0],
         }
@@ -123,5 +127,8 @@ class StochasticRoundingOptimizer(LowPrecisionOptimizer):
         self._seed = int(extra.get("seed", self._seed))
         self._counter = [int(extra.get("counter", (self._seed * 0x9E3779B9) % (1 << 32)))]
         self._generators = {}
-        for dev, state in extra.get("generators", {}).items():
+        for key, state in extra.get("generators", {}).items():
+            dev, _, shard = str(key).partition("/shard")
+            if shard:
+                self._shard_offset = int(shard)
             self._generator(torch.device(dev)).set_state(state)
