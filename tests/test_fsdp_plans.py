@@ -206,6 +206,25 @@ def _refusal_worker(rank: int, world: int, out: str) -> None:
     net(torch.randn(2, 8)).float().sum().backward()
     island_opt.step()
     found["island"] = sorted({str(p.dtype) for p in net[0].parameters()}) + sorted({str(p.dtype) for p in net[1].parameters()})
+    # stochastic rounding: each shard's noise under its own key; a state holding another shard's only
+    # (a whole-model state dict saved from rank 0) starts this shard's noise from the seed, saying so
+    import warnings
+
+    from mixprec.optim import StochasticRoundingOptimizer
+    from mixprec.optim.checks import lift_wrapper_state
+
+    sr_model = fully_shard_model(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)), "bf16-sr")
+    sr_opt = StochasticRoundingOptimizer(torch.optim.AdamW(sr_model.parameters()))
+    sr_model(torch.randn(2, 8, dtype=torch.bfloat16)).float().sum().backward()
+    sr_opt.step()
+    sd = lift_wrapper_state(sr_opt.state_dict(), "mixprec_lowbit")
+    found["sr keys"] = sorted(sd["mixprec_lowbit"]["generators"])
+    first = next(iter(sd["mixprec_lowbit"]["generators"].values()))
+    rank0_only = {**sd, "mixprec_lowbit": {**sd["mixprec_lowbit"], "generators": {"cpu/shard0": first}}}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sr_opt.load_state_dict(rank0_only)
+    found["sr warned"] = any("no rounding noise for this rank's shard" in str(w.message) for w in caught)
     # a pickle or copy of the wrapper carries no stand-ins of this run's shards
     found["copy views"] = len(opt.__getstate__()["_shard_views"])
     found["views"] = len(opt._shard_views)
@@ -219,6 +238,9 @@ def test_what_cannot_be_sharded_is_refused_with_the_fix(tmp_path):
         pytest.skip(reason)
     run_ranks(_refusal_worker, WORLD, str(tmp_path))
     found = torch.load(tmp_path / "rank0.pt", weights_only=True)
+    other = torch.load(tmp_path / "rank1.pt", weights_only=True)
+    assert (found["sr keys"], other["sr keys"]) == (["cpu/shard0"], ["cpu/shard1"])
+    assert (found["sr warned"], other["sr warned"]) == (False, True)
     assert "was sharded with fp32 weights" in found["fp32 shards"]
     assert "fully_shard_model(model, plan" in found["fp32 shards"]
     assert "Adafactor is not one of them" in found["adafactor"]

@@ -23,7 +23,7 @@ import torch
 
 from mixprec.dtypes import LOW_PRECISION_DTYPES
 from mixprec.optim import LowPrecisionOptimizer, MasterWeightOptimizer, WrappedOptimizer
-from mixprec.optim.checks import MASTER_INDEX_KEY, check_inner_state_dict
+from mixprec.optim.checks import MASTER_INDEX_KEY, check_inner_state_dict, lift_wrapper_state
 from mixprec.optim.follow import master_value
 from mixprec.optim.loads import load_inner
 from mixprec.plans import Plan
@@ -217,9 +217,13 @@ def fp32_state_dict(model: torch.nn.Module, optimizers: Sequence[torch.optim.Opt
 
 
 # --------------------------------------------- optimizer state saved without mixprec
+LOWBIT_KEY = LowPrecisionOptimizer._STATE_KEY
+
+
 def _own_entries(optimizer: WrappedOptimizer) -> dict[str, Any]:
     """What a wrapper's ``state_dict()`` holds besides the inner optimizer's (masters, compensation, noise)."""
-    return {k: v for k, v in optimizer.state_dict().items() if k not in ("state", "param_groups")}
+    own = lift_wrapper_state(optimizer.state_dict(), LOWBIT_KEY)  # (over FSDP2 shards it sits in a param group)
+    return {k: v for k, v in own.items() if k not in ("state", "param_groups")}
 
 
 def _in_state_dtype(optimizer: LowPrecisionOptimizer, state_dict: Mapping[str, Any]) -> dict[Any, Any]:
@@ -259,6 +263,7 @@ def load_plain_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: Map
     """
     if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
         raise ValueError("not an optimizer state_dict (it needs 'state' and 'param_groups'); pass what optimizer.state_dict() returned")
+    state_dict = lift_wrapper_state(state_dict, LOWBIT_KEY)
     if not isinstance(optimizer, WrappedOptimizer):
         kept = sorted(k for k in state_dict if isinstance(k, str) and k.startswith("mixprec_") and k != MASTER_INDEX_KEY)
         if kept:

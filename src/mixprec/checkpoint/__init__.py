@@ -73,9 +73,10 @@ from mixprec.checkpoint.checks import (
     check_rng,
     optimizer_class,
 )
-from mixprec.checkpoint.convert import fp32_weights
+from mixprec.checkpoint.convert import ROUNDING_KEY, fp32_weights
 from mixprec.checkpoint.files import FORMAT, stale_temp_files
 from mixprec.checkpoint.integrity import checksums, verify_checksums
+from mixprec.optim.checks import lift_wrapper_state
 from mixprec.session import MixedPrecision
 
 __all__ = ["load_checkpoint", "save_checkpoint", "stale_temp_files", "unwrap_model"]
@@ -250,7 +251,8 @@ def _save_parts(path: str, build: Any, group: Any) -> None:
         except BaseException as exc:
             error = exc
         else:
-            sharded.remove_old_saves(path, save)  # (ignores what it cannot remove: the switch stands)
+            with contextlib.suppress(OSError):  # what it cannot remove stays: the switch stands
+                sharded.remove_old_saves(path, save)
     sharded.agree(error is None, f"switching checkpoint {path!r} to the new save", group)
     if error is not None:
         raise error
@@ -353,6 +355,7 @@ def load_checkpoint(
                       agree=lambda ok: sharded.agree(ok, f"loading checkpoint {str(path)!r}", group))
     payload = files.read(str(path))
     verify_checksums(path, payload, payload.get("checksum"))
+    _lift_wrapper_entries(payload)
     if "sharded" in payload and "model" not in payload:
         raise ValueError(f"checkpoint {str(path)!r} holds FSDP2 shards (one part per rank); load it into the model "
                          "sharded as when saving, on every rank")
@@ -375,7 +378,16 @@ def _read_part(path: str, pointer: dict[str, Any], module: torch.nn.Module,
             "optimizers were given; pass the same optimizers, in the same order, as when saving"
         )
     sharded.restore_dtensors(path, payload, module, optimizers)
+    _lift_wrapper_entries(payload)
     return payload
+
+
+def _lift_wrapper_entries(payload: dict[str, Any]) -> None:
+    """Each optimizer state with its wrapper's own entry at the top level, where the checks and
+    plan changes read it (over FSDP2 shards a wrapper keeps it in its first param group)."""
+    states = payload.get("optimizers")
+    if isinstance(states, list):
+        payload["optimizers"] = [lift_wrapper_state(state, ROUNDING_KEY) for state in states]
 
 
 def _check_payload(path: str, payload: dict[str, Any], module: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer],
@@ -422,7 +434,7 @@ def _apply(path: str, payload: dict[str, Any], module: torch.nn.Module, optimize
         if agree is not None:
             agree(False)
         raise
-    rng_applied = mp_touched = False
+    rng_applied = mp_touched = agreed = False
     try:
         module.load_state_dict(model_state)
         for opt, state in zip(optimizers, payload["optimizers"], strict=True):
@@ -434,6 +446,7 @@ def _apply(path: str, payload: dict[str, Any], module: torch.nn.Module, optimize
             mp_touched = True
             mp.load_state_dict(payload["mixed_precision"], allow_plan_change=allow_plan_change)
         if agree is not None:
+            agreed = True  # one decision per rank: a failure inside it is not announced again
             agree(True)  # raises PeerFailed when another rank's load failed: then undone here too
     except BaseException as exc:  # an interrupt too: undone here, and the other ranks told
         try:
@@ -448,7 +461,7 @@ def _apply(path: str, payload: dict[str, Any], module: torch.nn.Module, optimize
                 with contextlib.suppress(Exception):
                     mp.load_state_dict(mp_before)
         finally:
-            if agree is not None and not isinstance(exc, sharded.PeerFailed):
+            if agree is not None and not agreed:
                 agree(False)
         if not isinstance(exc, Exception) or isinstance(exc, ValueError | TypeError | OSError | sharded.PeerFailed):
             raise

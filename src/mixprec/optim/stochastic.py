@@ -7,6 +7,7 @@ in expectation.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -127,8 +128,21 @@ class StochasticRoundingOptimizer(LowPrecisionOptimizer):
         self._seed = int(extra.get("seed", self._seed))
         self._counter = [int(extra.get("counter", (self._seed * 0x9E3779B9) % (1 << 32)))]
         self._generators = {}
+        sharded = [p for p in self._low_params() if shards.is_dtensor(p)]
+        own = shards.shard_index(sharded[0]) if sharded else None
+        missing = False
         for key, state in extra.get("generators", {}).items():
             dev, _, shard = str(key).partition("/shard")
+            if shard and own is not None and int(shard) != own:
+                missing = True  # another shard's noise (a whole-model state dict holds every rank's, or rank 0's)
+                continue
             if shard:
                 self._shard_offset = int(shard)
             self._generator(torch.device(dev)).set_state(state)
+        if missing and not self._generators:
+            self._shard_offset = own or 0
+            warnings.warn(
+                f"StochasticRoundingOptimizer: the loaded state holds no rounding noise for this rank's shard ({own}); "
+                "its noise starts again from the seed (the resumed run rounds with other noise than an uninterrupted one)",
+                UserWarning, stacklevel=3,
+            )
