@@ -245,17 +245,22 @@ def _save_parts(path: str, build: Any, group: Any) -> None:
     sharded.agree(error is None, f"saving checkpoint {path!r}", group)
     if error is not None:
         raise error
+    late: BaseException | None = None
     if rank == 0:  # every part is written: switch to this save, then drop the earlier ones
         try:
             _write(path, {"format": FORMAT, "sharded": {"save": save, "world": world}})
         except BaseException as exc:
             error = exc
         else:
-            with contextlib.suppress(OSError):  # what it cannot remove stays: the switch stands
+            try:  # what it cannot remove stays: the switch stands
                 sharded.remove_old_saves(path, save)
+            except BaseException as exc:  # (an interrupt: raised after the others heard the decision)
+                late = exc
     sharded.agree(error is None, f"switching checkpoint {path!r} to the new save", group)
     if error is not None:
         raise error
+    if late is not None and not isinstance(late, Exception):
+        raise late
 
 
 def _write(path: str, payload: dict[str, Any]) -> None:
@@ -446,7 +451,9 @@ def _apply(path: str, payload: dict[str, Any], module: torch.nn.Module, optimize
             mp_touched = True
             mp.load_state_dict(payload["mixed_precision"], allow_plan_change=allow_plan_change)
         if agree is not None:
-            agreed = True  # one decision per rank: a failure inside it is not announced again
+            # one decision per rank: a failure inside it is not announced again (if it fails before
+            # its collective, the others wait for that collective until the group's timeout)
+            agreed = True
             agree(True)  # raises PeerFailed when another rank's load failed: then undone here too
     except BaseException as exc:  # an interrupt too: undone here, and the other ranks told
         try:

@@ -133,8 +133,10 @@ class StochasticRoundingOptimizer(LowPrecisionOptimizer):
         missing = False
         for key, state in extra.get("generators", {}).items():
             dev, _, shard = str(key).partition("/shard")
-            if shard and own is not None and int(shard) != own:
-                missing = True  # another shard's noise (a whole-model state dict holds every rank's, or rank 0's)
+            if own is not None and (not shard or int(shard) != own):
+                # another shard's noise (a whole-model state dict holds every rank's, or rank 0's), or
+                # noise saved unsharded, which every shard would then repeat
+                missing = True
                 continue
             if shard:
                 self._shard_offset = int(shard)
