@@ -1,7 +1,9 @@
-"""Run by torchrun from test_lightning_model_parallel.py: Fabric's own sharded checkpoint
-(``fabric.save`` / ``fabric.load`` under ModelParallelStrategy: torch.distributed.checkpoint with
-get_optimizer_state_dict) of a plan without masters. 5 steps, save, 5 steps; load, the same 5
-steps again. Writes both runs' losses and weights to ``<out>/rank<r>.pt``.
+"""Run by torchrun from test_lightning_model_parallel.py: Fabric with ModelParallelStrategy in
+Fabric's documented order (the model set up alone, sharded by the strategy's parallelize_fn;
+the optimizer built over the sharded parameters afterwards) through mixprec's ``setup`` and
+``setup_optimizers``, and Fabric's own sharded checkpoint (``fabric.save`` / ``fabric.load``:
+torch.distributed.checkpoint with get_optimizer_state_dict). 5 steps, save, 5 steps; load, the
+same 5 steps again. Writes the losses and weights to ``<out>/rank<r>.pt``.
 
 Usage: torchrun --nproc_per_node 2 fabric_sharded_checkpoint.py PLAN OUT
 """
@@ -36,7 +38,7 @@ def main() -> None:
     fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy, plugins=[MixprecPrecision(plan)])
     fabric.launch()
     model = setup(fabric, net())
-    opt = setup_optimizers(fabric, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    opt = setup_optimizers(fabric, torch.optim.SGD(model.parameters(), lr=0.05))
     x, y = data()
     rank = fabric.global_rank
 
@@ -54,13 +56,13 @@ def main() -> None:
     def weights() -> dict[str, torch.Tensor]:
         return {n: p.full_tensor().detach().clone() for n, p in model.module.named_parameters()}
 
-    run(range(5))
+    first = run(range(5))
     state = {"model": model, "optimizer": opt}
     fabric.save(os.path.join(out, "ckpt"), state)
     straight, after = run(range(5, 10)), weights()
     fabric.load(os.path.join(out, "ckpt"), state)
     resumed = run(range(5, 10))
-    torch.save({"straight": straight, "resumed": resumed, "after": after, "resumed_weights": weights()},
+    torch.save({"first": first, "straight": straight, "resumed": resumed, "after": after, "resumed_weights": weights()},
                os.path.join(out, f"rank{rank}.pt"))
 
 

@@ -75,9 +75,9 @@ def test_configure_model_sharding_trains_as_one_process(tmp_path, plan):
         torch.testing.assert_close(a["params"][name].float(), ref, rtol=2e-2, atol=2e-3)
 
 
-@pytest.mark.parametrize("plan", ["bf16-kahan", "bf16-sr"])
+@pytest.mark.parametrize("plan", ["bf16-kahan"])  # (bf16-sr runs through Fabric below)
 def test_configure_model_sharding_with_fully_shard_model_trains_the_plans_without_masters(tmp_path, plan):
-    """bf16 weights as the shards, stepped by mixprec's Kahan / SR wrappers inside Lightning."""
+    """bf16 weights as the shards, stepped by mixprec's Kahan wrapper inside Lightning."""
     ranks = _run(plan, "mixprec", tmp_path / "run")
     assert all("error" not in r for r in ranks), [r.get("error") for r in ranks]
     a, b = ranks
@@ -107,27 +107,26 @@ def test_fabric_joint_setup_under_a_sharding_strategy_is_refused_at_setup(tmp_pa
         assert "opt = setup_optimizers(fabric, opt)" in outcome and "fully_shard_model" in outcome
 
 
-@pytest.mark.parametrize("plan", ["bf16-master", "bf16-kahan"])
-def test_fabric_documented_order_under_a_sharding_strategy_trains_as_one_process(tmp_path, plan):
-    """Fabric's own order: setup(fabric, model) (sharded by the strategy), then the optimizer over
-    the sharded parameters through setup_optimizers(fabric, opt); the plan runs on the shards."""
-    a, b = _torchrun(SCRIPT.with_name("fabric_model_parallel.py"), [plan], tmp_path / "run")
-    for name in a["params"]:
-        assert torch.equal(a["params"][name], b["params"][name]), name
-    losses, params = _one_process(plan)
-    both = [(x + y) / 2 for x, y in zip(a["losses"], b["losses"], strict=True)]
-    assert both == pytest.approx(losses, rel=2e-2)
-    for name, ref in params.items():
-        torch.testing.assert_close(a["params"][name].float(), ref, rtol=2e-2, atol=2e-3)
-
-
-@pytest.mark.parametrize("plan", ["bf16-kahan", "bf16-sr"])
-def test_fabric_sharded_checkpoint_keeps_compensation_and_noise_and_resumes_bit_for_bit(tmp_path, plan):
-    """fabric.save / fabric.load (torch.distributed.checkpoint) keep only the optimizer's 'state'
-    and 'param_groups': the wrapper's compensation and per-shard rounding noise travel in its
-    first param group. Before, the load was refused for a missing entry."""
-    for rank in _torchrun(SCRIPT.with_name("fabric_sharded_checkpoint.py"), [plan], tmp_path / "run"):
+@pytest.mark.parametrize("plan", ["bf16-master", "bf16-kahan", "bf16-sr"])
+def test_fabric_documented_order_trains_as_one_process_and_its_sharded_checkpoint_resumes_bit_for_bit(tmp_path, plan):
+    """Fabric's own order under a sharding strategy: setup(fabric, model) (sharded by the strategy),
+    then the optimizer over the sharded parameters through setup_optimizers(fabric, opt); 10 steps
+    against one process. And fabric.save / fabric.load (torch.distributed.checkpoint, which keeps
+    only the optimizer's 'state' and 'param_groups': the wrapper's compensation and per-shard noise
+    travel in its first param group) resume bit for bit."""
+    a, b = _torchrun(SCRIPT.with_name("fabric_sharded_checkpoint.py"), [plan], tmp_path / "run")
+    for rank in (a, b):
         assert rank["resumed"] == rank["straight"], plan
         for name, w in rank["after"].items():
             assert torch.equal(rank["resumed_weights"][name], w), (plan, name)
-
+    for name in a["after"]:
+        assert torch.equal(a["after"][name], b["after"][name]), name
+    losses, params = _one_process(plan)
+    both = [(x + y) / 2 for x, y in zip(a["first"] + a["straight"], b["first"] + b["straight"], strict=True)]
+    assert both == pytest.approx(losses, rel=2e-2)
+    for name, ref in params.items():
+        if plan == "bf16-sr":  # other rounding noise than one process: a bf16 ulp per step at most
+            diff = (a["after"][name].float() - ref).abs()
+            assert bool((diff <= 2e-3 + 10 * 2.0**-8 * ref.abs()).all()), (name, float(diff.max()))
+        else:
+            torch.testing.assert_close(a["after"][name].float(), ref, rtol=2e-2, atol=2e-3)

@@ -135,6 +135,10 @@ class KahanOptimizer(LowPrecisionOptimizer):
             comp = self._comp[owner] = torch.zeros_like(owner, memory_format=torch.preserve_format)
         return shards.local_of(comp) if owner is not param else comp
 
+    def _init_kinds(self, params: list[torch.nn.Parameter]) -> None:
+        for p in params:
+            self._compensation_for(p)
+
     def _expand_into(self, param: torch.Tensor, out: torch.Tensor) -> None:
         out.copy_(param).add_(self._compensation_for(param))
 

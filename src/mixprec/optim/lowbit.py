@@ -54,7 +54,15 @@ from mixprec.optim.checks import (
     split_wrapper_state,
 )
 from mixprec.optim.compiled import CompileSetting, check_compile_setting
-from mixprec.optim.fast import Piece, default_chunk_numel, fast_kind, fast_step, fused_available
+from mixprec.optim.fast import (
+    Piece,
+    default_chunk_numel,
+    fast_kind,
+    fast_step,
+    fused_available,
+    init_adam_state,
+    scalar_value,
+)
 from mixprec.optim.loads import keep_state_dtype
 from mixprec.optim.snapshot import Snapshot, all_or_nothing
 
@@ -189,6 +197,8 @@ class LowPrecisionOptimizer(WrappedOptimizer):
         """
         if closure is not None:
             raise ValueError(f"{type(self).__name__}.step() does not take a closure; compute the loss before step()")
+        if self._state_init_only():
+            return None
         guarded = any(p.dtype == torch.float16 for p in self._low_params())
         self.follow_writes(self._low_params())  # before the snapshot: an undo must not bring back a stale residual
         self._snapshot = Snapshot(self.optimizer, self.kinds, extra=self.rounding_state()).add(
@@ -202,6 +212,32 @@ class LowPrecisionOptimizer(WrappedOptimizer):
             if bool(self._nonfinite):
                 self._restore(self._snapshot)
         return result
+
+    def _state_init_only(self) -> bool:
+        """Over FSDP2 shards, a step with every learning rate 0 and every gradient zero only
+        creates state: torch.distributed.checkpoint's get/set_optimizer_state_dict take such a
+        step to give an optimizer whose ``state`` is empty (SGD without momentum keeps none) the
+        tensors to save or load into, every time. A real step would round weight + compensation
+        again, draw rounding noise or change the moments of the weights just loaded."""
+        groups = self.optimizer.param_groups
+        low = [p for p in self._low_params() if p.grad is not None]
+        if not low or not any(shards.is_dtensor(p) for p in low):
+            return False
+        if any(scalar_value(g.get("lr", 1.0)) != 0.0 for g in groups):
+            return False
+        if any(bool(shards.local_of(p.grad).any()) for p in self.params() if p.grad is not None):  # type: ignore[union-attr]
+            return False
+        dtype = torch.float32 if self.state_dtype is None else self.state_dtype
+        for group in groups:
+            mine = [p for p in group["params"] if p.dtype in LOW_PRECISION_DTYPES and p.grad is not None]
+            if mine and self._fast_kind(group) == "adam":
+                init_adam_state(self.optimizer, group, mine, dtype)
+        self._init_kinds(low)
+        return True
+
+    def _init_kinds(self, params: list[torch.nn.Parameter]) -> None:
+        """Create what a first step creates beside the optimizer's state for ``params``
+        (compensation, rounding noise), changing nothing (see :meth:`_state_init_only`)."""
 
     @torch.no_grad()
     def step_selected(self, selected: set[torch.Tensor] | None) -> Any:

@@ -93,6 +93,13 @@ class StochasticRoundingOptimizer(LowPrecisionOptimizer):
             self._generators[device] = gen
         return gen
 
+    def _init_kinds(self, params: list[torch.nn.Parameter]) -> None:
+        sharded = [p for p in params if shards.is_dtensor(p)]
+        if sharded:
+            self._shard_offset = shards.shard_index(sharded[0])
+        for device in {shards.local_of(p).device for p in params}:
+            self._generator(device)
+
     def _step_shards(self, group: dict[str, Any], active: list[torch.nn.Parameter], kind: str | None,
                      scratch: dict[Any, torch.Tensor]) -> None:
         self._shard_offset = shards.shard_index(active[0])
