@@ -134,6 +134,12 @@ def map_floating(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     return map_tensors(lambda t: fn(t) if t.is_floating_point() else t, value)
 
 
+def local_share(param: torch.Tensor) -> float:
+    """The fraction of ``param``'s elements this rank holds: its shard's of an FSDP2 DTensor, else 1."""
+    local = shard_local(param)
+    return 1.0 if local is param or not param.numel() else local.numel() / param.numel()
+
+
 def shard_local(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of a DTensor (sharing its storage; in-place ops act on the shard), else ``t``:
     per-rank elementwise work (a found-inf check, a clip factor) skips DTensor's dispatch."""

@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -169,15 +169,10 @@ def agree(ok: bool, what: str, group: Any) -> None:
         raise PeerFailed(f"{what} failed on another rank (see its error); nothing was changed here either")
 
 
-def old_saves(path: str, keep: str) -> Iterator[str]:
-    folder = shards_folder(path)
-    if not os.path.isdir(folder):
-        return
-    for name in os.listdir(folder):
-        if name != keep:
-            yield os.path.join(folder, name)
-
-
 def remove_old_saves(path: str, keep: str) -> None:
-    for old in list(old_saves(path, keep)):
-        shutil.rmtree(old, ignore_errors=True)
+    """Remove the parts of every save of ``path`` but ``keep``."""
+    folder = shards_folder(path)
+    if os.path.isdir(folder):
+        for name in os.listdir(folder):
+            if name != keep:
+                shutil.rmtree(os.path.join(folder, name), ignore_errors=True)

@@ -328,7 +328,7 @@ class ShardedPlan(Plan):
     @property
     def low_shards(self) -> bool:
         """The weights are low precision without a master (pure, Kahan, SR): the shards themselves."""
-        return self.base is not None and self.base.family in LOW_SHARD_FAMILIES
+        return keeps_low_shards(self)
 
     @property
     def weight_dtype(self) -> torch.dtype:

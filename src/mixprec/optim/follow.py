@@ -44,6 +44,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from mixprec.dtypes import LOW_PRECISION_DTYPES
+from mixprec.nested import shard_local
 
 __all__ = [
     "Follower", "Seeds", "WriteWatch", "follow_masters", "install_load_hooks", "load_compensation", "master_value", "register", "seed_master",
@@ -54,7 +55,7 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _stamp(param: torch.Tensor) -> tuple[int, int]:
-    local = getattr(param, "_local_tensor", param)  # a DTensor's shard
+    local = shard_local(param)  # a DTensor's shard
     if type(local) not in _PLAIN and (local.device.type == "meta" or type(local).__name__ == "FakeTensor"):
         return local._version, id(local)  # no data (the memory estimator's fake models): the object stands in
     return local._version, local.data_ptr()

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from mixprec.dtypes import LOW_PRECISION_DTYPES
+from mixprec.nested import local_share, shard_local
 from mixprec.optim.compiled import CompileSetting, use_compiled_route
 from mixprec.optim.fast import chunks, default_chunk_numel, fast_kind, fused_available
 
@@ -62,9 +63,7 @@ _ADAM_STYLE: tuple[type[torch.optim.Optimizer], ...] = (
 
 def nbytes(t: torch.Tensor) -> int:
     """Bytes of ``t``'s elements (a fake or meta tensor too; this rank's shard of a DTensor)."""
-    local = getattr(t, "_local_tensor", None)
-    if isinstance(local, torch.Tensor):
-        t = local
+    t = shard_local(t)
     return t.numel() * t.element_size()
 
 
@@ -187,14 +186,6 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
             total += sum(round(s.numel() * (share if s == q.shape else 1.0)) * dtype.itemsize
                          for s, dtype in layouts.get(id(q), {}).values())
     return total
-
-
-def local_share(param: torch.Tensor) -> float:
-    """The fraction of ``param``'s elements this rank holds: its shard's of an FSDP2 DTensor, else 1."""
-    local = getattr(param, "_local_tensor", None)
-    if not isinstance(local, torch.Tensor) or not param.numel():
-        return 1.0
-    return local.numel() / param.numel()
 
 
 def state_tensors_of(state: dict[Any, Any]) -> Iterator[torch.Tensor]:

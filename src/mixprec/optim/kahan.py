@@ -129,7 +129,7 @@ class KahanOptimizer(LowPrecisionOptimizer):
     def _compensation_for(self, param: torch.Tensor) -> torch.Tensor:
         """The compensation of ``param``, made at zero where it has none; for the local stand-in
         of an FSDP2 shard, the local part of its parameter's (sharded) compensation."""
-        owner = self._owner(param)
+        owner = shards.owner_of(param)
         comp = self._comp.get(owner)
         if comp is None:
             comp = self._comp[owner] = torch.zeros_like(owner, memory_format=torch.preserve_format)

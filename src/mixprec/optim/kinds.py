@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from mixprec.dtypes import LOW_PRECISION_DTYPES
+from mixprec.nested import local_share, shard_local
 
 __all__ = ["CATEGORIES", "COMPENSATION", "MASTER", "KindStore", "StateKind"]
 
@@ -105,8 +106,7 @@ class StateKind:
         """Bytes of this kind's tensor for ``param`` (0 where it does not apply)."""
         if not self.applies(param):
             return 0
-        local = getattr(param, "_local_tensor", None)  # an FSDP2 shard: this rank's part
-        share = local.numel() / max(param.numel(), 1) if isinstance(local, torch.Tensor) else 1.0
+        share = local_share(param)  # an FSDP2 shard: this rank's part
         return round(self.shape_for(param).numel() * share) * self.dtype_for(param).itemsize
 
     @torch.no_grad()
@@ -217,8 +217,7 @@ class KindStore:
             for p in unique:
                 value = values.get(p)
                 if value is not None:
-                    local = getattr(value, "_local_tensor", value)  # an FSDP2 shard: this rank's part
-                    total += local.numel() * value.element_size()
+                    total += shard_local(value).numel() * value.element_size()  # an FSDP2 shard: its part
                 elif p.requires_grad:  # a frozen parameter is never stepped: it never gets one
                     total += kind.nbytes_for(p)
             out[kind.category] = out.get(kind.category, 0) + total

@@ -220,10 +220,10 @@ class LowPrecisionOptimizer(WrappedOptimizer):
         tensors to save or load into, every time. A real step would round weight + compensation
         again, draw rounding noise or change the moments of the weights just loaded."""
         groups = self.optimizer.param_groups
+        if any(scalar_value(g.get("lr", 1.0)) != 0.0 for g in groups):
+            return False  # (every real step: decided from the groups alone)
         low = [p for p in self._low_params() if p.grad is not None]
         if not low or not any(shards.is_dtensor(p) for p in low):
-            return False
-        if any(scalar_value(g.get("lr", 1.0)) != 0.0 for g in groups):
             return False
         if any(bool(shards.local_of(p.grad).any()) for p in self.params() if p.grad is not None):  # type: ignore[union-attr]
             return False
@@ -335,10 +335,6 @@ class LowPrecisionOptimizer(WrappedOptimizer):
             cache = self._shard_views = {}
         return cache
 
-    def _owner(self, param: torch.Tensor) -> torch.Tensor:
-        """The parameter ``param`` stands for: a sharded parameter for its local stand-in
-        during a sharded step (state kinds are kept for the real parameter), else itself."""
-        return shards.owner_of(param)
 
     def _chunk_limit(self, device: torch.device) -> int:
         """Elements the fast path expands at a time on ``device``: ``chunk_numel``, else the

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from mixprec.nested import shard_local
+
 __all__ = ["ELEMENTWISE", "ShardViews", "check_shardable", "is_dtensor", "local_of", "owner_of", "shard_index",
            "wrap_like"]
 
@@ -44,7 +46,7 @@ def is_dtensor(t: Any) -> bool:
 
 def local_of(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of a DTensor (sharing its storage), or ``t`` itself."""
-    return t._local_tensor if is_dtensor(t) else t  # type: ignore[attr-defined]
+    return shard_local(t)
 
 
 def wrap_like(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
@@ -103,7 +105,7 @@ class ShardViews:
     local gradient; ``optimizer.state`` holds their state as local tensors inside the block and
     under the real parameters, as DTensors, after it (also when the step raised). ``cache``
     (kept by the wrapper) reuses the stand-ins from step to step, so state the wrapper keys by
-    parameter survives; :meth:`owner` maps a stand-in back to its parameter.
+    parameter survives; :func:`owner_of` maps a stand-in back to its parameter.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor],
@@ -119,7 +121,7 @@ class ShardViews:
         """The stand-in of ``param`` (made again when FSDP2 replaced its local storage)."""
         local = local_of(param)
         held = cache.get(id(param))
-        if held is not None and held[0] is param and held[1].data_ptr() == local.data_ptr() and held[1].shape == local.shape:
+        if held is not None and held[1].data_ptr() == local.data_ptr() and held[1].shape == local.shape:
             return held[1]
         view = torch.nn.Parameter(local, requires_grad=False)  # aliases the shard: writes go through
         view._mixprec_shard_of = param  # type: ignore[attr-defined]  # (owner_of)
