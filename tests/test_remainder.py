@@ -193,9 +193,9 @@ def test_the_plan_says_what_it_keeps_and_refuses_fp16() -> None:
     assert REMAINDERS.fingerprint()["optimizer"] == "remainder"
     with pytest.raises(ValueError, match="remainders=True needs bf16 weights, plan 'fp16-master' has fp16"):
         get_plan("fp16-master", remainders=True)
-    with pytest.raises(ValueError, match="no compiled route"):
+    with pytest.raises(ValueError, match="compile must be True"):
         RemainderOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))], lr=1.0),
-                           compile=True)
+                           compile="sometimes")
     with pytest.raises(ValueError, match=r"needs bf16 parameters, got torch\.float16"):
         RemainderOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.ones(2, dtype=torch.float16))], lr=1.0))
 

@@ -17,6 +17,8 @@ from typing import Any, Literal
 import torch
 
 from mixprec.compiling import compile_errors, compile_works, compiled, recompile_headroom
+from mixprec.optim import quant
+from mixprec.optim import states as qstates
 from mixprec.optim.fast import init_adam_state, scalar_value
 
 __all__ = [
@@ -42,6 +44,7 @@ AUTO_MAX_LAYOUTS = 4
 #: dynamo's recompile limit is raised to 64 around the update, so none runs uncompiled
 PROCESS_MAX_LAYOUTS = 48
 _LAYOUTS: set[str] = set()
+_BLOCK = qstates.BLOCK
 
 
 def reserve_layout(key: str) -> bool:
@@ -106,18 +109,22 @@ def use_compiled_route(
     *,
     whole_step: bool = True,
     probe: bool = True,
+    state_dtype: torch.dtype | None = None,
 ) -> bool:
     """Whether an Adam/AdamW group of low-precision ``params`` takes the compiled route.
 
-    ``True`` / ``False`` decide. ``"auto"`` compiles when the store is Kahan or stochastic
-    rounding (round-to-nearest already runs torch's one-pass fused kernel), the step
-    updates the whole group (``whole_step``: optimizer-in-backward steps one parameter at
-    a time, which would compile once per layout), the group holds at least
-    :data:`AUTO_COMPILE_NUMEL` elements of plain tensors (not tensor subclasses such as
-    DTensor shards), and :func:`mixprec.compiling.compile_works` on their device. The
-    wrapper also requires one step count across the group and compiles at most
-    :data:`AUTO_MAX_LAYOUTS` layouts (a changing set of parameters with gradients, as
-    in a mixture of experts, would otherwise compile again and again).
+    ``True`` / ``False`` decide. ``"auto"`` compiles where the eager fast path takes several
+    passes per element: a Kahan or stochastic-rounding store, 8-bit moments
+    (``state_dtype=torch.uint8``), or remainder masters with moments below fp32 (with fp32
+    moments the remainder plan keeps torch's fused kernel, bit-identical to ``bf16-master``;
+    a round-to-nearest store with float moments runs that one-pass kernel already). It also
+    requires that the step update the whole group (``whole_step``: optimizer-in-backward
+    steps one parameter at a time, which would compile once per layout), that the group
+    hold at least :data:`AUTO_COMPILE_NUMEL` elements of plain tensors (not tensor
+    subclasses such as DTensor shards), and that :func:`mixprec.compiling.compile_works` on
+    their device. The wrapper also requires one step count across the group and compiles
+    at most :data:`AUTO_MAX_LAYOUTS` layouts (a changing set of parameters with gradients,
+    as in a mixture of experts, would otherwise compile again and again).
 
     >>> import torch
     >>> small = [torch.zeros(10, dtype=torch.bfloat16)]
@@ -126,7 +133,12 @@ def use_compiled_route(
     """
     if setting != "auto":
         return bool(setting)
-    if rounding == "nearest" or not whole_step or not params:
+    q8 = state_dtype == qstates.Q8
+    if rounding == "nearest" and not q8:
+        return False
+    if rounding == "remainder" and state_dtype in (None, torch.float32):
+        return False
+    if not whole_step or not params:
         return False
     if any(type(p) not in (torch.Tensor, torch.nn.Parameter) for p in params):
         return False
@@ -147,23 +159,31 @@ class CompileRouteFailed(RuntimeError):
 def _adam_lists(
     params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor],
     max_exp_avg_sqs: list[torch.Tensor], comps: list[torch.Tensor], counter: torch.Tensor, hyper: torch.Tensor,
-    *, decoupled: bool, amsgrad: bool, maximize: bool, weight_decay: bool, rounding: str,
+    scales: list[list[torch.Tensor]], tables: list[torch.Tensor], flags: list[list[torch.Tensor]],
+    *, decoupled: bool, amsgrad: bool, maximize: bool, weight_decay: bool, rounding: str, q8: bool,
 ) -> None:
     """Adam/AdamW on low-precision tensors, one fused loop per parameter under ``torch.compile``.
 
-    ``hyper`` holds [lr, beta1, beta2, eps, weight_decay, step_size, bias_correction2_sqrt]
-    (a tensor, so new values do not recompile). ``rounding``: "nearest", "kahan" (with
-    ``comps``) or "stochastic": 16 noise bits per element from a hash of the element's
-    position in the group XOR ``counter`` (an int64 holding this call's 32-bit seed),
-    computed in the kernel.
+    ``hyper`` holds [lr, beta1, beta2, eps, weight_decay, step_size, bias_correction2_sqrt,
+    grad_scale] (a tensor, so new values do not recompile; ``grad_scale`` multiplies every
+    gradient, 1 unless a clip was deferred). ``rounding``: "nearest", "kahan" (with ``comps``:
+    the compensations), "stochastic" (16 noise bits per element from a hash of the element's
+    position in the group XOR ``counter``, an int64 holding this call's 32-bit seed, computed
+    in the kernel) or "remainder" (``comps``: the int16 remainders viewed as bf16; the masters
+    are rebuilt and split in the kernel, and ``flags`` (three lists of tensors shaped like the
+    parameters: uint8, uint8, int8) get whether each element is a tie rounded down (nonzero),
+    and the new remainder's low and high byte, for the caller to list and combine: separate
+    tensors, as rows or slices of one buffer written in place would be copied whole each time). ``q8``: the moments are 8-bit codes with
+    their block scales in ``scales`` (one list per moment key) and the lookup ``tables`` of
+    :func:`_q8_tables`.
     """
-    lr, beta1, beta2, eps, wd, step_size, bc2_sqrt = hyper.unbind(0)
+    lr, beta1, beta2, eps, wd, step_size, bc2_sqrt, gscale = hyper.unbind(0)
     offset = 0
     for i, p in enumerate(params):
-        w = p.float()
+        w = _join_master(p, comps[i]) if rounding == "remainder" else p.float()
         if rounding == "kahan":
             w = w + comps[i].float()
-        g = grads[i].float()
+        g = grads[i].float() * gscale
         if maximize:
             g = -g
         if weight_decay:
@@ -171,27 +191,93 @@ def _adam_lists(
                 w = w * (1 - lr * wd)
             else:
                 g = g + w * wd
-        m = exp_avgs[i].float().lerp(g, 1 - beta1)
-        v = exp_avg_sqs[i].float() * beta2 + g * g * (1 - beta2)
+        if q8:
+            m = _q8_load(exp_avgs[i], scales[0][i], tables[0]).lerp(g, 1 - beta1)
+            v = _q8_load(exp_avg_sqs[i], scales[1][i], tables[3]) * beta2 + g * g * (1 - beta2)
+        else:
+            m = exp_avgs[i].float().lerp(g, 1 - beta1)
+            v = exp_avg_sqs[i].float() * beta2 + g * g * (1 - beta2)
         if amsgrad:
-            vmax = torch.maximum(max_exp_avg_sqs[i].float(), v)
-            max_exp_avg_sqs[i].copy_(vmax)
+            if q8:
+                vmax = torch.maximum(_q8_load(max_exp_avg_sqs[i], scales[2][i], tables[3]), v)
+                _q8_store(vmax, max_exp_avg_sqs[i], scales[2][i], tables[4], tables[5])
+            else:
+                vmax = torch.maximum(max_exp_avg_sqs[i].float(), v)
+                max_exp_avg_sqs[i].copy_(vmax)
             denom = vmax.sqrt() / bc2_sqrt + eps
         else:
             denom = v.sqrt() / bc2_sqrt + eps
         w = w - step_size * (m / denom)
-        exp_avgs[i].copy_(m)
-        exp_avg_sqs[i].copy_(v)
+        if q8:
+            _q8_store(m, exp_avgs[i], scales[0][i], tables[1], tables[2])
+            _q8_store(v, exp_avg_sqs[i], scales[1][i], tables[4], tables[5])
+        else:
+            exp_avgs[i].copy_(m)
+            exp_avg_sqs[i].copy_(v)
         if rounding == "stochastic":
             index = torch.arange(p.numel(), device=p.device, dtype=torch.int64).view(p.shape)
             bits = (w.view(torch.int32) + _hash16((index + offset) ^ counter)) & -65536
             p.copy_(bits.view(torch.float32))
-            offset += p.numel()
+        elif rounding == "remainder":
+            bits = w.view(torch.int32)
+            p.copy_(w.to(p.dtype))  # round to nearest even: bf16-master's weight
+            # the new remainders' two bytes, each a plane of flags' (uint8 kernels vectorize, int16 ones
+            # do not); the caller interleaves them into the remainders
+            # a tie: low 17 bits 0x8000; (x - 1) >> 31 is -1 (0xFF as a byte) for x == 0, else 0
+            # (for 0 <= x < 2**17): a comparison would cost the loop 20x more on the CPU
+            flags[0][i].copy_(((((bits & 0x1FFFF) ^ 0x8000) - 1) >> 31).to(torch.uint8))
+            flags[1][i].copy_((bits & 0xFF).to(torch.uint8))
+            flags[2][i].copy_(((bits << 16) >> 24).to(torch.int8))  # the high byte, sign-extended
         else:
             low = w.to(p.dtype)
             p.copy_(low)
             if rounding == "kahan":
                 comps[i].copy_(w - low.float())
+        offset += p.numel()
+
+
+def _join_master(weight: torch.Tensor, rem: torch.Tensor) -> torch.Tensor:
+    """:func:`mixprec.optim.quant.join_master` without its ties (the caller raised the weights of
+    ties rounded down by one unit first): the weight's bits shifted up 16 (its exact fp32 value),
+    plus the sign-extended remainder. ``rem`` is the int16 remainder viewed as bf16 (by the
+    caller: inductor's CPU kernels do not vectorize int16, so the whole loop would run element
+    by element, 15x slower), whose conversion to fp32 shifts its bits up 16 exactly."""
+    low = rem.float().view(torch.int32) >> 16  # sign-extended
+    return (weight.float().view(torch.int32) + low).view(torch.float32)
+
+
+def _q8_load(codes: torch.Tensor, scales: torch.Tensor, qmap: torch.Tensor) -> torch.Tensor:
+    """fp32 values of 8-bit ``codes`` (:func:`mixprec.optim.quant.dequantize_blockwise`)."""
+    index = torch.arange(codes.numel(), device=codes.device).view(codes.shape) // _BLOCK
+    return qmap[codes.to(torch.int32)] * scales[index]
+
+
+def _q8_store(value: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, table: torch.Tensor,
+              points: torch.Tensor) -> None:
+    """``value`` (whole 8-bit blocks) quantized into ``codes`` and ``scales`` as
+    :func:`mixprec.optim.quant.quantize_flat` does (its lookup table and decision points: the
+    same codes for the same values)."""
+    blocks = value.reshape(-1, _BLOCK)
+    absmax = blocks.abs().amax(1)
+    scaled = blocks / torch.where(absmax > 0, absmax, 1.0).unsqueeze(1)
+    codes.view(-1, _BLOCK).copy_(_nearest(scaled, table, points))
+    scales.copy_(absmax)
+
+
+def _nearest(scaled: torch.Tensor, table: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
+    """uint8 codes of ``scaled`` in [-1, 1] (:func:`mixprec.optim.quant._nearest_codes`)."""
+    run = (scaled.view(torch.int32) >> 16) & 0xFFFF
+    first = table[run]
+    return (first + (scaled >= points[first]).to(torch.int32)).to(torch.uint8)
+
+
+def _q8_tables(device: torch.device) -> list[torch.Tensor]:
+    """[signed map, signed lookup, signed points, unsigned map, unsigned lookup, unsigned points]."""
+    out = []
+    for signed in (True, False):
+        out.append(quant.dynamic_map(signed, device))
+        out.extend(quant.lookup_tables(signed, device))
+    return out
 
 
 def _seed32(count: int) -> int:
@@ -227,6 +313,15 @@ def _hash16(x: torch.Tensor) -> torch.Tensor:
     return (x & 0xFFFF).to(torch.int32)
 
 
+@dataclass(frozen=True)
+class RemainderIO:
+    """What the compiled route needs of :class:`~mixprec.optim.RemainderOptimizer`: the ties
+    rounded down of a parameter (flat indices), and where to put its new ones."""
+
+    ties: Callable[[torch.Tensor], torch.Tensor]
+    set_ties: Callable[[torch.Tensor, torch.Tensor], None]
+
+
 def compiled_adam_step(
     optimizer: torch.optim.Optimizer,
     group: dict[str, Any],
@@ -236,6 +331,8 @@ def compiled_adam_step(
     rounding: str,
     comps: Callable[[torch.Tensor], torch.Tensor] | None = None,
     counter: list[int] | None = None,
+    grad_scales: Sequence[torch.Tensor] = (),
+    remainder: RemainderIO | None = None,
 ) -> None:
     """Adam/AdamW for the low-precision ``params`` of ``group`` in one ``torch.compile``-d call.
 
@@ -246,7 +343,13 @@ def compiled_adam_step(
     :func:`uniform_steps`). Stochastic rounding hashes each element's position with a
     32-bit seed mixed from ``counter[0]`` (the wrapper's checkpointed count of compiled
     stochastic steps, advanced by one here): no random tensor is drawn or stored, and
-    no element's noise repeats with a short period.
+    no element's noise repeats with a short period. 8-bit moments are dequantized and
+    quantized in the same loop, with the eager quantizer's table (the same codes for the
+    same values). Remainder masters (``rounding="remainder"``, ``comps`` giving the int16
+    remainders, ``remainder`` the ties) are rebuilt and split in the loop; the few ties
+    rounded down are raised one unit in the weight before it (so the loop needs no list)
+    and found again after it from one flag byte per element, screened a block at a time.
+    ``grad_scales`` multiply the gradients in fp32 (a deferred clip).
 
     A failure (compilation, or an interrupt while compiling) changes nothing (the step
     counts are counted after the update); a compilation failure raises :class:`CompileRouteFailed`.
@@ -255,6 +358,7 @@ def compiled_adam_step(
     if not active:
         return
     dtype = torch.float32 if state_dtype is None else state_dtype
+    q8 = dtype == qstates.Q8
     init_adam_state(optimizer, group, active, dtype)
     states = [optimizer.state[p] for p in active]
     steps = [s["step"] for s in states]
@@ -264,34 +368,90 @@ def compiled_adam_step(
     eps, weight_decay = float(group["eps"]), float(group["weight_decay"])
     decoupled = bool(group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW)))
     # emulate_precision_casts: keep the bf16/fp16 rounding of the stored weight when the
-    # Kahan residual reads it back (inductor otherwise folds to(bf16).float() into a no-op)
-    fn = compiled(_adam_lists, dynamic=False, options={"emulate_precision_casts": True})
+    # Kahan residual reads it back (inductor otherwise folds to(bf16).float() into a no-op);
+    # the 8-bit tables' indices are in range by construction (a code, 16 bits, a block)
+    fn = compiled(_adam_lists, dynamic=False,
+                  options={"emulate_precision_casts": True, "assert_indirect_indexing": False})
     device = active[0].device
     hyper = torch.tensor(
         [lr, beta1, beta2, eps, weight_decay, lr / (1 - beta1**step), (1 - beta2**step) ** 0.5],
         dtype=torch.float32,
     ).to(device, non_blocking=True)
+    scale = torch.ones(1, dtype=torch.float32, device=device)
+    for factor in grad_scales:
+        scale = scale * factor.to(device=device, dtype=torch.float32).reshape(1)
+    hyper = torch.cat([hyper, scale])
     seed = 0
     if rounding == "stochastic":
         if counter is None:
             raise ValueError("stochastic rounding needs the wrapper's noise counter")
         seed = _seed32(counter[0])
+    keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
+    scales = [[s[f"{key}{qstates.ABSMAX}"] for s in states] for key in keys] if q8 else []
+    tables = _q8_tables(device) if q8 else []
+    raised: list[tuple[torch.Tensor, torch.Tensor]] = []
+    flags: list[list[torch.Tensor]] = []
+    comp_list: list[torch.Tensor] = []
+    if rounding == "kahan" and comps is not None:
+        comp_list = [comps(p) for p in active]
+    if rounding == "remainder":
+        if remainder is None or comps is None:
+            raise ValueError("the remainder store needs the wrapper's remainders and ties")
+        comp_list = [comps(p).view(torch.bfloat16) for p in active]
+        raised = [(p, t) for p in active if (t := remainder.ties(p)).numel()]
+        flags = [[torch.empty(p.shape, dtype=dtype, device=device) for p in active]
+                 for dtype in (torch.uint8, torch.uint8, torch.int8)]
     try:
+        for p, t in raised:  # a tie rounded down joins one unit low: raise its weight first
+            p.detach().view(torch.int16).view(-1)[t] += 1
         with recompile_headroom():  # past 8 layouts dynamo would run it uncompiled
             fn(
                 active, [p.grad for p in active], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
                 [s["max_exp_avg_sq"] for s in states] if group["amsgrad"] else [],
-                [comps(p) for p in active] if (rounding == "kahan" and comps is not None) else [],
-                torch.tensor(seed, dtype=torch.int64, device=device), hyper,
+                comp_list,
+                torch.tensor(seed, dtype=torch.int64, device=device), hyper, scales, tables, flags,
                 decoupled=decoupled, amsgrad=bool(group["amsgrad"]), maximize=bool(group["maximize"]),
-                weight_decay=weight_decay != 0, rounding=rounding,
+                weight_decay=weight_decay != 0, rounding=rounding, q8=q8,
             )
     except BaseException as exc:
         # Nearly always while compiling (seconds, before anything ran; a Ctrl-C lands there
         # too): the step counts are counted only after the update, so nothing is half-counted.
+        for p, t in raised:
+            p.detach().view(torch.int16).view(-1)[t] -= 1
         if isinstance(exc, compile_errors()):
             raise CompileRouteFailed(exc) from exc
         raise
+    if remainder is not None and rounding == "remainder":
+        rems = [r.view(torch.int16) for r in comp_list]  # high byte * 256 + low byte, in int16
+        torch._foreach_copy_(rems, flags[2])
+        torch._foreach_mul_(rems, 256)
+        torch._foreach_add_(rems, flags[1])
+        for p, f in zip(active, flags[0], strict=True):
+            new = flagged(f.view(-1))
+            if new.numel() or remainder.ties(p).numel():
+                remainder.set_ties(p, new)
     torch._foreach_add_(steps, 1.0)
     if counter is not None and rounding == "stochastic":
         counter[0] += 1
+
+
+#: elements per block of the flag screen
+_SCREEN = 1024
+
+
+def flagged(flags: torch.Tensor) -> torch.Tensor:
+    """The sorted positions of the nonzero bytes of a flat uint8 ``flags``, nearly all zero: on
+    the CPU one block maximum per 1024 elements screens out nearly every block first."""
+    if flags.device.type != "cpu":  # one nonzero, one host sync
+        return flags.nonzero().view(-1)
+    n = flags.numel()
+    whole = n - n % _SCREEN
+    found = []
+    if whole:
+        suspects = (flags[:whole].view(-1, _SCREEN).amax(1) != 0).nonzero().view(-1)
+        if suspects.numel():
+            hit = flags[:whole].view(-1, _SCREEN)[suspects].nonzero()
+            found.append(suspects[hit[:, 0]] * _SCREEN + hit[:, 1])
+    if whole < n:
+        found.append(flags[whole:].nonzero().view(-1) + whole)
+    return torch.cat(found) if found else torch.empty(0, dtype=torch.int64, device=flags.device)

@@ -275,8 +275,10 @@ def low_precision_step_transient(
             continue
         kind = fast_kind(inner, group) if fast else None
         n_low_state = n_state if state_low else 0
-        if kind == "adam" and use_compiled_route(compile, rounding, low, probe=False):
-            continue  # one fused loop per parameter: nothing materialised
+        if kind == "adam" and use_compiled_route(compile, rounding, low, probe=False, state_dtype=state_dtype):
+            if rounding == "remainder":  # one fused loop per parameter; a tie flag and two remainder bytes per element
+                scratch = max(scratch, 3 * sum(q.numel() for q in low))
+            continue
         if kind is not None:
             in_fused = kind == "adam" and fused and fused_available(low[0].device)
             limit = chunk_numel or default_chunk_numel(low[0].device)

@@ -53,7 +53,7 @@ from mixprec.optim.checks import (
     lift_wrapper_state,
     split_wrapper_state,
 )
-from mixprec.optim.compiled import CompileSetting, check_compile_setting
+from mixprec.optim.compiled import CompileSetting, RemainderIO, check_compile_setting
 from mixprec.optim.fast import (
     Piece,
     default_chunk_numel,
@@ -102,9 +102,9 @@ class LowPrecisionOptimizer(WrappedOptimizer):
             fuse into one loop per parameter, nothing is materialised in fp32; the first
             step compiles (seconds to a minute). Within fp32 rounding of the generic
             path, like ``fused``. ``"auto"`` (the default) compiles the Kahan and
-            stochastic-rounding stores of groups with at least 2**20 low-precision
-            elements when torch.compile works on their device (several times faster
-            than the eager fast path there), and falls back to the eager fast path, with
+            stochastic-rounding stores and 8-bit moments of groups with at least 2**20
+            low-precision elements when torch.compile works on their device (several
+            times faster than the eager fast path there), and falls back to the eager fast path, with
             one warning, if compilation fails (see
             :func:`~mixprec.optim.compiled.use_compiled_route`). Even with ``True`` a group
             steps eagerly when its parameters have different step counts (the compiled
@@ -379,6 +379,10 @@ class LowPrecisionOptimizer(WrappedOptimizer):
         """(compensation of a parameter, noise counter) the compiled route rounds with; the
         rounding subclasses provide theirs."""
         return None, None
+
+    def _compiled_remainder(self) -> RemainderIO | None:
+        """The ties of remainder masters (:class:`~mixprec.optim.RemainderOptimizer`): None here."""
+        return None
 
     def _step_one(self, p: torch.nn.Parameter, group: dict[str, Any], scratch: generic.Scratch) -> None:
         """The generic path for ``p`` (:func:`mixprec.optim.generic.step_one`)."""

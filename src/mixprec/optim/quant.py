@@ -192,6 +192,12 @@ def _lookup(signed: bool, device: torch.device) -> tuple[torch.Tensor, torch.Ten
     return first.to(torch.int32).to(device), points.to(device)
 
 
+def lookup_tables(signed: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int32 code of each run of 2**16 fp32 values, fp32 decision point above each code) that
+    :func:`quantize_flat` finds the nearest code with; cached, do not write into them."""
+    return _lookup(signed, device)
+
+
 def _nearest_codes(scaled: torch.Tensor, signed: bool) -> torch.Tensor:
     """The nearest code (int32) of each fp32 ``scaled`` value in [-1, 1] (a tie: the larger)."""
     table, points = _lookup(signed, scaled.device)

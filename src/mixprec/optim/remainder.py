@@ -27,14 +27,14 @@ Training-state bytes for AdamW: 2 (weight) + 2 (gradient) + 2 (remainder) + 8 (f
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
 
 from mixprec.nested import by_device_dtype
 from mixprec.optim import shards
-from mixprec.optim.compiled import CompileSetting
+from mixprec.optim.compiled import CompileSetting, RemainderIO
 from mixprec.optim.fast import Piece, prefer_fast_update
 from mixprec.optim.follow import WriteWatch, master_value, register
 from mixprec.optim.kinds import StateKind
@@ -71,7 +71,14 @@ class RemainderOptimizer(LowPrecisionOptimizer):
             before the model was cast down); others start from their weights.
         state_dtype: dtype the optimizer state is kept in between steps (None, the
             default: fp32, as ``bf16-master``; bf16 saves 4 more bytes per parameter).
-        fast, chunk_numel, fused: see :class:`LowPrecisionOptimizer` (no compiled route).
+        fast, chunk_numel, fused: see :class:`LowPrecisionOptimizer`.
+        compile: ``"auto"`` (the default) runs Adam/AdamW groups of 2**20+ elements through
+            ``torch.compile`` when the state is kept below fp32 (bf16, fp16 or 8-bit): the
+            master is rebuilt, updated, split and the state expanded and stored in one loop
+            per parameter, within fp32 rounding of the eager path. With fp32 state it keeps
+            the eager fast path (torch's fused kernel on the rebuilt masters), bit for bit
+            ``bf16-master``; ``True`` compiles then too, ``False`` never (see
+            :func:`~mixprec.optim.compiled.use_compiled_route`).
     """
 
     rounding = "remainder"
@@ -89,20 +96,15 @@ class RemainderOptimizer(LowPrecisionOptimizer):
         fast: bool = True,
         chunk_numel: int | None = None,
         fused: bool = True,
-        compile: CompileSetting = False,
+        compile: CompileSetting = "auto",
     ) -> None:
-        if compile is True:
-            raise ValueError(
-                "RemainderOptimizer has no compiled route yet: pass compile=False (its fast path runs "
-                "torch's fused kernel on the rebuilt fp32 masters)"
-            )
         if any(shards.is_dtensor(p) for group in optimizer.param_groups for p in group["params"]):
             raise ValueError(
                 "RemainderOptimizer does not run on FSDP2 shards: there the fp32 shards are the masters already "
                 "(get_plan('bf16-master') under FSDP2 keeps them sharded, 4 B per parameter / world size)"
             )
         super().__init__(
-            optimizer, state_dtype=state_dtype, fast=fast, chunk_numel=chunk_numel, fused=fused, compile=False
+            optimizer, state_dtype=state_dtype, fast=fast, chunk_numel=chunk_numel, fused=fused, compile=compile
         )
         for p in self._low_params():
             if p.dtype != torch.bfloat16:
@@ -148,6 +150,12 @@ class RemainderOptimizer(LowPrecisionOptimizer):
 
     def _remainder_for(self, param: torch.Tensor) -> torch.Tensor:
         return self.kinds.ensure(REMAINDER.name, param)
+
+    def _compiled_rounding_inputs(self) -> tuple[Callable[[torch.Tensor], torch.Tensor] | None, list[int] | None]:
+        return self._remainder_for, None
+
+    def _compiled_remainder(self) -> RemainderIO | None:
+        return RemainderIO(self._ties, lambda p, ties: self.kinds.set(REMAINDER_TIES.name, p, ties))
 
     # ------------------------------------------- weights written from outside (follow.py)
     def follow_writes(self, params: Sequence[torch.Tensor]) -> None:

@@ -26,12 +26,14 @@ from mixprec.optim.compiled import (
     CompileRouteFailed,
     CompileSetting,
     LayoutReservation,
+    RemainderIO,
     compiled_adam_step,
     release_layout,
     reserve_layouts,
     uniform_steps,
     use_compiled_route,
 )
+from mixprec.optim.states import BLOCK, Q8
 
 __all__ = ["compiled_layout_ok", "compiled_route", "compiled_step", "layout_key_suffix", "loaded_layouts", "upgraded_layout"]
 
@@ -50,22 +52,37 @@ class Routed(Protocol):
 
     def _compiled_rounding_inputs(self) -> tuple[Callable[[torch.Tensor], torch.Tensor] | None, list[int] | None]: ...
 
+    def _compiled_remainder(self) -> RemainderIO | None: ...
+
+    def _pending_grad_scales(self) -> list[torch.Tensor]: ...
+
 
 #: the stores the compiled update implements
-COMPILED_ROUNDINGS = ("nearest", "kahan", "stochastic")
+COMPILED_ROUNDINGS = ("nearest", "kahan", "stochastic", "remainder")
 
 
 def compiled_route(opt: Routed, group: dict[str, Any], active: list[torch.nn.Parameter], *, whole_step: bool) -> list[torch.nn.Parameter]:
     """Step an Adam/AdamW group's ``active`` parameters on the compiled route where it is
     taken; returns those left for the eager path (``active`` itself when it is not taken).
-    8-bit states and remainder masters have no compiled route (yet): they step eagerly."""
-    if opt.state_dtype == torch.uint8 or opt.rounding not in COMPILED_ROUNDINGS:
+    Remainder masters take it for contiguous weights only (their ties are flat indices), 8-bit
+    moments for weights of whole 8-bit blocks only (a partial last block came out wrong
+    compiled); the others step eagerly."""
+    if opt.rounding not in COMPILED_ROUNDINGS:
         return active
-    if use_compiled_route(opt.compile, opt.rounding, active, whole_step=whole_step) and (
-        reserved := compiled_layout_ok(opt, group, active)
-    ):
-        return compiled_step(opt, group, active, reserved)
+    taken = [p for p in active if _compiles(opt, p)]
+    if taken and use_compiled_route(
+        opt.compile, opt.rounding, taken, whole_step=whole_step, state_dtype=opt.state_dtype
+    ) and (reserved := compiled_layout_ok(opt, group, taken)):
+        left = compiled_step(opt, group, taken, reserved)
+        return left if len(taken) == len(active) else left + [p for p in active if not _compiles(opt, p)]
     return active
+
+
+def _compiles(opt: Routed, param: torch.Tensor) -> bool:
+    """Whether ``param`` may take the compiled route of ``opt`` (see :func:`compiled_route`)."""
+    if opt.rounding == "remainder" and not param.is_contiguous():
+        return False
+    return opt.state_dtype != Q8 or param.numel() % BLOCK == 0
 
 
 def compiled_layout_ok(opt: Routed, group: dict[str, Any], active: list[torch.nn.Parameter]) -> LayoutReservation | None:
@@ -113,7 +130,7 @@ def compiled_step(
     try:
         compiled_adam_step(
             opt.optimizer, group, active, state_dtype=opt.state_dtype, rounding=opt.rounding,
-            comps=comps, counter=counter,
+            comps=comps, counter=counter, grad_scales=opt._pending_grad_scales(), remainder=opt._compiled_remainder(),
         )
     except BaseException as exc:  # nothing was stepped (an interrupt too): the layout is not compiled
         release_layout(opt._compiled_layouts, reserved)

@@ -10,6 +10,7 @@ import torch
 from mixprec.dtypes import dtype_name
 from mixprec.islands import cast_outside_islands
 from mixprec.optim import MasterWeightOptimizer, RemainderOptimizer
+from mixprec.optim.compiled import CompileSetting, check_compile_setting
 from mixprec.optim.kinds import StateKind
 from mixprec.optim.states import describe as describe_state
 from mixprec.plans.base import NORM_LAYERS, Plan
@@ -31,6 +32,9 @@ class MasterPlan(Plan):
     remainder (:class:`~mixprec.optim.RemainderOptimizer`): the same weights and losses bit
     for bit, 14 bytes of training state per parameter with AdamW instead of 16 (12 with
     ``optimizer_in_backward=True``). Micro-batches then add up in the weights' bf16 ``.grad``.
+    ``optimizer_compile`` chooses its update route (:class:`~mixprec.optim.RemainderOptimizer`'s
+    ``compile``): ``"auto"`` compiles Adam/AdamW for large groups when ``state_dtype`` is below
+    fp32, and keeps torch's fused kernel, bit for bit ``bf16-master``, with fp32 state.
 
     ``accumulate_grads_in_fp32_hooks`` is kept for compatibility and must stay False:
     moving gradients out of the model as autograd produced them hid them from
@@ -40,6 +44,7 @@ class MasterPlan(Plan):
     accumulate_grads_in_fp32_hooks: bool = False
     remainders: bool = False
     state_dtype: torch.dtype | None = None
+    optimizer_compile: CompileSetting = "auto"
 
     family: ClassVar[str] = "master"
     supports_fsdp: ClassVar[bool] = True
@@ -55,6 +60,12 @@ class MasterPlan(Plan):
             )
         if not isinstance(self.remainders, bool):
             raise TypeError(f"remainders must be True or False, got {self.remainders!r}")
+        check_compile_setting(self.optimizer_compile, "optimizer_compile")
+        if self.optimizer_compile != "auto" and not self.remainders:
+            raise ValueError(
+                f"optimizer_compile={self.optimizer_compile!r} on plan {self.name!r}: fp32 masters step with torch's "
+                "fused kernel and have no compiled route. Pass remainders=True, or leave optimizer_compile at 'auto'"
+            )
         if self.remainders and self.compute_dtype != torch.bfloat16:
             raise ValueError(
                 f"remainders=True needs bf16 weights, plan {self.name!r} has {dtype_name(self.compute_dtype)}: an fp16 "
@@ -129,6 +140,7 @@ class MasterPlan(Plan):
         # Every optimizer of an fp16 plan is guarded, so any of them can undo its step when
         # another one refused a non-finite update (also one holding only fp32 parameters).
         if self.remainders:
-            return RemainderOptimizer(optimizer, master_values=fp32_values, state_dtype=self.state_dtype)
+            return RemainderOptimizer(optimizer, master_values=fp32_values, state_dtype=self.state_dtype,
+                                      compile=self.optimizer_compile)
         guard = True if self.compute_dtype == torch.float16 else None
         return MasterWeightOptimizer(optimizer, master_values=fp32_values, guard_nonfinite=guard)
