@@ -20,8 +20,12 @@ setup: $(STAMP)
 demo: setup
 	$(VENV)/bin/mixprec demo
 
+# Two pytest workers (pytest-xdist), each test file on one of them: the multi-process
+# tests spend much of their time starting processes, so two workers fit two cores.
+XDIST := -n 2 --dist loadfile
+
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(XDIST)
 
 # Unit tests only: no multi-process, slow or third-party-framework tests.
 test-fast: setup
@@ -30,7 +34,7 @@ test-fast: setup
 # The unit tests as on a CPU without bf16 instructions (AVX2 laptops, many cloud VMs):
 # oneDNN honours ONEDNN_MAX_CPU_ISA, so bf16 kernels run emulated, 40x slower than fp32.
 test-nobf16: setup
-	ONEDNN_MAX_CPU_ISA=AVX2 $(PY) -m pytest -q -m "not distributed and not slow and not integration"
+	ONEDNN_MAX_CPU_ISA=AVX2 $(PY) -m pytest -q $(XDIST) -m "not distributed and not slow and not integration"
 
 # The CUDA tier (tests/cuda): every test is skipped, with the reason, without a GPU.
 test-gpu: setup
