@@ -63,9 +63,10 @@ def test_a_compiled_remainder_step_that_changes_nothing_gives_back_every_master_
     opt = RemainderOptimizer(torch.optim.AdamW(params, lr=0.0, weight_decay=0.0), compile=True)
     g = torch.Generator().manual_seed(1)
     masters = []
-    for p in params:  # random fp32 masters; every 50th an exact tie rounded down (low 17 bits 0x8000)
+    for p in params:  # random fp32 masters; every 50th a tie rounded down (low 17 bits 0x8000), next to it one rounded up
         bits = (torch.randn(p.shape, generator=g) * 3).view(torch.int32)
         bits.view(-1)[::50] = (bits.view(-1)[::50] & ~0x1FFFF) | 0x8000
+        bits.view(-1)[1::50] = (bits.view(-1)[1::50] & ~0x1FFFF) | 0x18000
         master = bits.view(torch.float32)
         with torch.no_grad():
             p.copy_(master.to(torch.bfloat16))
@@ -161,3 +162,27 @@ def test_the_master_plan_passes_its_compile_setting_and_refuses_it_without_remai
         get_plan("bf16-master", optimizer_compile=True)
     with pytest.raises(ValueError, match="optimizer_compile"):
         get_plan("bf16-master", remainders=True, optimizer_compile="yes")
+
+
+def test_moments_held_in_another_dtype_are_converted_before_the_compiled_8bit_step() -> None:
+    params = _params()
+    inner = torch.optim.AdamW(params, lr=1e-2)
+    _grads(params, 0)
+    inner.step()  # fp32 moments, made before the wrapper
+    opt = KahanOptimizer(inner, state_dtype="8bit", compile=True)
+    _grads(params, 1)
+    opt.step()
+    state = inner.state[params[0]]
+    assert state["exp_avg"].dtype == torch.uint8 and "exp_avg_absmax" in state
+    assert opt._compiled_layouts
+
+
+def test_the_step_memory_estimate_counts_the_weights_that_step_eagerly() -> None:
+    from mixprec.optim.footprint import low_precision_step_transient
+
+    odd = [torch.nn.Parameter(torch.zeros(1000, 1049, dtype=torch.bfloat16))]  # not whole 8-bit blocks
+    common = {"fast": True, "fused": True, "chunk_numel": None, "state_dtype": torch.uint8}
+    for rounding in ("kahan", "remainder"):
+        auto = low_precision_step_transient(torch.optim.AdamW(odd), compile="auto", rounding=rounding, **common)
+        eager = low_precision_step_transient(torch.optim.AdamW(odd), compile=False, rounding=rounding, **common)
+        assert auto == eager > 0

@@ -147,6 +147,16 @@ def use_compiled_route(
     return compile_works(params[0].device, probe=probe)
 
 
+def compiles_param(rounding: str, state_dtype: torch.dtype | None, param: torch.Tensor) -> bool:
+    """Whether ``param`` may take the compiled route at all: remainder masters only contiguous
+    weights on the CPU (their ties are flat indices; on CUDA the route is not checked yet),
+    8-bit moments only weights of whole 256-element blocks (a partial last block came out
+    wrong compiled); the others step eagerly."""
+    if rounding == "remainder" and (not param.is_contiguous() or param.device.type != "cpu"):
+        return False
+    return state_dtype != qstates.Q8 or param.numel() % _BLOCK == 0
+
+
 class CompileRouteFailed(RuntimeError):
     """The compiled route could not compile: no parameter of the call was stepped and
     their step counts are as before, for the caller to step them another way."""
@@ -351,8 +361,11 @@ def compiled_adam_step(
     and found again after it from one flag byte per element, screened a block at a time.
     ``grad_scales`` multiply the gradients in fp32 (a deferred clip).
 
-    A failure (compilation, or an interrupt while compiling) changes nothing (the step
-    counts are counted after the update); a compilation failure raises :class:`CompileRouteFailed`.
+    A failure while compiling (an error, or an interrupt: nearly all of a first step's
+    time) changes nothing (the step counts are counted after the update, raised ties are
+    lowered again); a compilation failure raises :class:`CompileRouteFailed`. An interrupt
+    in the milliseconds after the loop ran, while remainders, ties and step counts are
+    written, is not undone.
     """
     active = [p for p in params if p.grad is not None]
     if not active:
@@ -361,6 +374,8 @@ def compiled_adam_step(
     q8 = dtype == qstates.Q8
     init_adam_state(optimizer, group, active, dtype)
     states = [optimizer.state[p] for p in active]
+    for p, state in zip(active, states, strict=True):  # state held in another dtype (wrapped later, loaded)
+        qstates.conform(state, p, state_dtype)
     steps = [s["step"] for s in states]
     step = float(steps[0]) + 1
     lr = scalar_value(group["lr"])
@@ -389,7 +404,7 @@ def compiled_adam_step(
     keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
     scales = [[s[f"{key}{qstates.ABSMAX}"] for s in states] for key in keys] if q8 else []
     tables = _q8_tables(device) if q8 else []
-    raised: list[tuple[torch.Tensor, torch.Tensor]] = []
+    raised: list[tuple[torch.Tensor, torch.Tensor]] = []  # (weight, ties) raised so far
     flags: list[list[torch.Tensor]] = []
     comp_list: list[torch.Tensor] = []
     if rounding == "kahan" and comps is not None:
@@ -398,12 +413,14 @@ def compiled_adam_step(
         if remainder is None or comps is None:
             raise ValueError("the remainder store needs the wrapper's remainders and ties")
         comp_list = [comps(p).view(torch.bfloat16) for p in active]
-        raised = [(p, t) for p in active if (t := remainder.ties(p)).numel()]
         flags = [[torch.empty(p.shape, dtype=dtype, device=device) for p in active]
                  for dtype in (torch.uint8, torch.uint8, torch.int8)]
     try:
-        for p, t in raised:  # a tie rounded down joins one unit low: raise its weight first
-            p.detach().view(torch.int16).view(-1)[t] += 1
+        if rounding == "remainder" and remainder is not None:
+            for p in active:  # a tie rounded down joins one unit low: raise its weight first
+                if (t := remainder.ties(p)).numel():
+                    p.detach().view(torch.int16).view(-1)[t] += 1
+                    raised.append((p, t))
         with recompile_headroom():  # past 8 layouts dynamo would run it uncompiled
             fn(
                 active, [p.grad for p in active], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],

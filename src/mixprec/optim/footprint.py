@@ -30,7 +30,7 @@ import torch
 
 from mixprec.dtypes import LOW_PRECISION_DTYPES
 from mixprec.nested import local_share, shard_local
-from mixprec.optim.compiled import CompileSetting, use_compiled_route
+from mixprec.optim.compiled import CompileSetting, compiles_param, use_compiled_route
 from mixprec.optim.fast import chunks, default_chunk_numel, fast_kind, fused_available
 
 __all__ = [
@@ -275,10 +275,14 @@ def low_precision_step_transient(
             continue
         kind = fast_kind(inner, group) if fast else None
         n_low_state = n_state if state_low else 0
-        if kind == "adam" and use_compiled_route(compile, rounding, low, probe=False, state_dtype=state_dtype):
+        taken = [q for q in low if compiles_param(rounding, state_dtype, q)]
+        if kind == "adam" and taken and use_compiled_route(compile, rounding, taken, probe=False,
+                                                           state_dtype=state_dtype):
             if rounding == "remainder":  # one fused loop per parameter; a tie flag and two remainder bytes per element
-                scratch = max(scratch, 3 * sum(q.numel() for q in low))
-            continue
+                scratch = max(scratch, 3 * sum(q.numel() for q in taken))
+            low = [q for q in low if not compiles_param(rounding, state_dtype, q)]  # these step eagerly
+            if not low:
+                continue
         if kind is not None:
             in_fused = kind == "adam" and fused and fused_available(low[0].device)
             limit = chunk_numel or default_chunk_numel(low[0].device)

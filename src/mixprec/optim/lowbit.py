@@ -140,7 +140,7 @@ class LowPrecisionOptimizer(WrappedOptimizer):
         super().__init__(optimizer)
         self.state_dtype = qstates.parse_state_dtype(state_dtype)
         self.compile: CompileSetting = check_compile_setting(compile)
-        if self.compile == "auto" and self.rounding != "nearest":
+        if self.compile == "auto" and (self.rounding != "nearest" or self.state_dtype == qstates.Q8):
             check_environment()  # read at the first compiled step otherwise, mid-training
         for name, flag in (("fast", fast), ("fused", fused)):
             if not isinstance(flag, bool):

@@ -75,10 +75,14 @@ class RemainderOptimizer(LowPrecisionOptimizer):
         compile: ``"auto"`` (the default) runs Adam/AdamW groups of 2**20+ elements through
             ``torch.compile`` when the state is kept below fp32 (bf16, fp16 or 8-bit): the
             master is rebuilt, updated, split and the state expanded and stored in one loop
-            per parameter, within fp32 rounding of the eager path. With fp32 state it keeps
+            per parameter (the eager path's arithmetic up to fp32 rounding, which the state's own
+            rounding can carry to a unit of the state's dtype). With fp32 state it keeps
             the eager fast path (torch's fused kernel on the rebuilt masters), bit for bit
             ``bf16-master``; ``True`` compiles then too, ``False`` never (see
-            :func:`~mixprec.optim.compiled.use_compiled_route`).
+            :func:`~mixprec.optim.compiled.use_compiled_route`). Either way only groups the
+            fast path takes (not with ``fused=False``, nor a group that sets ``foreach`` or
+            ``fused`` itself), contiguous weights on the CPU, and whole steps under "auto"
+            (not ``optimizer_in_backward``).
     """
 
     rounding = "remainder"

@@ -28,12 +28,12 @@ from mixprec.optim.compiled import (
     LayoutReservation,
     RemainderIO,
     compiled_adam_step,
+    compiles_param,
     release_layout,
     reserve_layouts,
     uniform_steps,
     use_compiled_route,
 )
-from mixprec.optim.states import BLOCK, Q8
 
 __all__ = ["compiled_layout_ok", "compiled_route", "compiled_step", "layout_key_suffix", "loaded_layouts", "upgraded_layout"]
 
@@ -64,9 +64,8 @@ COMPILED_ROUNDINGS = ("nearest", "kahan", "stochastic", "remainder")
 def compiled_route(opt: Routed, group: dict[str, Any], active: list[torch.nn.Parameter], *, whole_step: bool) -> list[torch.nn.Parameter]:
     """Step an Adam/AdamW group's ``active`` parameters on the compiled route where it is
     taken; returns those left for the eager path (``active`` itself when it is not taken).
-    Remainder masters take it for contiguous weights only (their ties are flat indices), 8-bit
-    moments for weights of whole 8-bit blocks only (a partial last block came out wrong
-    compiled); the others step eagerly."""
+    Only the weights :func:`~mixprec.optim.compiled.compiles_param` admits take it; the
+    others step eagerly."""
     if opt.rounding not in COMPILED_ROUNDINGS:
         return active
     taken = [p for p in active if _compiles(opt, p)]
@@ -79,10 +78,7 @@ def compiled_route(opt: Routed, group: dict[str, Any], active: list[torch.nn.Par
 
 
 def _compiles(opt: Routed, param: torch.Tensor) -> bool:
-    """Whether ``param`` may take the compiled route of ``opt`` (see :func:`compiled_route`)."""
-    if opt.rounding == "remainder" and not param.is_contiguous():
-        return False
-    return opt.state_dtype != Q8 or param.numel() % BLOCK == 0
+    return compiles_param(opt.rounding, opt.state_dtype, param)
 
 
 def compiled_layout_ok(opt: Routed, group: dict[str, Any], active: list[torch.nn.Parameter]) -> LayoutReservation | None:
