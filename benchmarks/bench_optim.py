@@ -13,6 +13,9 @@ step). Rows:
   this size; the first steps compile, during warm-up); the same wrappers with the fast
   path switched off (``... generic``), never compiled (``... eager``: the multi-tensor
   fast path) and always compiled (``bf16-pure compiled``);
+- ``bf16-master-remainders...``, ``...-8bit``: remainder masters (``bf16-master``
+  with ``remainders=True``) and 8-bit / bf16 moments, by default and never compiled
+  (``... eager``);
 - ``optimi-kahan``: bf16 model, ``optimi.AdamW(..., kahan_sum=True)`` (torch-optimi).
 
 Every optimizer uses lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight decay 0.01.
@@ -138,6 +141,14 @@ ROWS: dict[str, Callable[[Any, torch.device], Setup]] = {
     "bf16-master-remainders-8bit": lambda t, d: _plan(t, d, get_plan("bf16-master", remainders=True, state_dtype="8bit")),
     "bf16-kahan-8bit": lambda t, d: _plan(t, d, get_plan("bf16-kahan", state_dtype="8bit")),
     "bf16-sr-8bit": lambda t, d: _plan(t, d, get_plan("bf16-sr", state_dtype="8bit")),
+    # the same, never compiled (the eager fast path: the default before the compiled route took them)
+    "bf16-master-remainders-bf16-state eager": lambda t, d: _plan(
+        t, d, get_plan("bf16-master", remainders=True, state_dtype="bf16"), compile=False
+    ),
+    "bf16-master-remainders-8bit eager": lambda t, d: _plan(
+        t, d, get_plan("bf16-master", remainders=True, state_dtype="8bit"), compile=False
+    ),
+    "bf16-kahan-8bit eager": lambda t, d: _plan(t, d, get_plan("bf16-kahan", state_dtype="8bit"), compile=False),
     "optimi-kahan": _optimi_kahan,
 }
 
