@@ -145,7 +145,7 @@ def test_a_deferred_clip_scales_the_gradients_on_the_compiled_route_too() -> Non
 def test_auto_compiles_where_the_eager_path_takes_several_passes() -> None:
     big = [torch.zeros(1 << 20, dtype=torch.bfloat16)]
     assert use_compiled_route("auto", "remainder", big, state_dtype=torch.bfloat16)
-    assert use_compiled_route("auto", "remainder", big, state_dtype=torch.uint8)
+    assert not use_compiled_route("auto", "remainder", big, state_dtype=torch.uint8)  # measured no faster
     assert not use_compiled_route("auto", "remainder", big, state_dtype=None)  # fused: bit for bit bf16-master
     assert use_compiled_route("auto", "nearest", big, state_dtype=torch.uint8)
     assert not use_compiled_route("auto", "nearest", big, state_dtype=torch.bfloat16)

@@ -115,9 +115,10 @@ def use_compiled_route(
 
     ``True`` / ``False`` decide. ``"auto"`` compiles where the eager fast path takes several
     passes per element: a Kahan or stochastic-rounding store, 8-bit moments
-    (``state_dtype=torch.uint8``), or remainder masters with moments below fp32 (with fp32
-    moments the remainder plan keeps torch's fused kernel, bit-identical to ``bf16-master``;
-    a round-to-nearest store with float moments runs that one-pass kernel already). It also
+    (``state_dtype=torch.uint8``) of the other stores, or remainder masters with bf16/fp16
+    moments (with fp32 moments the remainder plan keeps torch's fused kernel, bit-identical
+    to ``bf16-master``; with 8-bit ones the compiled loop measured no faster than the eager
+    one; a round-to-nearest store with float moments runs that one-pass kernel already). It also
     requires that the step update the whole group (``whole_step``: optimizer-in-backward
     steps one parameter at a time, which would compile once per layout), that the group
     hold at least :data:`AUTO_COMPILE_NUMEL` elements of plain tensors (not tensor
@@ -136,8 +137,8 @@ def use_compiled_route(
     q8 = state_dtype == qstates.Q8
     if rounding == "nearest" and not q8:
         return False
-    if rounding == "remainder" and state_dtype in (None, torch.float32):
-        return False
+    if rounding == "remainder" and (q8 or state_dtype in (None, torch.float32)):
+        return False  # fp32 moments: torch's fused kernel; 8-bit: compiled no faster (BENCHMARKS.md)
     if not whole_step or not params:
         return False
     if any(type(p) not in (torch.Tensor, torch.nn.Parameter) for p in params):

@@ -73,7 +73,7 @@ class RemainderOptimizer(LowPrecisionOptimizer):
             default: fp32, as ``bf16-master``; bf16 saves 4 more bytes per parameter).
         fast, chunk_numel, fused: see :class:`LowPrecisionOptimizer`.
         compile: ``"auto"`` (the default) runs Adam/AdamW groups of 2**20+ elements through
-            ``torch.compile`` when the state is kept below fp32 (bf16, fp16 or 8-bit): the
+            ``torch.compile`` when the state is kept in bf16 or fp16 (8-bit: measured no faster): the
             master is rebuilt, updated, split and the state expanded and stored in one loop
             per parameter (the eager path's arithmetic up to fp32 rounding, which the state's own
             rounding can carry to a unit of the state's dtype). With fp32 state it keeps
