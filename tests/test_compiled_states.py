@@ -186,3 +186,36 @@ def test_the_step_memory_estimate_counts_the_weights_that_step_eagerly() -> None
         auto = low_precision_step_transient(torch.optim.AdamW(odd), compile="auto", rounding=rounding, **common)
         eager = low_precision_step_transient(torch.optim.AdamW(odd), compile=False, rounding=rounding, **common)
         assert auto == eager > 0
+
+
+def test_a_failed_compile_lowers_the_raised_ties_and_the_eager_step_gives_the_same_bits(monkeypatch) -> None:
+    import mixprec.optim.compiled as compiled
+    import mixprec.optim.routing as routing
+
+    def failing(fn, **kwargs):
+        def run(*args, **kw):
+            raise torch._dynamo.exc.TorchDynamoException("no compiler")
+
+        return run
+
+    runs = []
+    for setting in (False, "auto"):  # the eager reference first, then a compile that fails
+        if setting == "auto":
+            monkeypatch.setattr(compiled, "_LAYOUTS", set())
+            monkeypatch.setattr(compiled, "compiled", failing)
+            monkeypatch.setattr(routing, "use_compiled_route", lambda *args, **kwargs: True)
+            monkeypatch.setattr(routing, "mark_compile_failed", lambda *args: None)  # keep the compiler usable
+        params = _params()
+        opt = RemainderOptimizer(torch.optim.AdamW(params, lr=1e-2), compile=setting)
+        with torch.no_grad():  # every 40th master with an even weight an exact tie rounded down
+            for p in params:
+                bits = p.detach().float().view(torch.int32).clone().view(-1)
+                bits[::40] |= torch.where((bits[::40] >> 16) & 1 == 0, 0x8000, 0)
+                opt._set_master(p, bits.view(p.shape).view(torch.float32))
+        opt.note_written(params)
+        assert all(opt._ties(p).numel() for p in params)
+        _grads(params, 0)
+        opt.step()
+        assert not opt._compiled_layouts
+        runs.append([opt.master(p).view(torch.int32) for p in params])
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
