@@ -184,9 +184,9 @@ def _adam_lists(
     are rebuilt and split in the kernel, and ``flags`` (three lists of tensors shaped like the
     parameters: uint8, uint8, int8) get whether each element is a tie rounded down (nonzero),
     and the new remainder's low and high byte, for the caller to list and combine: separate
-    tensors, as rows or slices of one buffer written in place would be copied whole each time). ``q8``: the moments are 8-bit codes with
-    their block scales in ``scales`` (one list per moment key) and the lookup ``tables`` of
-    :func:`_q8_tables`.
+    tensors, as rows or slices of one buffer written in place would be copied whole each
+    time). ``q8``: the moments are 8-bit codes with their block scales in ``scales`` (one
+    list per moment key) and the lookup ``tables`` of :func:`_q8_tables`.
     """
     lr, beta1, beta2, eps, wd, step_size, bc2_sqrt, gscale = hyper.unbind(0)
     offset = 0
@@ -232,9 +232,8 @@ def _adam_lists(
         elif rounding == "remainder":
             bits = w.view(torch.int32)
             p.copy_(w.to(p.dtype))  # round to nearest even: bf16-master's weight
-            # the new remainders' two bytes, each a plane of flags' (uint8 kernels vectorize, int16 ones
-            # do not); the caller interleaves them into the remainders
-            # a tie: low 17 bits 0x8000; (x - 1) >> 31 is -1 (0xFF as a byte) for x == 0, else 0
+            # the tie flag and the new remainder's two bytes (uint8 kernels vectorize, int16 ones do
+            # not; the caller combines them). A tie: low 17 bits 0x8000; (x - 1) >> 31 is -1 (0xFF as a byte) for x == 0, else 0
             # (for 0 <= x < 2**17): a comparison would cost the loop 20x more on the CPU
             flags[0][i].copy_(((((bits & 0x1FFFF) ^ 0x8000) - 1) >> 31).to(torch.uint8))
             flags[1][i].copy_((bits & 0xFF).to(torch.uint8))
@@ -417,11 +416,10 @@ def compiled_adam_step(
         flags = [[torch.empty(p.shape, dtype=dtype, device=device) for p in active]
                  for dtype in (torch.uint8, torch.uint8, torch.int8)]
     try:
-        if rounding == "remainder" and remainder is not None:
-            for p in active:  # a tie rounded down joins one unit low: raise its weight first
-                if (t := remainder.ties(p)).numel():
-                    p.detach().view(torch.int16).view(-1)[t] += 1
-                    raised.append((p, t))
+        for p in active:  # a tie rounded down joins one unit low: raise its weight first
+            if remainder is not None and (t := remainder.ties(p)).numel():
+                p.detach().view(torch.int16).view(-1)[t] += 1
+                raised.append((p, t))
         with recompile_headroom():  # past 8 layouts dynamo would run it uncompiled
             fn(
                 active, [p.grad for p in active], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
@@ -453,23 +451,31 @@ def compiled_adam_step(
         counter[0] += 1
 
 
-#: elements per block of the flag screen
-_SCREEN = 1024
+#: elements per block of the screens in front of the sparse searches (:func:`screened_nonzero`)
+SCREEN = 1024
+
+
+def screened_nonzero(suspects: torch.Tensor, exact: Callable[[torch.Tensor], torch.Tensor],
+                     tail: torch.Tensor) -> torch.Tensor:
+    """The sorted positions of a sparse property, found without testing every element: ``suspects``
+    (one bool per block of :data:`SCREEN` elements, from a cheap block reduction) says which blocks
+    may hold one, ``exact(blocks)`` tests those blocks element by element (a (k, SCREEN) bool),
+    and ``tail`` is the exact test of the elements after the whole blocks."""
+    found = []
+    blocks = suspects.nonzero().view(-1)
+    if blocks.numel():
+        hit = exact(blocks).nonzero()
+        found.append(blocks[hit[:, 0]] * SCREEN + hit[:, 1])
+    if tail.numel():
+        found.append(tail.nonzero().view(-1) + suspects.numel() * SCREEN)
+    return torch.cat(found) if found else torch.empty(0, dtype=torch.int64, device=suspects.device)
 
 
 def flagged(flags: torch.Tensor) -> torch.Tensor:
     """The sorted positions of the nonzero bytes of a flat uint8 ``flags``, nearly all zero: on
-    the CPU one block maximum per 1024 elements screens out nearly every block first."""
+    the CPU one block maximum per :data:`SCREEN` elements screens out nearly every block first."""
     if flags.device.type != "cpu":  # one nonzero, one host sync
         return flags.nonzero().view(-1)
-    n = flags.numel()
-    whole = n - n % _SCREEN
-    found = []
-    if whole:
-        suspects = (flags[:whole].view(-1, _SCREEN).amax(1) != 0).nonzero().view(-1)
-        if suspects.numel():
-            hit = flags[:whole].view(-1, _SCREEN)[suspects].nonzero()
-            found.append(suspects[hit[:, 0]] * _SCREEN + hit[:, 1])
-    if whole < n:
-        found.append(flags[whole:].nonzero().view(-1) + whole)
-    return torch.cat(found) if found else torch.empty(0, dtype=torch.int64, device=flags.device)
+    whole = flags.numel() - flags.numel() % SCREEN
+    blocks = flags[:whole].view(-1, SCREEN)
+    return screened_nonzero(blocks.amax(1) != 0, lambda ids: blocks[ids] != 0, flags[whole:] != 0)

@@ -34,7 +34,7 @@ import torch
 
 from mixprec.nested import by_device_dtype
 from mixprec.optim import shards
-from mixprec.optim.compiled import CompileSetting, RemainderIO
+from mixprec.optim.compiled import SCREEN, CompileSetting, RemainderIO, screened_nonzero
 from mixprec.optim.fast import Piece, prefer_fast_update
 from mixprec.optim.follow import WriteWatch, master_value, register
 from mixprec.optim.kinds import StateKind
@@ -306,10 +306,6 @@ def _as_master_update(optimizer: torch.optim.Optimizer, groups: list[dict[str, A
             group["foreach"], group["fused"] = foreach, fused
 
 
-#: elements per block of the tie screen: a block whose smallest low half is not 0x8000 holds no tie
-_SCREEN = 1024
-
-
 def _ties_of(flat: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
     """The sorted positions of the fp32 values in ``flat`` exactly halfway between two bf16
     values and rounded down to even: low 17 bits 0x8000. ``low`` holds their low halves (int16).
@@ -320,17 +316,13 @@ def _ties_of(flat: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
     bits = flat.view(torch.int32)
     if flat.device.type != "cpu":  # one nonzero, one host sync per chunk: the screen would cost three
         return ((bits & 0x1FFFF) == 0x8000).nonzero().view(-1)
-    n = low.numel()
-    whole = n - n % _SCREEN
-    found = []
-    if whole:
-        suspects = (low[:whole].view(-1, _SCREEN).amin(1) == -32768).nonzero().view(-1)
-        if suspects.numel():
-            hit = ((bits[:whole].view(-1, _SCREEN)[suspects] & 0x1FFFF) == 0x8000).nonzero()
-            found.append(suspects[hit[:, 0]] * _SCREEN + hit[:, 1])
-    if whole < n:
-        found.append(((bits[whole:] & 0x1FFFF) == 0x8000).nonzero().view(-1) + whole)
-    return torch.cat(found) if found else torch.empty(0, dtype=torch.int64, device=flat.device)
+    whole = low.numel() - low.numel() % SCREEN
+    blocks = bits[:whole].view(-1, SCREEN)
+    return screened_nonzero(
+        low[:whole].view(-1, SCREEN).amin(1) == -32768,
+        lambda ids: (blocks[ids] & 0x1FFFF) == 0x8000,
+        (bits[whole:] & 0x1FFFF) == 0x8000,
+    )
 
 
 def _between(ties: torch.Tensor, start: int, end: int) -> torch.Tensor:

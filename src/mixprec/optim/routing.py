@@ -68,17 +68,15 @@ def compiled_route(opt: Routed, group: dict[str, Any], active: list[torch.nn.Par
     others step eagerly."""
     if opt.rounding not in COMPILED_ROUNDINGS:
         return active
-    taken = [p for p in active if _compiles(opt, p)]
+    taken: list[torch.nn.Parameter] = []
+    rest: list[torch.nn.Parameter] = []
+    for p in active:
+        (taken if compiles_param(opt.rounding, opt.state_dtype, p) else rest).append(p)
     if taken and use_compiled_route(
         opt.compile, opt.rounding, taken, whole_step=whole_step, state_dtype=opt.state_dtype
     ) and (reserved := compiled_layout_ok(opt, group, taken)):
-        left = compiled_step(opt, group, taken, reserved)
-        return left if len(taken) == len(active) else left + [p for p in active if not _compiles(opt, p)]
+        return compiled_step(opt, group, taken, reserved) + rest
     return active
-
-
-def _compiles(opt: Routed, param: torch.Tensor) -> bool:
-    return compiles_param(opt.rounding, opt.state_dtype, param)
 
 
 def compiled_layout_ok(opt: Routed, group: dict[str, Any], active: list[torch.nn.Parameter]) -> LayoutReservation | None:
