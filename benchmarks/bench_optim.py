@@ -149,6 +149,14 @@ ROWS: dict[str, Callable[[Any, torch.device], Setup]] = {
         t, d, get_plan("bf16-master", remainders=True, state_dtype="8bit"), compile=False
     ),
     "bf16-kahan-8bit eager": lambda t, d: _plan(t, d, get_plan("bf16-kahan", state_dtype="8bit"), compile=False),
+    "bf16-sr-8bit eager": lambda t, d: _plan(t, d, get_plan("bf16-sr", state_dtype="8bit"), compile=False),
+    "bf16-pure-8bit": lambda t, d: _plan(t, d, get_plan("bf16-pure", state_dtype="8bit")),
+    # the same on the torch.compile route (the default before the native CPU kernel took them)
+    "bf16-master-remainders-bf16-state compiled": lambda t, d: _plan(
+        t, d, get_plan("bf16-master", remainders=True, state_dtype="bf16"), compile=True
+    ),
+    "bf16-kahan-8bit compiled": lambda t, d: _plan(t, d, get_plan("bf16-kahan", state_dtype="8bit"), compile=True),
+    "bf16-sr-8bit compiled": lambda t, d: _plan(t, d, get_plan("bf16-sr", state_dtype="8bit"), compile=True),
     "optimi-kahan": _optimi_kahan,
 }
 

@@ -603,9 +603,9 @@ def test_compiled_sr_noise_of_an_element_does_not_repeat_with_a_short_period():
     """The noise of one element over 5000 steps: a hash of its position and a seed mixed
     from the step counter, not of (counter + position) mod 2**32 (which repeats every
     2**32 / N steps for N elements per step: every 2048 steps for 2**21 elements)."""
-    from mixprec.optim.compiled import _hash16, _seed32
+    from mixprec.optim.compiled import _hash16, seed32
 
-    seeds = torch.tensor([_seed32(c) for c in range(5000)], dtype=torch.int64)
+    seeds = torch.tensor([seed32(c) for c in range(5000)], dtype=torch.int64)
     noise = _hash16(torch.zeros(5000, dtype=torch.int64) ^ seeds)
     assert noise.unique().numel() > 4500  # 16 random bits: about 4830 distinct of 5000
 

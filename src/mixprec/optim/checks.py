@@ -34,6 +34,7 @@ __all__ = [
     "check_kind_state",
     "check_master_positions",
     "check_master_weights",
+    "check_moment_layout",
     "check_param_shaped_state",
     "check_rounding_state",
     "check_state_shapes",
@@ -373,4 +374,22 @@ def check_kind_state(kinds: KindStore, extra: Mapping[str, Any], params: Sequenc
                 raise ValueError(
                     f"saved {kind.name} {index} has dtype {value.dtype}, this {owner} keeps it in {dtype}; "
                     "was it saved under another plan?"
+                )
+
+
+def check_moment_layout(state: Mapping[str, Any], param: torch.Tensor, dtype: torch.dtype, keys: Sequence[str]) -> None:
+    """That ``param``'s moments ``keys`` (and, 8-bit, their block scales) are CPU tensors of ``dtype``
+    with one element per weight: what the native step writes through raw pointers. Refused
+    otherwise, before a byte is written (their layout is the caller's to make contiguous)."""
+    for key in keys:
+        wanted = [(key, dtype, param.numel())]
+        if dtype == Q8:
+            wanted.append((f"{key}{ABSMAX}", torch.float32, -(-param.numel() // BLOCK)))
+        for name, kind, numel in wanted:
+            t = state.get(name)
+            if not isinstance(t, torch.Tensor) or t.dtype != kind or t.numel() != numel or t.device.type != "cpu":
+                got = f"{t.dtype} of {t.numel()} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(
+                    f"optimizer state {name!r} of a {tuple(param.shape)} weight must be a CPU {kind} tensor of "
+                    f"{numel} elements for the native step, got {got}; load a state_dict saved for this model"
                 )

@@ -290,7 +290,7 @@ def _q8_tables(device: torch.device) -> list[torch.Tensor]:
     return out
 
 
-def _seed32(count: int) -> int:
+def seed32(count: int) -> int:
     """A well-mixed 32-bit seed of a call count (splitmix64's finaliser, top 32 bits)."""
     z = (count * 0x9E3779B97F4A7C15 + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
@@ -400,7 +400,7 @@ def compiled_adam_step(
     if rounding == "stochastic":
         if counter is None:
             raise ValueError("stochastic rounding needs the wrapper's noise counter")
-        seed = _seed32(counter[0])
+        seed = seed32(counter[0])
     keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
     scales = [[s[f"{key}{qstates.ABSMAX}"] for s in states] for key in keys] if q8 else []
     tables = _q8_tables(device) if q8 else []

@@ -30,6 +30,7 @@ import torch
 
 from mixprec.dtypes import LOW_PRECISION_DTYPES
 from mixprec.nested import local_share, shard_local
+from mixprec.optim import native
 from mixprec.optim.compiled import CompileSetting, compiles_param, use_compiled_route
 from mixprec.optim.fast import chunks, default_chunk_numel, fast_kind, fused_available
 
@@ -275,6 +276,10 @@ def low_precision_step_transient(
             continue
         kind = fast_kind(inner, group) if fast else None
         n_low_state = n_state if state_low else 0
+        if kind == "adam" and native.use_native_route(compile, rounding, state_dtype):
+            low = [q for q in low if not native.takes_param(rounding, q)]  # a 256-element block at a time, on the stack
+            if not low:
+                continue
         taken = [q for q in low if compiles_param(rounding, state_dtype, q)]
         if kind == "adam" and taken and use_compiled_route(compile, rounding, taken, probe=False,
                                                            state_dtype=state_dtype):

@@ -72,7 +72,9 @@ class RemainderOptimizer(LowPrecisionOptimizer):
         state_dtype: dtype the optimizer state is kept in between steps (None, the
             default: fp32, as ``bf16-master``; bf16 saves 4 more bytes per parameter).
         fast, chunk_numel, fused: see :class:`LowPrecisionOptimizer`.
-        compile: ``"auto"`` (the default) runs Adam/AdamW groups of 2**20+ elements through
+        compile: ``"auto"`` (the default) steps Adam/AdamW natively on the CPU when the state is
+            kept in bf16, fp16 or 8 bits (:mod:`mixprec.optim.native`: one C loop per weight, the
+            eager path's bits); elsewhere it runs groups of 2**20+ elements through
             ``torch.compile`` when the state is kept in bf16 or fp16 (8-bit: measured no faster): the
             master is rebuilt, updated, split and the state expanded and stored in one loop
             per parameter (the eager path's arithmetic up to fp32 rounding, which the state's own
@@ -81,8 +83,8 @@ class RemainderOptimizer(LowPrecisionOptimizer):
             ``bf16-master``; ``True`` compiles then too, ``False`` never (see
             :func:`~mixprec.optim.compiled.use_compiled_route`). Either way only groups the
             fast path takes (not with ``fused=False``, nor a group that sets ``foreach`` or
-            ``fused`` itself), contiguous weights on the CPU, and whole steps under "auto"
-            (not ``optimizer_in_backward``).
+            ``fused`` itself) and contiguous weights on the CPU; the compiled route under
+            "auto" only whole steps (the native one ``optimizer_in_backward`` too).
     """
 
     rounding = "remainder"

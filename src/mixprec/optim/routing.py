@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import torch
 
 from mixprec.compiling import mark_compile_failed
+from mixprec.optim import native
 from mixprec.optim.compiled import (
     CompileRouteFailed,
     CompileSetting,
@@ -35,7 +36,10 @@ from mixprec.optim.compiled import (
     use_compiled_route,
 )
 
-__all__ = ["compiled_layout_ok", "compiled_route", "compiled_step", "layout_key_suffix", "loaded_layouts", "upgraded_layout"]
+__all__ = [
+    "compiled_layout_ok", "compiled_route", "compiled_step", "layout_key_suffix", "loaded_layouts", "native_route",
+    "upgraded_layout",
+]
 
 
 class Routed(Protocol):
@@ -62,11 +66,16 @@ COMPILED_ROUNDINGS = ("nearest", "kahan", "stochastic", "remainder")
 
 
 def compiled_route(opt: Routed, group: dict[str, Any], active: list[torch.nn.Parameter], *, whole_step: bool) -> list[torch.nn.Parameter]:
-    """Step an Adam/AdamW group's ``active`` parameters on the compiled route where it is
-    taken; returns those left for the eager path (``active`` itself when it is not taken).
-    Only the weights :func:`~mixprec.optim.compiled.compiles_param` admits take it; the
-    others step eagerly."""
+    """Step an Adam/AdamW group's ``active`` parameters on the native or the compiled route
+    where one is taken; returns those left for the eager path (``active`` itself when
+    neither is taken). The native route (:func:`native_route`) goes first, also for a step
+    of some parameters (``whole_step=False``: it compiles nothing per layout); of the rest,
+    only the weights :func:`~mixprec.optim.compiled.compiles_param` admits take the compiled
+    route, the others step eagerly."""
     if opt.rounding not in COMPILED_ROUNDINGS:
+        return active
+    active = native_route(opt, group, active)
+    if not active:
         return active
     taken: list[torch.nn.Parameter] = []
     rest: list[torch.nn.Parameter] = []
@@ -77,6 +86,25 @@ def compiled_route(opt: Routed, group: dict[str, Any], active: list[torch.nn.Par
     ) and (reserved := compiled_layout_ok(opt, group, taken)):
         return compiled_step(opt, group, taken, reserved) + rest
     return active
+
+
+def native_route(opt: Routed, group: dict[str, Any], active: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+    """Step the parameters of ``active`` that the native kernel takes
+    (:func:`~mixprec.optim.native.use_native_route`, :func:`~mixprec.optim.native.takes`);
+    returns the others, in order."""
+    if not native.use_native_route(opt.compile, opt.rounding, opt.state_dtype):
+        return active
+    comps, counter = opt._compiled_rounding_inputs()
+    with_comp = comps is not None and opt.rounding in ("kahan", "remainder")
+    taken = [p for p in active if native.takes(opt.rounding, p, comps(p) if with_comp else None)]  # type: ignore[misc]
+    if not taken:
+        return active
+    native.native_adam_step(
+        opt.optimizer, group, taken, state_dtype=opt.state_dtype, rounding=opt.rounding, comps=comps,
+        counter=counter, grad_scales=opt._pending_grad_scales(), remainder=opt._compiled_remainder(),
+    )
+    stepped = {id(p) for p in taken}
+    return [p for p in active if id(p) not in stepped]
 
 
 def compiled_layout_ok(opt: Routed, group: dict[str, Any], active: list[torch.nn.Parameter]) -> LayoutReservation | None:

@@ -1,0 +1,403 @@
+/* mixprec's native CPU kernel: one Adam/AdamW step of one low-precision weight in one pass.
+ *
+ * Built by mixprec.optim.native with the machine's C compiler (-O3 -march=native
+ * -ffp-contract=off) and called through ctypes. Works 256 elements (one 8-bit block) at a
+ * time: the weight (bf16/fp16, plus a Kahan compensation or an int16 remainder), the
+ * gradient and the moments (fp32, bf16, fp16 or 8-bit blockwise codes) are expanded to fp32
+ * arrays on the stack, updated with torch's Adam arithmetic, and stored back. No fp32 copy
+ * of a whole tensor exists at any time. See native.py for the arithmetic's contract.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define BLOCK 256
+/* The compact lookup of a finite block's scaled values (in [-1, 1]): one int32 per run of 2**16 fp32
+ * values with an exponent from COMPACT_E0 to 127 (rows of 128 runs, positive values then negative):
+ * the run's first code c (low 8 bits) and a 17-bit threshold T above them; the nearest code of a value
+ * of the run is c + (key >= T), key being the value's low 16 bits (flipped for negative values). Below
+ * COMPACT_E0 every run holds the same code (per sign), so smaller exponents share row 0. native.py
+ * builds the table and checks both properties. */
+#define COMPACT_E0 103
+#define COMPACT_ROWS (128 - COMPACT_E0)
+
+enum { K_F32 = 0, K_BF16 = 1, K_F16 = 2, K_Q8 = 3, K_I16 = 4 };
+enum { R_NEAREST = 0, R_KAHAN = 1, R_STOCHASTIC = 2, R_REMAINDER = 3 };
+enum { WD_NONE = 0, WD_L2 = 1, WD_DECOUPLED = 2 };
+
+/* Mirrored by native.py's _Args (ctypes.Structure): keep the two in the same order. */
+typedef struct {
+    int64_t begin, end;             /* the elements [begin, end) of the tensor; begin % BLOCK == 0 */
+    void *w;                        /* the weight */
+    const void *g;                  /* its gradient */
+    void *m, *v, *vmax;             /* the moments (vmax: amsgrad only) */
+    float *m_scale, *v_scale, *vmax_scale; /* 8-bit: each moment's block absmax */
+    void *comp;                     /* Kahan: the compensation; remainder: the int16 remainder */
+    const int64_t *ties;            /* remainder: sorted flat indices of the ties rounded down */
+    int64_t n_ties;
+    const float *smap, *umap;       /* the signed / unsigned 256-entry dynamic maps */
+    const int32_t *slookup, *ulookup; /* code of each run of 2**16 fp32 values */
+    const float *spoints, *upoints; /* the decision point above each code */
+    const int32_t *scompact, *ucompact; /* the compact lookups (see COMPACT_E0) */
+    int64_t seed;                   /* stochastic rounding: the call's 32-bit seed */
+    int64_t offset;                 /* stochastic rounding: the tensor's first position in the call */
+    int32_t w_kind, g_kind, s_kind, comp_kind;
+    int32_t rounding, wd_mode, amsgrad, maximize;
+    float lerp_weight;              /* 1 - beta1 */
+    float beta2, one_minus_beta2, eps;
+    float decay;                    /* decoupled: 1 - lr * weight_decay; L2: weight_decay */
+    float step_size, bc2_sqrt, grad_scale;
+} mp_args;
+
+static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+/* torch's float -> bf16 cast (c10::detail::round_to_nearest_even) */
+static inline uint16_t f2bf(float f) {
+    uint32_t u = f2u(f);
+    uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    return f != f ? (uint16_t)0x7FC0 : (uint16_t)r;
+}
+
+static void load(int kind, const void *p, int64_t at, int n, float *out) {
+    switch (kind) {
+    case K_F32: memcpy(out, (const float *)p + at, sizeof(float) * (size_t)n); break;
+    case K_BF16: {
+        const uint16_t *s = (const uint16_t *)p + at;
+        for (int i = 0; i < n; i++) out[i] = u2f((uint32_t)s[i] << 16);
+        break;
+    }
+    case K_F16: {
+        const _Float16 *s = (const _Float16 *)p + at;
+        for (int i = 0; i < n; i++) out[i] = (float)s[i];
+        break;
+    }
+    }
+}
+
+static void store(int kind, void *p, int64_t at, int n, const float *in) {
+    switch (kind) {
+    case K_F32: memcpy((float *)p + at, in, sizeof(float) * (size_t)n); break;
+    case K_BF16: {
+        uint16_t *d = (uint16_t *)p + at;
+        for (int i = 0; i < n; i++) d[i] = f2bf(in[i]);
+        break;
+    }
+    case K_F16: {
+        _Float16 *d = (_Float16 *)p + at;
+        for (int i = 0; i < n; i++) d[i] = (_Float16)in[i];
+        break;
+    }
+    }
+}
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#if defined(__AVX512F__)
+/* AVX-512: table lookups as register permutes (a gather costs about 2 cycles per element on
+ * some CPUs). A 256-entry float table is 16 registers; vpermt2ps picks from 32 entries by an
+ * index's low 5 bits, and three blends by bits 5, 6, 7 pick among the eight picks. */
+typedef struct { __m512 r[16]; } table256;
+
+static inline void load_table256(table256 *t, const float *p) {
+    for (int k = 0; k < 16; k++) t->r[k] = _mm512_loadu_ps(p + 16 * k);
+}
+
+static inline __m512 pick(const __m512 *r, __m512i idx, int n) { /* r[0..n) hold 16n entries, n in 2, 4, 8, 16 */
+    __m512 p[8];
+    for (int k = 0; k < n / 2; k++) p[k] = _mm512_permutex2var_ps(r[2 * k], idx, r[2 * k + 1]);
+    for (int bit = 32, m = n / 2; m > 1; bit *= 2, m /= 2) {
+        __mmask16 hi = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(bit));
+        for (int k = 0; k < m / 2; k++) p[k] = _mm512_mask_mov_ps(p[2 * k], hi, p[2 * k + 1]);
+    }
+    return p[0];
+}
+
+#endif
+
+#if defined(__AVX512F__)
+typedef struct { table256 map; } q8_tables;
+#else
+typedef struct { int unused; } q8_tables;
+#endif
+
+static void load_q8_tables(q8_tables *t, const float *map, const float *points) {
+#if defined(__AVX512F__)
+    (void)points;
+    load_table256(&t->map, map);
+#else
+    (void)t, (void)map, (void)points;
+#endif
+}
+
+/* map[codes] * scale */
+static void load_q8(const uint8_t *codes, float scale, const float *map, const q8_tables *t, int n, float *out) {
+    int i = 0;
+#if defined(__AVX512F__)
+    const __m512 vs = _mm512_set1_ps(scale);
+    for (; i + 16 <= n; i += 16) {
+        __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + i)));
+        _mm512_storeu_ps(out + i, _mm512_mul_ps(pick(t->map.r, c, 16), vs));
+    }
+#elif defined(__AVX2__)
+    (void)t;
+    const __m256 vs = _mm256_set1_ps(scale);
+    for (; i + 8 <= n; i += 8) {
+        __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(codes + i)));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_i32gather_ps(map, c, 4), vs));
+    }
+#else
+    (void)t;
+#endif
+    for (; i < n; i++) out[i] = map[codes[i]] * scale;
+}
+
+/* the nearest code of one scaled value: the code of its run of 2**16 fp32 values, or the next */
+static inline uint8_t nearest(float s, const int32_t *lookup, const float *points) {
+    int32_t c = lookup[(f2u(s) >> 16) & 0xFFFFu];
+    return (uint8_t)(c + (s >= points[c]));
+}
+
+/* mixprec.optim.quant.quantize_flat on one block: the absmax, then each element's nearest code.
+ * A finite block's scaled values lie in [-1, 1], whose runs the compact lookup holds (one gather per
+ * element from a table that stays in the caches); a block holding inf or NaN takes the full lookup
+ * and the decision points, element by element. */
+static void store_q8(uint8_t *codes, float *scale, const float *x, int n, const int32_t *lookup,
+                     const float *points, const int32_t *compact, const q8_tables *t) {
+    float amax = 0.0f;
+    int nan = 0, finite = 1, j = 0;
+#if defined(__AVX512F__)
+    {
+        __m512 vmax = _mm512_setzero_ps();
+        const __m512 big = _mm512_set1_ps(3.40282347e38f);
+        __mmask16 ok = 0xFFFF;
+        for (; j + 16 <= n; j += 16) {
+            __m512 a = _mm512_abs_ps(_mm512_loadu_ps(x + j));
+            vmax = _mm512_max_ps(vmax, a);
+            ok &= _mm512_cmp_ps_mask(a, big, _CMP_LE_OQ); /* false for inf and NaN */
+        }
+        amax = _mm512_reduce_max_ps(vmax);
+        finite = ok == 0xFFFF;
+        nan = !finite; /* told apart below */
+    }
+#elif defined(__AVX2__)
+    {
+        __m256 vmax = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+        const __m256 big = _mm256_set1_ps(3.40282347e38f);
+        const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+        for (; j + 8 <= n; j += 8) {
+            __m256 a = _mm256_and_ps(_mm256_loadu_ps(x + j), sign);
+            vmax = _mm256_max_ps(vmax, a);
+            bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, big, _CMP_NLE_UQ)); /* inf or NaN */
+        }
+        float lanes[8];
+        _mm256_storeu_ps(lanes, vmax);
+        for (int k = 0; k < 8; k++) amax = lanes[k] > amax ? lanes[k] : amax;
+        finite = _mm256_movemask_ps(bad) == 0;
+        nan = !finite;
+    }
+#endif
+    if (nan) { /* a non-finite value: the scalar reduction, NaN-aware (told apart from inf) */
+        j = 0;
+        amax = 0.0f;
+        nan = 0;
+    }
+    for (; j < n; j++) {
+        float a = fabsf(x[j]);
+        amax = a > amax ? a : amax;
+        nan |= a != a;
+        finite &= a <= 3.40282347e38f;
+    }
+    if (nan) amax = NAN; /* torch.amax: a NaN wins */
+    const float div = amax > 0.0f ? amax : 1.0f; /* an all-zero block divides by 1 */
+    int i = 0;
+    if (finite) {
+#if defined(__AVX512F__)
+        (void)t;
+        const __m512 vd = _mm512_set1_ps(div);
+        const __m512i e0 = _mm512_set1_epi32(COMPACT_E0), ff = _mm512_set1_epi32(0xFF);
+        const __m512i m7 = _mm512_set1_epi32(0x7F), low = _mm512_set1_epi32(0xFFFF);
+        for (; i + 16 <= n; i += 16) {
+            __m512 s = _mm512_div_ps(_mm512_loadu_ps(x + i), vd);
+            __m512i b = _mm512_castps_si512(s);
+            __m512i e = _mm512_sub_epi32(_mm512_max_epi32(_mm512_and_si512(_mm512_srli_epi32(b, 23), ff), e0), e0);
+            __m512i at = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_srli_epi32(b, 31), _mm512_set1_epi32(COMPACT_ROWS * 128)),
+                                          _mm512_add_epi32(_mm512_slli_epi32(e, 7), _mm512_and_si512(_mm512_srli_epi32(b, 16), m7)));
+            __m512i entry = _mm512_i32gather_epi32(at, compact, 4);
+            __m512i key = _mm512_xor_si512(_mm512_and_si512(b, low), _mm512_and_si512(_mm512_srai_epi32(b, 31), low));
+            __mmask16 up = _mm512_cmpge_epi32_mask(key, _mm512_srli_epi32(entry, 8));
+            __m512i c = _mm512_and_si512(entry, ff);
+            _mm_storeu_si128((__m128i *)(codes + i), _mm512_cvtepi32_epi8(_mm512_mask_add_epi32(c, up, c, _mm512_set1_epi32(1))));
+        }
+#elif defined(__AVX2__)
+        (void)t;
+        const __m256 vd = _mm256_set1_ps(div);
+        const __m256i e0 = _mm256_set1_epi32(COMPACT_E0), ff = _mm256_set1_epi32(0xFF);
+        const __m256i m7 = _mm256_set1_epi32(0x7F), low = _mm256_set1_epi32(0xFFFF), one = _mm256_set1_epi32(1);
+        for (; i + 8 <= n; i += 8) {
+            __m256 s = _mm256_div_ps(_mm256_loadu_ps(x + i), vd);
+            __m256i b = _mm256_castps_si256(s);
+            __m256i e = _mm256_sub_epi32(_mm256_max_epi32(_mm256_and_si256(_mm256_srli_epi32(b, 23), ff), e0), e0);
+            __m256i at = _mm256_add_epi32(_mm256_mullo_epi32(_mm256_srli_epi32(b, 31), _mm256_set1_epi32(COMPACT_ROWS * 128)),
+                                          _mm256_add_epi32(_mm256_slli_epi32(e, 7), _mm256_and_si256(_mm256_srli_epi32(b, 16), m7)));
+            __m256i entry = _mm256_i32gather_epi32(compact, at, 4);
+            __m256i key = _mm256_xor_si256(_mm256_and_si256(b, low), _mm256_and_si256(_mm256_srai_epi32(b, 31), low));
+            /* key >= threshold: not (threshold > key) */
+            __m256i below = _mm256_cmpgt_epi32(_mm256_srli_epi32(entry, 8), key);
+            __m256i c = _mm256_add_epi32(_mm256_and_si256(entry, ff), _mm256_andnot_si256(below, one));
+            __m128i w16 = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+            _mm_storel_epi64((__m128i *)(codes + i), _mm_packus_epi16(w16, w16));
+        }
+#else
+        (void)t, (void)compact;
+#endif
+    }
+    for (; i < n; i++) codes[i] = nearest(x[i] / div, lookup, points);
+    *scale = amax;
+}
+
+static inline uint32_t hash16(uint64_t x) { /* compiled.py's _hash16 */
+    x &= 0xFFFFFFFFull;
+    x ^= x >> 16;
+    x = (x * 0x7FEB352Dull) & 0xFFFFFFFFull;
+    x ^= x >> 15;
+    x = (x * 0x5BD1E995ull) & 0xFFFFFFFFull;
+    x ^= x >> 16;
+    return (uint32_t)(x & 0xFFFFu);
+}
+
+typedef struct {
+    int64_t *data;
+    int64_t n, cap;
+    int failed;
+} ties_out;
+
+static void push_tie(ties_out *t, int64_t i) {
+    if (t->n == t->cap) {
+        int64_t cap = t->cap ? 2 * t->cap : 64;
+        int64_t *grown = (int64_t *)realloc(t->data, sizeof(int64_t) * (size_t)cap);
+        if (!grown) { t->failed = 1; return; }
+        t->data = grown;
+        t->cap = cap;
+    }
+    t->data[t->n++] = i;
+}
+
+int mp_abi_version(void) { return 3; }
+
+int mp_compact_e0(void) { return COMPACT_E0; }
+
+void mp_free(void *p) { free(p); }
+
+/* One Adam/AdamW step of a->w[begin:end]. Returns the number of new ties rounded down
+ * (remainder; their flat indices in *ties_found, to be released with mp_free), 0 for the other
+ * stores, -1 when the tie list could not be allocated (the step was still taken in full). */
+int64_t mp_adam(const mp_args *a, int64_t **ties_found) {
+    float w[BLOCK], g[BLOCK], m[BLOCK], v[BLOCK], vm[BLOCK], low[BLOCK];
+    int32_t bits[BLOCK];
+    ties_out found = {0, 0, 0, 0};
+    q8_tables qs, qu;
+    if (a->s_kind == K_Q8) {
+        load_q8_tables(&qs, a->smap, a->spoints);
+        load_q8_tables(&qu, a->umap, a->upoints);
+    }
+    const int64_t *tie = a->ties, *tie_end = a->ties + a->n_ties;
+    while (tie < tie_end && *tie < a->begin) tie++;
+    for (int64_t at = a->begin; at < a->end; at += BLOCK) {
+        const int n = (int)(a->end - at < BLOCK ? a->end - at : BLOCK);
+        const int64_t blk = at / BLOCK;
+        /* the weight in fp32: the master, rebuilt */
+        if (a->rounding == R_REMAINDER) {
+            const uint16_t *hw = (const uint16_t *)a->w + at;
+            const int16_t *rem = (const int16_t *)a->comp + at;
+            for (int i = 0; i < n; i++) bits[i] = (int32_t)(((uint32_t)hw[i] << 16) + (uint32_t)(int32_t)rem[i]);
+            for (; tie < tie_end && *tie < at + n; tie++) bits[*tie - at] += 0x10000; /* L == 0x8000, rounded down */
+            memcpy(w, bits, sizeof(float) * (size_t)n);
+        } else {
+            load(a->w_kind, a->w, at, n, w);
+            if (a->rounding == R_KAHAN) {
+                load(a->comp_kind, a->comp, at, n, low);
+                for (int i = 0; i < n; i++) w[i] = w[i] + low[i];
+            }
+        }
+        load(a->g_kind, a->g, at, n, g);
+        if (a->grad_scale != 1.0f)
+            for (int i = 0; i < n; i++) g[i] = g[i] * a->grad_scale;
+        if (a->maximize)
+            for (int i = 0; i < n; i++) g[i] = -g[i];
+        if (a->wd_mode == WD_DECOUPLED)
+            for (int i = 0; i < n; i++) w[i] = w[i] * a->decay;
+        else if (a->wd_mode == WD_L2)
+            for (int i = 0; i < n; i++) g[i] = fmaf(a->decay, w[i], g[i]);
+        if (a->s_kind == K_Q8) {
+            load_q8((const uint8_t *)a->m + at, a->m_scale[blk], a->smap, &qs, n, m);
+            load_q8((const uint8_t *)a->v + at, a->v_scale[blk], a->umap, &qu, n, v);
+            if (a->amsgrad) load_q8((const uint8_t *)a->vmax + at, a->vmax_scale[blk], a->umap, &qu, n, vm);
+        } else {
+            load(a->s_kind, a->m, at, n, m);
+            load(a->s_kind, a->v, at, n, v);
+            if (a->amsgrad) load(a->s_kind, a->vmax, at, n, vm);
+        }
+        /* torch's Adam: exp_avg.lerp_(grad, 1 - beta1); exp_avg_sq.mul_(beta2).addcmul_(grad, grad, 1 - beta2);
+         * denom = sqrt(v) / bias_correction2_sqrt + eps; param.addcdiv_(exp_avg, denom, -step_size) */
+        const float lw = a->lerp_weight;
+        if (lw < 0.5f)
+            for (int i = 0; i < n; i++) m[i] = fmaf(lw, g[i] - m[i], m[i]);
+        else
+            for (int i = 0; i < n; i++) m[i] = fmaf(lw - 1.0f, g[i] - m[i], g[i]);
+        for (int i = 0; i < n; i++) v[i] = fmaf(a->one_minus_beta2 * g[i], g[i], v[i] * a->beta2);
+        const float *den = v;
+        if (a->amsgrad) {
+            for (int i = 0; i < n; i++) vm[i] = vm[i] > v[i] || vm[i] != vm[i] ? vm[i] : v[i]; /* torch.maximum */
+            den = vm;
+        }
+        for (int i = 0; i < n; i++) w[i] = w[i] + ((-a->step_size) * m[i]) / (sqrtf(den[i]) / a->bc2_sqrt + a->eps);
+        if (a->s_kind == K_Q8) {
+            store_q8((uint8_t *)a->m + at, a->m_scale + blk, m, n, a->slookup, a->spoints, a->scompact, &qs);
+            store_q8((uint8_t *)a->v + at, a->v_scale + blk, v, n, a->ulookup, a->upoints, a->ucompact, &qu);
+            if (a->amsgrad) store_q8((uint8_t *)a->vmax + at, a->vmax_scale + blk, vm, n, a->ulookup, a->upoints, a->ucompact, &qu);
+        } else {
+            store(a->s_kind, a->m, at, n, m);
+            store(a->s_kind, a->v, at, n, v);
+            if (a->amsgrad) store(a->s_kind, a->vmax, at, n, vm);
+        }
+        /* the store */
+        if (a->rounding == R_REMAINDER) {
+            uint16_t *hw = (uint16_t *)a->w + at;
+            int16_t *rem = (int16_t *)a->comp + at;
+            for (int i = 0; i < n; i++) {
+                uint32_t u = f2u(w[i]);
+                hw[i] = f2bf(w[i]);
+                rem[i] = (int16_t)(u & 0xFFFFu);
+            }
+            for (int i = 0; i < n; i++) { /* a tie rounded down: L == 0x8000 and W == H */
+                uint32_t u = f2u(w[i]);
+                if ((u & 0xFFFFu) == 0x8000u && hw[i] == (uint16_t)(u >> 16)) push_tie(&found, at + i);
+            }
+        } else if (a->rounding == R_STOCHASTIC) { /* bf16: add 16 random bits below the kept ones, truncate */
+            uint16_t *hw = (uint16_t *)a->w + at;
+            for (int i = 0; i < n; i++) {
+                uint32_t noise = hash16((uint64_t)(at + i + a->offset) ^ (uint64_t)a->seed);
+                uint32_t u = (f2u(w[i]) + noise) >> 16;
+                hw[i] = w[i] != w[i] ? (uint16_t)0x7FC0 : (uint16_t)u;
+            }
+        } else {
+            store(a->w_kind, a->w, at, n, w);
+            if (a->rounding == R_KAHAN) {
+                load(a->w_kind, a->w, at, n, low);
+                for (int i = 0; i < n; i++) low[i] = w[i] - low[i];
+                store(a->comp_kind, a->comp, at, n, low);
+            }
+        }
+    }
+    if (found.failed) {
+        free(found.data);
+        *ties_found = 0;
+        return -1;
+    }
+    *ties_found = found.data;
+    return found.n;
+}

@@ -1,0 +1,392 @@
+"""The native CPU route (mixprec.optim.native): Adam/AdamW of one low-precision weight in one C loop.
+
+Oracles: the eager fast path (the same wrapper with ``compile=False``) bit for bit, where both
+compute the same fp32 operations (everything but the last few elements of a vector loop, which
+torch's kernels compute without fused multiply-adds); the eager quantizer bit for bit; the masters
+themselves for remainders (a step that changes nothing gives back every bit, ties included);
+and the compiled route's noise for stochastic rounding.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mixprec import get_plan
+from mixprec.optim import (
+    InBackwardOptimizer,
+    KahanOptimizer,
+    LowPrecisionOptimizer,
+    RemainderOptimizer,
+    StochasticRoundingOptimizer,
+    native,
+)
+from mixprec.optim.quant import dequantize_blockwise, quantize_blockwise, split_master
+
+pytestmark = pytest.mark.skipif(not native.status()[0], reason=f"no native kernel here: {native.status()[1]}")
+
+SHAPES = [(300, 64), (1000,), (7,), (70001,)]  # whole 8-bit blocks, a partial last block, less than one, a tail
+
+
+def _params(shapes=SHAPES, dtype=torch.bfloat16) -> list[torch.nn.Parameter]:
+    torch.manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(s).to(dtype)) for s in shapes]
+
+
+def _grads(params: list[torch.nn.Parameter], step: int) -> None:
+    g = torch.Generator().manual_seed(100 + step)
+    for p in params:
+        p.grad = (torch.randn(p.shape, generator=g) * 0.1).to(p.dtype)
+
+
+def _calls(monkeypatch) -> list[int]:
+    """Counts the kernel's calls (one per weight or range)."""
+    calls = [0]
+    real = native._call
+
+    def counted(lib, job):
+        calls[0] += 1
+        return real(lib, job)
+
+    monkeypatch.setattr(native, "_call", counted)
+    return calls
+
+
+def _run(make, setting, steps=6, shapes=SHAPES, dtype=torch.bfloat16, inner=torch.optim.AdamW, **adam):
+    params = _params(shapes, dtype)
+    opt = make(inner(params, **({"lr": 1e-2, "weight_decay": 0.1} | adam)), setting)
+    for step in range(steps):
+        _grads(params, step)
+        opt.step()
+    return params, opt
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The fraction of elements of ``a`` and ``b`` with the same bits."""
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+    x, y = a.detach().view(ints[a.element_size()]), b.detach().view(ints[b.element_size()])
+    return float((x == y).float().mean())
+
+
+def _differ_only_in_the_last_block(a: torch.Tensor, b: torch.Tensor, numel: int) -> bool:
+    """Whether ``a`` and ``b`` (of a weight of ``numel`` elements, or its 8-bit block scales) have
+    the same bits but in the weight's last 256-element block, and only where torch's vector loop
+    over the weight had a scalar tail (``numel`` not a multiple of 16)."""
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+    x, y = a.detach().reshape(-1).view(ints[a.element_size()]), b.detach().reshape(-1).view(ints[b.element_size()])
+    differ = (x != y).nonzero().view(-1)
+    if numel % 16 == 0:
+        return differ.numel() == 0
+    last = (numel - 1) // 256
+    first = last if x.numel() < numel else last * 256  # a block scale, or an element
+    return bool((differ >= first).all())
+
+
+CASES = [
+    pytest.param(LowPrecisionOptimizer, "8bit", {}, id="pure-8bit-adamw"),
+    pytest.param(KahanOptimizer, "8bit", {"amsgrad": True, "maximize": True}, id="kahan-8bit-amsgrad-maximize"),
+    pytest.param(KahanOptimizer, "8bit", {"inner": torch.optim.Adam}, id="kahan-8bit-adam-l2"),
+    pytest.param(KahanOptimizer, "8bit", {"dtype": torch.float16}, id="kahan-fp16-weights-8bit"),
+    pytest.param(LowPrecisionOptimizer, "8bit", {"dtype": torch.float16, "amsgrad": True}, id="pure-fp16-weights-8bit"),
+    pytest.param(RemainderOptimizer, "8bit", {}, id="remainder-8bit"),
+    pytest.param(RemainderOptimizer, "bf16", {}, id="remainder-bf16"),
+    pytest.param(RemainderOptimizer, "fp16", {"amsgrad": True}, id="remainder-fp16-amsgrad"),
+]
+
+
+@pytest.mark.parametrize(("wrapper", "state_dtype", "adam"), CASES)
+def test_native_steps_equal_the_eager_fast_path_bit_for_bit_but_for_vector_tails(
+    wrapper, state_dtype, adam, monkeypatch
+) -> None:
+    def make(inner, setting):
+        return wrapper(inner, state_dtype=state_dtype, compile=setting)
+
+    eager, opt_e = _run(make, False, **adam)
+    calls = _calls(monkeypatch)
+    taken, opt_n = _run(make, "auto", **adam)
+    assert calls[0] >= 6 * len(SHAPES)  # every weight took the native route, every step
+    assert not opt_n._compiled_layouts
+    for a, b in zip(eager, taken, strict=True):
+        n = a.numel()
+        assert _differ_only_in_the_last_block(a, b, n), a.shape
+        sa, sb = opt_e.optimizer.state[a], opt_n.optimizer.state[b]
+        assert sa.keys() == sb.keys()
+        for key in sa:
+            assert sa[key].dtype == sb[key].dtype and sa[key].shape == sb[key].shape, key
+            if key != "step":
+                assert _differ_only_in_the_last_block(sa[key], sb[key], n), (a.shape, key)
+        if wrapper is RemainderOptimizer:
+            assert _differ_only_in_the_last_block(opt_e.master(a), opt_n.master(b), n)
+            assert torch.equal(b.detach().view(torch.int16), opt_n.master(b).to(torch.bfloat16).view(torch.int16))
+        if wrapper is KahanOptimizer:
+            assert _differ_only_in_the_last_block(opt_e.compensation(a), opt_n.compensation(b), n)
+    assert _same_bits(eager[3], taken[3]) > 0.99  # (70001 elements: the last block is a small part)
+    # the state dicts are the same kind: one continues on the other route
+    opt_e.load_state_dict(opt_n.state_dict())
+    _grads(eager, 9)
+    opt_e.step()
+
+
+def test_the_native_8bit_store_gives_the_eager_quantizers_codes_at_every_boundary() -> None:
+    # beta1 = beta2 = 0 and lr = 0: the step stores the gradient as exp_avg and its square as exp_avg_sq,
+    # through the kernel's quantizer, whose codes must be quantize_blockwise's
+    from mixprec.optim.quant import lookup_tables
+
+    points = torch.cat([lookup_tables(s, torch.device("cpu"))[1][:-1] for s in (True, False)])
+    bits = points.view(torch.int32)
+    edges = torch.cat([(bits + d).view(torch.float32) for d in (-1, 0, 1)])
+    special = torch.tensor([0.0, -0.0, 1.0, -1.0, 1e-30, -1e-30, 1e-40, 5e-8, -5e-8, 0.5, 2.0 ** -20])
+    g = torch.Generator().manual_seed(0)
+    values = torch.cat([edges, special, torch.randn(4000, generator=g) * torch.rand(4000, generator=g) ** 8])
+    values = torch.cat([values, torch.zeros(256 - values.numel() % 256 + 100)])  # a partial last block
+    values[-356:-100] = 0.0  # an all-zero block
+    for scale in (1.0, 3.0):  # in blocks whose absmax is exactly 1 (the edges land on the points), and not
+        p = torch.nn.Parameter(torch.zeros(values.numel(), dtype=torch.bfloat16))
+        opt = LowPrecisionOptimizer(torch.optim.Adam([p], lr=0.0, betas=(0.0, 0.0)), state_dtype="8bit")
+        x = values * scale
+        x.view(-1, 1)[:: 256] = scale  # each block's absmax
+        p.grad = x.to(torch.bfloat16)  # the gradient is bf16: the kernel reads it exactly
+        opt.step()
+        state = opt.optimizer.state[p]
+        grad = p.grad.float()
+        for key, value, signed in (("exp_avg", grad, True), ("exp_avg_sq", grad * grad, False)):
+            codes, absmax = quantize_blockwise(value, signed=signed)
+            assert torch.equal(state[key], codes), key
+            assert torch.equal(state[key + "_absmax"], absmax), key
+            assert torch.equal(dequantize_blockwise(state[key], state[key + "_absmax"], signed=signed),
+                               dequantize_blockwise(codes, absmax, signed=signed))
+
+
+def test_a_block_holding_inf_or_nan_quantizes_as_the_eager_quantizer_does() -> None:
+    p = torch.nn.Parameter(torch.zeros(768, dtype=torch.bfloat16))
+    opt = KahanOptimizer(torch.optim.Adam([p], lr=0.0, betas=(0.0, 0.0)), state_dtype="8bit")
+    grad = torch.randn(768)
+    grad[3], grad[300], grad[301], grad[600] = float("inf"), float("nan"), -float("inf"), 1.0
+    p.grad = grad.to(torch.bfloat16)
+    opt.step()
+    value = torch.zeros(768).lerp(p.grad.float(), 1.0)  # torch's exp_avg of this step, inf and NaN included
+    codes, absmax = quantize_blockwise(value, signed=True)
+    state = opt.optimizer.state[p]
+    assert torch.equal(state["exp_avg"], codes)
+    assert torch.equal(state["exp_avg_absmax"].isnan(), absmax.isnan())
+    assert torch.equal(state["exp_avg_absmax"].nan_to_num(), absmax.nan_to_num())
+
+
+def test_a_native_remainder_step_that_changes_nothing_gives_back_every_master_bit_ties_included() -> None:
+    params = _params()
+    opt = RemainderOptimizer(torch.optim.AdamW(params, lr=0.0, weight_decay=0.0), state_dtype="bf16")
+    g = torch.Generator().manual_seed(1)
+    masters = []
+    for p in params:  # every 50th master a tie rounded down (low 17 bits 0x8000), next to it one rounded up
+        bits = (torch.randn(p.shape, generator=g) * 3).view(torch.int32)
+        bits.view(-1)[::50] = (bits.view(-1)[::50] & ~0x1FFFF) | 0x8000
+        bits.view(-1)[1::50] = (bits.view(-1)[1::50] & ~0x1FFFF) | 0x18000
+        master = bits.view(torch.float32)
+        with torch.no_grad():
+            p.copy_(master.to(torch.bfloat16))
+        opt._set_master(p, master)
+        masters.append(master.clone())
+    opt.note_written(params)
+    assert all(opt._ties(p).numel() > 0 for p in params)
+    _grads(params, 0)
+    opt.step()
+    for p, master in zip(params, masters, strict=True):
+        assert torch.equal(opt.master(p).view(torch.int32), master.view(torch.int32))
+        assert torch.equal(p.detach().view(torch.int16), master.to(torch.bfloat16).view(torch.int16))
+        assert torch.equal(opt._ties(p), split_master(master)[2])
+
+
+def test_ties_out_of_order_are_walked_in_order() -> None:
+    params = _params([(5000,)])
+    opt = RemainderOptimizer(torch.optim.AdamW(params, lr=0.0, weight_decay=0.0), state_dtype="bf16")
+    p = params[0]
+    bits = torch.randn(5000).view(torch.int32)
+    bits[::97] = (bits[::97] & ~0x1FFFF) | 0x8000
+    master = bits.view(torch.float32)
+    with torch.no_grad():
+        p.copy_(master.to(torch.bfloat16))
+    opt._set_master(p, master)
+    opt.note_written(params)
+    ties = opt._ties(p)
+    assert ties.numel() > 10
+    opt.kinds.set("remainder_ties", p, ties.flip(0))  # a list in another order (loaded, say)
+    _grads(params, 0)
+    opt.step()
+    assert torch.equal(opt.master(p).view(torch.int32), master.view(torch.int32))
+
+
+def test_native_stochastic_rounding_draws_the_compiled_routes_noise(monkeypatch) -> None:
+    from mixprec.compiling import compile_works
+
+    if not compile_works(torch.device("cpu")):
+        pytest.skip("torch.compile does not work here")
+
+    def make(inner, setting):
+        return StochasticRoundingOptimizer(inner, state_dtype="8bit", compile=setting)
+
+    calls = _calls(monkeypatch)
+    shapes = [(300, 64), (1024,)]  # whole 8-bit blocks: the compiled route takes both too
+    native_run, opt_n = _run(make, "auto", shapes=shapes)
+    assert calls[0] and not opt_n._compiled_layouts
+    compiled_run, opt_c = _run(make, True, shapes=shapes)
+    assert opt_c._compiled_layouts
+    for a, b in zip(native_run, compiled_run, strict=True):  # the same noise; the update within fp32 rounding
+        assert _same_bits(a, b) > 0.99
+    assert opt_n._counter == opt_c._counter == [6]
+
+
+def test_ranges_on_several_threads_give_the_bits_of_one(monkeypatch) -> None:
+    def make(inner, setting):
+        return RemainderOptimizer(inner, state_dtype="8bit", compile=setting)
+
+    shapes = [(3 * native.PARALLEL_NUMEL + 1000,), (1000,)]
+    runs = []
+    for threads in (1, 3):
+        monkeypatch.setattr(torch, "get_num_threads", lambda threads=threads: threads)
+        calls = _calls(monkeypatch)
+        params, opt = _run(make, "auto", steps=3, shapes=shapes)
+        assert calls[0] == 3 * (threads + 1)  # the large weight in `threads` ranges
+        runs.append((params, opt))
+    (a, opt_a), (b, opt_b) = runs
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(opt_a.master(x).view(torch.int32), opt_b.master(y).view(torch.int32))
+        assert torch.equal(opt_a._ties(x), opt_b._ties(y))
+
+
+def test_optimizer_in_backward_steps_natively_one_weight_at_a_time(monkeypatch) -> None:
+    calls = _calls(monkeypatch)
+    results = []
+    for setting in (False, "auto"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 8)).bfloat16()
+        opt = InBackwardOptimizer(KahanOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), state_dtype="8bit",
+                                                 compile=setting))
+        x = torch.randn(32, 64).bfloat16()
+        for _ in range(3):
+            model(x).float().pow(2).mean().backward()  # each weight is stepped as its gradient is ready
+            assert opt.finish()
+        results.append([p.detach().clone() for p in model.parameters()])
+    assert calls[0] == 3 * 4  # four weights, each stepped by itself, three times
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def test_an_interrupt_waits_for_the_kernels_and_the_step_is_counted(monkeypatch) -> None:
+    params = _params(SHAPES[:2])
+    opt = KahanOptimizer(torch.optim.AdamW(params, lr=1e-2), state_dtype="8bit")
+    real_wait, raised = native.wait, []
+
+    def interrupted(futures):
+        if not raised:
+            raised.append(True)
+            raise KeyboardInterrupt
+        return real_wait(futures)
+
+    monkeypatch.setattr(native, "wait", interrupted)
+    _grads(params, 0)
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(KeyboardInterrupt):
+        opt.step()
+    for p, old in zip(params, before, strict=True):
+        assert float(opt.optimizer.state[p]["step"]) == 1.0  # stepped, and counted
+        assert not torch.equal(p.detach(), old)
+
+
+def test_auto_takes_the_native_route_for_8bit_moments_and_remainders_with_low_precision_moments() -> None:
+    use = native.use_native_route
+    for rounding in ("nearest", "kahan", "stochastic", "remainder"):
+        assert use("auto", rounding, torch.uint8)
+        assert not use(True, rounding, torch.uint8) and not use(False, rounding, torch.uint8)
+    assert use("auto", "remainder", torch.bfloat16) and use("auto", "remainder", torch.float16)
+    assert not use("auto", "remainder", None)  # fp32 moments: torch's fused kernel, bit for bit bf16-master
+    assert not use("auto", "kahan", torch.bfloat16)  # the compiled route is fast there already
+    w = torch.zeros(10, dtype=torch.bfloat16)
+    assert native.takes_param("remainder", w) and not native.takes_param("remainder", w.half())
+    assert not native.takes_param("kahan", torch.zeros(4, 4, dtype=torch.bfloat16).t())  # not contiguous
+
+
+def test_moments_of_another_layout_are_made_contiguous_and_a_wrong_size_is_refused() -> None:
+    params = _params([(40, 30)])
+    p = params[0]
+    opt = KahanOptimizer(torch.optim.AdamW(params, lr=1e-2), state_dtype="bf16", compile=False)
+    _grads(params, 0)
+    opt.step()
+    opt8 = RemainderOptimizer(torch.optim.AdamW(params, lr=1e-2), state_dtype="bf16")
+    state = opt8.optimizer.state[p]
+    state["step"] = torch.tensor(1.0)
+    state["exp_avg"] = torch.zeros(30, 40, dtype=torch.bfloat16).t()  # a transposed copy: same shape, other strides
+    state["exp_avg_sq"] = torch.zeros(30, 40, dtype=torch.bfloat16).t()
+    _grads(params, 1)
+    opt8.step()
+    assert opt8.optimizer.state[p]["exp_avg"].is_contiguous()
+    assert float(opt8.optimizer.state[p]["exp_avg"].float().abs().sum()) > 0
+    state = opt8.optimizer.state[p]
+    state["exp_avg"] = torch.zeros(7, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"exp_avg.*1200 elements"):
+        native.native_adam_step(opt8.optimizer, opt8.optimizer.param_groups[0], [p], state_dtype=torch.bfloat16,
+                                rounding="remainder", comps=opt8._compiled_rounding_inputs()[0],
+                                remainder=opt8._compiled_remainder())
+
+
+def test_the_compact_lookup_is_checked_against_the_full_one() -> None:
+    from mixprec.optim.quant import lookup_tables
+
+    first, points = lookup_tables(True, torch.device("cpu"))
+    table = native._compact(first, points, 103)
+    native._compact_agrees(table, first, points, 103)
+    broken = table.clone()
+    broken[5000] += 1  # one run's code off by one
+    with pytest.raises(AssertionError, match="compact"):
+        native._compact_agrees(broken, first, points, 103)
+
+
+def test_the_step_memory_estimate_counts_no_scratch_for_native_weights() -> None:
+    from mixprec.optim.footprint import low_precision_step_transient
+
+    params = [torch.nn.Parameter(torch.zeros(1000, 1024, dtype=torch.bfloat16))]
+    common = {"fast": True, "fused": True, "chunk_numel": None, "state_dtype": torch.uint8}
+    for rounding in ("kahan", "remainder"):
+        auto = low_precision_step_transient(torch.optim.AdamW(params), compile="auto", rounding=rounding, **common)
+        eager = low_precision_step_transient(torch.optim.AdamW(params), compile=False, rounding=rounding, **common)
+        assert auto == 0 < eager
+
+
+def test_the_plans_take_the_native_route_by_default(monkeypatch) -> None:
+    calls = _calls(monkeypatch)
+    for plan in (get_plan("bf16-master", remainders=True, state_dtype="bf16"), get_plan("bf16-sr", state_dtype="8bit")):
+        params = _params(SHAPES[:1])
+        opt = plan.wrap_optimizer(torch.optim.AdamW(params, lr=1e-2), {})
+        _grads(params, 0)
+        before = calls[0]
+        opt.step()
+        assert calls[0] == before + 1, plan.name
+
+
+def test_turned_off_by_the_environment_it_names_the_setting_and_the_other_routes_step(monkeypatch) -> None:
+    monkeypatch.setenv(native.ENV, "0")
+    native._reset()
+    try:
+        ok, why = native.status()
+        assert not ok and native.ENV in why
+        assert not native.use_native_route("auto", "kahan", torch.uint8)
+        params, opt = _run(lambda inner, s: KahanOptimizer(inner, state_dtype="8bit", compile=s), "auto", steps=2,
+                           shapes=SHAPES[:2])
+        assert float(opt.optimizer.state[params[0]]["step"]) == 2.0
+    finally:
+        monkeypatch.delenv(native.ENV)
+        native._reset()
+    assert native.status()[0]
+
+
+def test_a_compiler_that_fails_leaves_the_route_off_with_its_message(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("CC", "false")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    native._reset()
+    try:
+        ok, why = native.status()
+        assert not ok and "failed" in why
+    finally:
+        monkeypatch.delenv("CC")
+        monkeypatch.delenv("XDG_CACHE_HOME")
+        native._reset()
+    assert native.status()[0]
