@@ -390,3 +390,33 @@ def test_a_compiler_that_fails_leaves_the_route_off_with_its_message(monkeypatch
         monkeypatch.delenv("XDG_CACHE_HOME")
         native._reset()
     assert native.status()[0]
+
+
+@pytest.mark.parametrize("target", ["-march=x86-64-v3", "-march=x86-64"], ids=["avx2", "plain-c"])
+def test_the_avx2_and_plain_c_loops_give_the_same_bits(target, monkeypatch, tmp_path) -> None:
+    import platform
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86-64 target flags")
+    if target.endswith("v3") and "avx2" not in native._cpu_flags():
+        pytest.skip("this CPU has no AVX2")
+
+    def make(inner, setting):
+        return RemainderOptimizer(inner, state_dtype="8bit", compile=setting)
+
+    reference, opt_r = _run(make, "auto", steps=3, amsgrad=True)  # this machine's widest loops
+    monkeypatch.setenv(native.FLAGS_ENV, target)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    native._reset()
+    try:
+        assert native.status()[0], native.status()[1]
+        other, opt_o = _run(make, "auto", steps=3, amsgrad=True)
+    finally:
+        monkeypatch.delenv(native.FLAGS_ENV)
+        monkeypatch.delenv("XDG_CACHE_HOME")
+        native._reset()
+    assert list((tmp_path / "mixprec" / "native").glob("*.so"))
+    for a, b in zip(reference, other, strict=True):
+        assert torch.equal(opt_r.master(a).view(torch.int32), opt_o.master(b).view(torch.int32))
+        sa, sb = opt_r.optimizer.state[a], opt_o.optimizer.state[b]
+        assert all(torch.equal(sa[k], sb[k]) for k in sa), a.shape

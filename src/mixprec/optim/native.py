@@ -59,10 +59,13 @@ from mixprec.optim.checks import check_moment_layout
 from mixprec.optim.compiled import CompileSetting, RemainderIO, seed32
 from mixprec.optim.fast import init_adam_state, scalar_value
 
-__all__ = ["ENV", "status", "use_native_route"]
+__all__ = ["ENV", "FLAGS_ENV", "status", "use_native_route"]
 
 #: set to "0" to turn the native route off
 ENV = "MIXPREC_NATIVE"
+#: the target flags the kernel is built with (default ``-march=native``: this machine's
+#: instructions; ``-march=x86-64-v3`` builds its AVX2 loops, ``-march=x86-64`` its plain C ones)
+FLAGS_ENV = "MIXPREC_NATIVE_TARGET"
 _ABI = 3
 _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, qstates.Q8: 3}
 _ROUNDINGS = {"nearest": 0, "kahan": 1, "stochastic": 2, "remainder": 3}
@@ -127,7 +130,10 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
         version = subprocess.run([cc, "--version"], capture_output=True, timeout=30, check=False).stdout
     except (OSError, subprocess.SubprocessError) as exc:
         return None, f"{cc} --version failed: {exc}"
-    key = hashlib.sha256(source + version + _cpu_flags().encode() + platform.machine().encode()).hexdigest()[:20]
+    target_flags = os.environ.get(FLAGS_ENV, "-march=native").split()
+    key = hashlib.sha256(
+        source + version + _cpu_flags().encode() + platform.machine().encode() + " ".join(target_flags).encode()
+    ).hexdigest()[:20]
     target = _cache_dir() / f"native_adam_{key}.so"
     if not target.exists():
         try:
@@ -136,7 +142,7 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
                 src = Path(tmp) / "native_adam.c"
                 src.write_bytes(source)
                 built = Path(tmp) / target.name
-                cmd = [cc, "-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-strict-aliasing",
+                cmd = [cc, "-O3", *target_flags, "-ffp-contract=off", "-fno-math-errno", "-fno-strict-aliasing",
                        "-fPIC", "-shared", "-o", str(built), str(src)]
                 run = subprocess.run(cmd, capture_output=True, timeout=300, check=False)
                 if run.returncode != 0:
