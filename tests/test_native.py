@@ -420,3 +420,32 @@ def test_the_avx2_and_plain_c_loops_give_the_same_bits(target, monkeypatch, tmp_
         assert torch.equal(opt_r.master(a).view(torch.int32), opt_o.master(b).view(torch.int32))
         sa, sb = opt_r.optimizer.state[a], opt_o.optimizer.state[b]
         assert all(torch.equal(sa[k], sb[k]) for k in sa), a.shape
+
+
+def test_deferred_clip_factors_are_applied_in_turn_as_the_eager_path_does() -> None:
+    results = []
+    for setting in (False, "auto"):
+        params = _params([(300, 64)])
+        opt = RemainderOptimizer(torch.optim.AdamW(params, lr=1e-2), state_dtype="bf16", compile=setting)
+        _grads(params, 0)
+        opt.scale_grads_later(torch.tensor(0.3))
+        opt.scale_grads_later(torch.tensor(0.7))
+        opt.step()
+        results.append((opt.master(params[0]), opt.optimizer.state[params[0]]["exp_avg"]))
+    (master_e, m_e), (master_n, m_n) = results
+    assert torch.equal(master_e.view(torch.int32), master_n.view(torch.int32))
+    assert torch.equal(m_e.view(torch.int16), m_n.view(torch.int16))
+    assert float(m_n.float().abs().max()) < 0.3 * 0.7 * 0.1 * 0.1 * 5  # applied: (1 - beta1) * 0.21 * |grad|
+
+
+def test_moments_held_in_fp32_are_kept_in_the_state_dtype_from_the_first_native_step() -> None:
+    params = _params([(300, 64)])
+    inner = torch.optim.AdamW(params, lr=1e-2)
+    _grads(params, 0)
+    inner.step()  # fp32 moments, made before the wrapper
+    opt = RemainderOptimizer(inner, state_dtype="bf16")
+    _grads(params, 1)
+    opt.step()
+    state = inner.state[params[0]]
+    assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.bfloat16
+    assert float(state["step"]) == 2.0

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import math
 import os
 import platform
 import shutil
@@ -66,7 +67,7 @@ ENV = "MIXPREC_NATIVE"
 #: the target flags the kernel is built with (default ``-march=native``: this machine's
 #: instructions; ``-march=x86-64-v3`` builds its AVX2 loops, ``-march=x86-64`` its plain C ones)
 FLAGS_ENV = "MIXPREC_NATIVE_TARGET"
-_ABI = 3
+_ABI = 4
 _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, qstates.Q8: 3}
 _ROUNDINGS = {"nearest": 0, "kahan": 1, "stochastic": 2, "remainder": 3}
 #: a weight of more elements is cut into ranges stepped on several threads (torch's thread count)
@@ -92,7 +93,8 @@ class _Args(ctypes.Structure):
         ("rounding", ctypes.c_int32), ("wd_mode", ctypes.c_int32), ("amsgrad", ctypes.c_int32), ("maximize", ctypes.c_int32),
         ("lerp_weight", ctypes.c_float), ("beta2", ctypes.c_float), ("one_minus_beta2", ctypes.c_float),
         ("eps", ctypes.c_float), ("decay", ctypes.c_float), ("step_size", ctypes.c_float),
-        ("bc2_sqrt", ctypes.c_float), ("grad_scale", ctypes.c_float),
+        ("bc2_sqrt", ctypes.c_float),
+        ("gscales", ctypes.c_void_p), ("n_gscales", ctypes.c_int64),
     ]
 
 
@@ -275,29 +277,35 @@ def native_adam_step(
         return
     dtype = torch.float32 if state_dtype is None else state_dtype
     q8 = dtype == qstates.Q8
+    amsgrad = bool(group["amsgrad"])
+    keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else [])
+    scale_keys = [f"{k}{qstates.ABSMAX}" for k in keys] if q8 else []
     init_adam_state(optimizer, group, active, dtype)
     states = [optimizer.state[p] for p in active]
     for p, state in zip(active, states, strict=True):
-        qstates.conform(state, p, state_dtype)
-        _conform_layout(state, p, dtype, bool(group["amsgrad"]))
+        if not _fits(state, keys, scale_keys, dtype, p.numel()):  # held otherwise (loaded, wrapped later)
+            qstates.conform(state, p, state_dtype)
+            _conform_layout(state, p, dtype, keys)
     lr = scalar_value(group["lr"])
     beta1, beta2 = (scalar_value(b) for b in group["betas"])
     eps, weight_decay = float(group["eps"]), float(group["weight_decay"])
     decoupled = bool(group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW)))
-    amsgrad = bool(group["amsgrad"])
-    scale = 1.0
-    if grad_scales:
-        factor = torch.ones((), dtype=torch.float32)
-        for f in grad_scales:
-            factor = factor * f.detach().to(device="cpu", dtype=torch.float32).reshape(())
-        scale = float(factor)
+    factors = torch.cat([f.detach().to(device="cpu", dtype=torch.float32).reshape(1) for f in grad_scales]) if grad_scales else None
     seed = 0
     if rounding == "stochastic":
         if counter is None:
             raise ValueError("stochastic rounding needs the wrapper's noise counter")
         seed = seed32(counter[0])
-    tables = _q8_tables(int(lib.mp_compact_e0())) if q8 else []
+    tables = [t.data_ptr() for t in _q8_tables(int(lib.mp_compact_e0()))] if q8 else [None] * 8
     threads = max(1, torch.get_num_threads())
+    shared = dict(
+        smap=tables[0], slookup=tables[1], spoints=tables[2], umap=tables[3], ulookup=tables[4], upoints=tables[5],
+        scompact=tables[6], ucompact=tables[7], seed=seed, s_kind=_KINDS[dtype], rounding=_ROUNDINGS[rounding],
+        wd_mode=0 if weight_decay == 0 else (2 if decoupled else 1), amsgrad=int(amsgrad),
+        maximize=int(bool(group["maximize"])), lerp_weight=1 - beta1, beta2=beta2, one_minus_beta2=1 - beta2, eps=eps,
+        decay=(1 - lr * weight_decay) if decoupled else weight_decay,
+        gscales=_ptr(factors), n_gscales=0 if factors is None else factors.numel(),
+    )
     jobs: list[_Job] = []
     offset = 0
     for p, state in zip(active, states, strict=True):
@@ -309,32 +317,21 @@ def native_adam_step(
         if remainder is not None and rounding == "remainder":
             ties = remainder.ties(p)  # sorted: the kernel walks them in order (and touches no element outside)
             ties = ties.sort().values if ties.numel() > 1 else ties.contiguous()
-        keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else [])
         moments = [state[k] for k in keys] + [None] * (3 - len(keys))
-        scales = [state[f"{k}{qstates.ABSMAX}"] for k in keys] + [None] * (3 - len(keys)) if q8 else [None] * 3
-        base = dict(
-            w=_ptr(p), g=_ptr(grad), m=_ptr(moments[0]), v=_ptr(moments[1]), vmax=_ptr(moments[2]),
+        scales = [state[k] for k in scale_keys] + [None] * (3 - len(scale_keys))
+        own = dict(
+            w=p.data_ptr(), g=grad.data_ptr(), m=_ptr(moments[0]), v=_ptr(moments[1]), vmax=_ptr(moments[2]),
             m_scale=_ptr(scales[0]), v_scale=_ptr(scales[1]), vmax_scale=_ptr(scales[2]), comp=_ptr(comp),
-            ties=_ptr(ties), n_ties=0 if ties is None else ties.numel(),
-            smap=_ptr(tables[0]) if q8 else None, slookup=_ptr(tables[1]) if q8 else None,
-            spoints=_ptr(tables[2]) if q8 else None, umap=_ptr(tables[3]) if q8 else None,
-            ulookup=_ptr(tables[4]) if q8 else None, upoints=_ptr(tables[5]) if q8 else None,
-            scompact=_ptr(tables[6]) if q8 else None, ucompact=_ptr(tables[7]) if q8 else None,
-            seed=seed, offset=offset,
-            w_kind=_KINDS[p.dtype], g_kind=_KINDS[grad.dtype], s_kind=_KINDS[dtype],
-            comp_kind=_KINDS.get(comp.dtype, 0) if comp is not None else 0,
-            rounding=_ROUNDINGS[rounding], wd_mode=0 if weight_decay == 0 else (2 if decoupled else 1),
-            amsgrad=int(amsgrad), maximize=int(bool(group["maximize"])),
-            lerp_weight=1 - beta1, beta2=beta2, one_minus_beta2=1 - beta2, eps=eps,
-            decay=(1 - lr * weight_decay) if decoupled else weight_decay,
-            step_size=lr / (1 - beta1**step), bc2_sqrt=(1 - beta2**step) ** 0.5, grad_scale=scale,
+            ties=_ptr(ties), n_ties=0 if ties is None else ties.numel(), offset=offset,
+            w_kind=_KINDS[p.dtype], g_kind=_KINDS[grad.dtype], comp_kind=_KINDS.get(comp.dtype, 0) if comp is not None else 0,  # (an int16 remainder: unread)
+            step_size=lr / (1 - beta1**step), bc2_sqrt=math.sqrt(1 - beta2**step),  # as torch's Adam, in double
         )
-        keep = (p, grad, comp, ties, *moments, *scales, *tables)
+        keep = (p, grad, comp, ties, factors, *moments, *scales)
         n = p.numel()
         pieces = max(1, min(threads, n // PARALLEL_NUMEL))
-        bound = -(-n // pieces // qstates.BLOCK) * qstates.BLOCK
+        bound = -(-n // pieces // qstates.BLOCK) * qstates.BLOCK  # ranges of whole 8-bit blocks
         for begin in range(0, n, bound):
-            jobs.append(_Job(p, _Args(begin=begin, end=min(n, begin + bound), **base), keep))
+            jobs.append(_Job(p, _Args(begin=begin, end=min(n, begin + bound), **shared, **own), keep))
         offset += n
     results, interrupt = _run(lib, jobs, threads)
     if remainder is not None and rounding == "remainder":
@@ -352,11 +349,31 @@ def native_adam_step(
         raise interrupt
 
 
-def _conform_layout(state: dict[str, Any], param: torch.Tensor, dtype: torch.dtype, amsgrad: bool) -> None:
-    """Make ``param``'s moments (and 8-bit scales) what the kernel writes through raw pointers:
-    plain contiguous CPU tensors of ``dtype`` with one element per weight (a loaded state of
-    another layout is copied contiguous); anything else is refused before a byte is written."""
-    keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else [])
+def _fits(state: dict[str, Any], keys: list[str], scale_keys: list[str], dtype: torch.dtype, numel: int) -> bool:
+    """Whether ``state``'s moments (and 8-bit scales) are already what the kernel writes through raw
+    pointers: plain contiguous CPU tensors of ``dtype`` (fp32 scales), one element per weight (one
+    scale per block). The common case, checked without building anything."""
+    for key in keys:
+        t = state.get(key)
+        if type(t) is not torch.Tensor or t.dtype != dtype or t.numel() != numel or not t.is_contiguous() or t.device.type != "cpu":
+            return False
+    blocks = -(-numel // qstates.BLOCK)
+    for key in scale_keys:
+        t = state.get(key)
+        if type(t) is not torch.Tensor or t.dtype != torch.float32 or t.numel() != blocks or not t.is_contiguous() or t.device.type != "cpu":
+            return False
+    return True
+
+
+def _conform_layout(state: dict[str, Any], param: torch.Tensor, dtype: torch.dtype, keys: list[str]) -> None:
+    """Make ``param``'s moments (and 8-bit scales) what :func:`_fits` asks for: floating moments
+    held in another floating dtype are converted to ``dtype`` (the state is kept in the wrapper's
+    state dtype from here on), other layouts copied contiguous; anything else (a wrong size, a
+    device, a missing key) is refused before a byte is written."""
+    for key in keys:
+        t = state.get(key)
+        if isinstance(t, torch.Tensor) and dtype != qstates.Q8 and t.is_floating_point() and t.dtype != dtype:
+            state[key] = t.to(dtype)
     check_moment_layout(state, param, dtype, keys)
     names = keys + ([f"{k}{qstates.ABSMAX}" for k in keys] if dtype == qstates.Q8 else [])
     for name in names:

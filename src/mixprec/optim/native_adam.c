@@ -47,7 +47,9 @@ typedef struct {
     float lerp_weight;              /* 1 - beta1 */
     float beta2, one_minus_beta2, eps;
     float decay;                    /* decoupled: 1 - lr * weight_decay; L2: weight_decay */
-    float step_size, bc2_sqrt, grad_scale;
+    float step_size, bc2_sqrt;
+    const float *gscales;           /* factors the gradient is multiplied by, in turn (deferred clips) */
+    int64_t n_gscales;
 } mp_args;
 
 static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
@@ -259,14 +261,13 @@ static void store_q8(uint8_t *codes, float *scale, const float *x, int n, const 
     *scale = amax;
 }
 
-static inline uint32_t hash16(uint64_t x) { /* compiled.py's _hash16 */
-    x &= 0xFFFFFFFFull;
+static inline uint32_t hash16(uint32_t x) { /* compiled.py's _hash16 of a value's low 32 bits, in 32-bit arithmetic */
     x ^= x >> 16;
-    x = (x * 0x7FEB352Dull) & 0xFFFFFFFFull;
+    x *= 0x7FEB352Du;
     x ^= x >> 15;
-    x = (x * 0x5BD1E995ull) & 0xFFFFFFFFull;
+    x *= 0x5BD1E995u;
     x ^= x >> 16;
-    return (uint32_t)(x & 0xFFFFu);
+    return x & 0xFFFFu;
 }
 
 typedef struct {
@@ -286,7 +287,7 @@ static void push_tie(ties_out *t, int64_t i) {
     t->data[t->n++] = i;
 }
 
-int mp_abi_version(void) { return 3; }
+int mp_abi_version(void) { return 4; }
 
 int mp_compact_e0(void) { return COMPACT_E0; }
 
@@ -324,14 +325,10 @@ int64_t mp_adam(const mp_args *a, int64_t **ties_found) {
             }
         }
         load(a->g_kind, a->g, at, n, g);
-        if (a->grad_scale != 1.0f)
-            for (int i = 0; i < n; i++) g[i] = g[i] * a->grad_scale;
-        if (a->maximize)
-            for (int i = 0; i < n; i++) g[i] = -g[i];
-        if (a->wd_mode == WD_DECOUPLED)
-            for (int i = 0; i < n; i++) w[i] = w[i] * a->decay;
-        else if (a->wd_mode == WD_L2)
-            for (int i = 0; i < n; i++) g[i] = fmaf(a->decay, w[i], g[i]);
+        for (int64_t k = 0; k < a->n_gscales; k++) {
+            const float f = a->gscales[k];
+            for (int i = 0; i < n; i++) g[i] = g[i] * f;
+        }
         if (a->s_kind == K_Q8) {
             load_q8((const uint8_t *)a->m + at, a->m_scale[blk], a->smap, &qs, n, m);
             load_q8((const uint8_t *)a->v + at, a->v_scale[blk], a->umap, &qu, n, v);
@@ -341,20 +338,30 @@ int64_t mp_adam(const mp_args *a, int64_t **ties_found) {
             load(a->s_kind, a->v, at, n, v);
             if (a->amsgrad) load(a->s_kind, a->vmax, at, n, vm);
         }
-        /* torch's Adam: exp_avg.lerp_(grad, 1 - beta1); exp_avg_sq.mul_(beta2).addcmul_(grad, grad, 1 - beta2);
-         * denom = sqrt(v) / bias_correction2_sqrt + eps; param.addcdiv_(exp_avg, denom, -step_size) */
-        const float lw = a->lerp_weight;
-        if (lw < 0.5f)
-            for (int i = 0; i < n; i++) m[i] = fmaf(lw, g[i] - m[i], m[i]);
-        else
-            for (int i = 0; i < n; i++) m[i] = fmaf(lw - 1.0f, g[i] - m[i], g[i]);
-        for (int i = 0; i < n; i++) v[i] = fmaf(a->one_minus_beta2 * g[i], g[i], v[i] * a->beta2);
-        const float *den = v;
-        if (a->amsgrad) {
-            for (int i = 0; i < n; i++) vm[i] = vm[i] > v[i] || vm[i] != vm[i] ? vm[i] : v[i]; /* torch.maximum */
-            den = vm;
+        /* torch's Adam/AdamW (its foreach kernels' operations, fused multiply-adds included): the
+         * gradient scaled (a deferred clip), negated (maximize); weight decay; exp_avg.lerp_(grad,
+         * 1 - beta1); exp_avg_sq.mul_(beta2).addcmul_(grad, grad, 1 - beta2); denom = sqrt(v) /
+         * bias_correction2_sqrt + eps (of max_exp_avg_sq with amsgrad); param.addcdiv_(exp_avg,
+         * denom, -step_size) */
+        const float lw = a->lerp_weight, lw1 = lw < 0.5f ? lw : lw - 1.0f, dc = a->decay;
+        const float b2 = a->beta2, c2 = a->one_minus_beta2, ss = -a->step_size, bc2 = a->bc2_sqrt, eps = a->eps;
+        const int small = lw < 0.5f, maximize = a->maximize, wd = a->wd_mode, ams = a->amsgrad;
+        for (int i = 0; i < n; i++) {
+            float gi = g[i], wi = w[i];
+            if (maximize) gi = -gi;
+            if (wd == WD_DECOUPLED) wi = wi * dc;
+            else if (wd == WD_L2) gi = fmaf(dc, wi, gi);
+            float mi = fmaf(lw1, gi - m[i], small ? m[i] : gi);
+            float vi = fmaf(c2 * gi, gi, v[i] * b2);
+            float di = vi;
+            if (ams) {
+                di = vm[i] > vi || vm[i] != vm[i] ? vm[i] : vi; /* torch.maximum */
+                vm[i] = di;
+            }
+            m[i] = mi;
+            v[i] = vi;
+            w[i] = wi + (ss * mi) / (sqrtf(di) / bc2 + eps);
         }
-        for (int i = 0; i < n; i++) w[i] = w[i] + ((-a->step_size) * m[i]) / (sqrtf(den[i]) / a->bc2_sqrt + a->eps);
         if (a->s_kind == K_Q8) {
             store_q8((uint8_t *)a->m + at, a->m_scale + blk, m, n, a->slookup, a->spoints, a->scompact, &qs);
             store_q8((uint8_t *)a->v + at, a->v_scale + blk, v, n, a->ulookup, a->upoints, a->ucompact, &qu);
@@ -373,14 +380,17 @@ int64_t mp_adam(const mp_args *a, int64_t **ties_found) {
                 hw[i] = f2bf(w[i]);
                 rem[i] = (int16_t)(u & 0xFFFFu);
             }
-            for (int i = 0; i < n; i++) { /* a tie rounded down: L == 0x8000 and W == H */
+            int any = 0; /* a tie rounded down: L == 0x8000 and W == H (rare: screened first) */
+            for (int i = 0; i < n; i++) any |= (f2u(w[i]) & 0xFFFFu) == 0x8000u;
+            for (int i = 0; any && i < n; i++) {
                 uint32_t u = f2u(w[i]);
                 if ((u & 0xFFFFu) == 0x8000u && hw[i] == (uint16_t)(u >> 16)) push_tie(&found, at + i);
             }
         } else if (a->rounding == R_STOCHASTIC) { /* bf16: add 16 random bits below the kept ones, truncate */
             uint16_t *hw = (uint16_t *)a->w + at;
+            const uint32_t first = (uint32_t)(uint64_t)(at + a->offset), seed = (uint32_t)(uint64_t)a->seed;
             for (int i = 0; i < n; i++) {
-                uint32_t noise = hash16((uint64_t)(at + i + a->offset) ^ (uint64_t)a->seed);
+                uint32_t noise = hash16((first + (uint32_t)i) ^ seed); /* the position's low 32 bits */
                 uint32_t u = (f2u(w[i]) + noise) >> 16;
                 hw[i] = w[i] != w[i] ? (uint16_t)0x7FC0 : (uint16_t)u;
             }
