@@ -220,19 +220,20 @@ static void store_q8(uint8_t *codes, float *scale, const float *x, int n, const 
 #if defined(__AVX512F__)
         (void)t;
         const __m512 vd = _mm512_set1_ps(div);
-        const __m512i e0 = _mm512_set1_epi32(COMPACT_E0), ff = _mm512_set1_epi32(0xFF);
-        const __m512i m7 = _mm512_set1_epi32(0x7F), low = _mm512_set1_epi32(0xFFFF);
+        /* (bits >> 16) & 0x7FFF is a run's exponent and top 7 mantissa bits, exponent * 128 + m7:
+         * clamped below at COMPACT_E0's row, plus the negative half for a set sign bit */
+        const __m512i row0 = _mm512_set1_epi32(COMPACT_E0 << 7), run = _mm512_set1_epi32(0x7FFF);
+        const __m512i half = _mm512_set1_epi32(COMPACT_ROWS * 128), low = _mm512_set1_epi32(0xFFFF);
         for (; i + 16 <= n; i += 16) {
             __m512 s = _mm512_div_ps(_mm512_loadu_ps(x + i), vd);
-            __m512i b = _mm512_castps_si512(s);
-            __m512i e = _mm512_sub_epi32(_mm512_max_epi32(_mm512_and_si512(_mm512_srli_epi32(b, 23), ff), e0), e0);
-            __m512i at = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_srli_epi32(b, 31), _mm512_set1_epi32(COMPACT_ROWS * 128)),
-                                          _mm512_add_epi32(_mm512_slli_epi32(e, 7), _mm512_and_si512(_mm512_srli_epi32(b, 16), m7)));
-            __m512i entry = _mm512_i32gather_epi32(at, compact, 4);
-            __m512i key = _mm512_xor_si512(_mm512_and_si512(b, low), _mm512_and_si512(_mm512_srai_epi32(b, 31), low));
+            __m512i b = _mm512_castps_si512(s), neg = _mm512_srai_epi32(b, 31);
+            __m512i at = _mm512_sub_epi32(_mm512_max_epi32(_mm512_and_si512(_mm512_srli_epi32(b, 16), run), row0), row0);
+            __m512i entry = _mm512_i32gather_epi32(_mm512_add_epi32(at, _mm512_and_si512(neg, half)), compact, 4);
+            __m512i key = _mm512_xor_si512(_mm512_and_si512(b, low), _mm512_and_si512(neg, low));
             __mmask16 up = _mm512_cmpge_epi32_mask(key, _mm512_srli_epi32(entry, 8));
-            __m512i c = _mm512_and_si512(entry, ff);
-            _mm_storeu_si128((__m128i *)(codes + i), _mm512_cvtepi32_epi8(_mm512_mask_add_epi32(c, up, c, _mm512_set1_epi32(1))));
+            /* the code is the entry's low byte (+1: never past 255, the last point being inf) */
+            entry = _mm512_mask_add_epi32(entry, up, entry, _mm512_set1_epi32(1));
+            _mm_storeu_si128((__m128i *)(codes + i), _mm512_cvtepi32_epi8(entry));
         }
 #elif defined(__AVX2__)
         (void)t;
