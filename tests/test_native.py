@@ -23,7 +23,12 @@ from mixprec.optim import (
 )
 from mixprec.optim.quant import dequantize_blockwise, quantize_blockwise, split_master
 
-pytestmark = pytest.mark.skipif(not native.status()[0], reason=f"no native kernel here: {native.status()[1]}")
+# skipped only where there is no C compiler (or the route is turned off); a compiler that fails fails
+pytestmark = pytest.mark.skipif(not native.status(build=False)[0], reason=f"no native kernel here: {native.status(build=False)[1]}")
+
+
+def test_the_kernel_builds_where_a_c_compiler_is_found() -> None:
+    assert native.status() == (True, "")
 
 SHAPES = [(300, 64), (1000,), (7,), (70001,)]  # whole 8-bit blocks, a partial last block, less than one, a tail
 
@@ -145,10 +150,11 @@ def test_the_native_8bit_store_gives_the_eager_quantizers_codes_at_every_boundar
         opt = LowPrecisionOptimizer(torch.optim.Adam([p], lr=0.0, betas=(0.0, 0.0)), state_dtype="8bit")
         x = values * scale
         x.view(-1, 1)[:: 256] = scale  # each block's absmax
-        p.grad = x.to(torch.bfloat16)  # the gradient is bf16: the kernel reads it exactly
+        p.grad_dtype = None
+        p.grad = x.clone()  # an fp32 gradient: the values land on the decision points and next to them
         opt.step()
         state = opt.optimizer.state[p]
-        grad = p.grad.float()
+        grad = x
         for key, value, signed in (("exp_avg", grad, True), ("exp_avg_sq", grad * grad, False)):
             codes, absmax = quantize_blockwise(value, signed=signed)
             assert torch.equal(state[key], codes), key
@@ -194,25 +200,6 @@ def test_a_native_remainder_step_that_changes_nothing_gives_back_every_master_bi
         assert torch.equal(opt.master(p).view(torch.int32), master.view(torch.int32))
         assert torch.equal(p.detach().view(torch.int16), master.to(torch.bfloat16).view(torch.int16))
         assert torch.equal(opt._ties(p), split_master(master)[2])
-
-
-def test_ties_out_of_order_are_walked_in_order() -> None:
-    params = _params([(5000,)])
-    opt = RemainderOptimizer(torch.optim.AdamW(params, lr=0.0, weight_decay=0.0), state_dtype="bf16")
-    p = params[0]
-    bits = torch.randn(5000).view(torch.int32)
-    bits[::97] = (bits[::97] & ~0x1FFFF) | 0x8000
-    master = bits.view(torch.float32)
-    with torch.no_grad():
-        p.copy_(master.to(torch.bfloat16))
-    opt._set_master(p, master)
-    opt.note_written(params)
-    ties = opt._ties(p)
-    assert ties.numel() > 10
-    opt.kinds.set("remainder_ties", p, ties.flip(0))  # a list in another order (loaded, say)
-    _grads(params, 0)
-    opt.step()
-    assert torch.equal(opt.master(p).view(torch.int32), master.view(torch.int32))
 
 
 def test_native_stochastic_rounding_draws_the_compiled_routes_noise(monkeypatch) -> None:
@@ -449,3 +436,152 @@ def test_moments_held_in_fp32_are_kept_in_the_state_dtype_from_the_first_native_
     state = inner.state[params[0]]
     assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.bfloat16
     assert float(state["step"]) == 2.0
+
+
+
+def test_one_step_differs_from_the_eager_one_only_where_torchs_vector_loop_ends() -> None:
+    # one step: a weight or moment element differs only in torch's scalar tail (the last numel % 16
+    # elements); 8-bit codes only in the block holding the tail (its absmax may move), scales only there
+    def make(inner, setting):
+        return KahanOptimizer(inner, state_dtype="8bit", compile=setting)
+
+    shapes = [(1000,), (70001,), (4096,)]
+    eager, opt_e = _run(make, False, steps=1, shapes=shapes)
+    taken, opt_n = _run(make, "auto", steps=1, shapes=shapes)
+    for a, b in zip(eager, taken, strict=True):
+        n = a.numel()
+        tail = n - n % 16
+        differ = (a.detach().view(torch.int16) != b.detach().view(torch.int16)).nonzero().view(-1)
+        assert bool((differ >= tail).all()), (n, differ[:5])
+        for key in ("exp_avg", "exp_avg_sq"):
+            codes = (opt_e.optimizer.state[a][key] != opt_n.optimizer.state[b][key]).nonzero().view(-1)
+            assert bool((codes >= tail // 256 * 256).all()), (n, key)
+    assert torch.equal(eager[2].detach().view(torch.int16), taken[2].detach().view(torch.int16))
+
+
+def test_an_empty_weight_is_counted_and_touched_nowhere() -> None:
+    params = _params([(0,), (300,)])
+    opt = KahanOptimizer(torch.optim.AdamW(params, lr=1e-2), state_dtype="8bit")
+    for step in range(2):
+        _grads(params, step)
+        opt.step()
+    assert float(opt.optimizer.state[params[0]]["step"]) == float(opt.optimizer.state[params[1]]["step"]) == 2.0
+
+
+def test_gradients_of_another_dtype_are_read_as_they_are() -> None:
+    runs = []
+    for setting in (False, "auto"):
+        params = _params([(4096,)])
+        opt = RemainderOptimizer(torch.optim.AdamW(params, lr=1e-2), state_dtype="8bit", compile=setting)
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            params[0].grad_dtype = None
+            params[0].grad = torch.randn(params[0].shape, generator=g) * 0.1  # fp32
+            opt.step()
+        runs.append(opt.master(params[0]))
+    assert torch.equal(runs[0].view(torch.int32), runs[1].view(torch.int32))
+
+
+def test_parameters_with_different_step_counts_each_get_their_own_bias_correction() -> None:
+    runs = []
+    for setting in (False, "auto"):
+        params = _params([(4096,), (2048,)])
+        opt = KahanOptimizer(torch.optim.AdamW(params, lr=1e-2), state_dtype="8bit", compile=setting)
+        for step in range(4):
+            _grads(params, step)
+            if step % 2:
+                params[1].grad = None  # an expert that got no tokens
+            opt.step()
+        runs.append([p.detach().clone() for p in params])
+        assert float(opt.optimizer.state[params[1]]["step"]) == 2.0
+    for a, b in zip(*runs, strict=True):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def test_native_writes_are_seen_by_autograd_and_by_the_undo_copies() -> None:
+    params = _params([(512,)])
+    opt = KahanOptimizer(torch.optim.AdamW(params, lr=1e-2), state_dtype="8bit")
+    loss = (params[0] * params[0]).float().sum()  # the product saves the weight for its backward
+    loss.backward(retain_graph=True)
+    version = params[0]._version
+    opt.step()
+    assert params[0]._version > version
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_the_fp16_overflow_guard_undoes_a_native_step() -> None:
+    params = _params([(512,)], dtype=torch.float16)
+    with torch.no_grad():
+        params[0].fill_(60000.0)
+    opt = LowPrecisionOptimizer(torch.optim.Adam(params, lr=1.0), state_dtype="8bit")
+    params[0].grad = torch.full_like(params[0], 1.0)
+    opt.step()  # a finite step (down, by about lr)
+    assert not bool(opt.step_nonfinite())
+    before = params[0].detach().clone()
+    codes = opt.optimizer.state[params[0]]["exp_avg"].clone()
+    opt.optimizer.param_groups[0]["lr"] = 1e6
+    params[0].grad = torch.full_like(params[0], -1.0)  # this update takes the weights past fp16's 65504
+    opt.step()
+    assert bool(opt.step_nonfinite())
+    assert torch.equal(params[0].detach(), before)  # undone, the moments too
+    assert torch.equal(opt.optimizer.state[params[0]]["exp_avg"], codes)
+    assert float(opt.optimizer.state[params[0]]["step"]) == 1.0
+
+
+@pytest.mark.parametrize("kind", ["2-D", "int32", "unsorted"])
+def test_tie_lists_of_another_form_are_read_as_flat_sorted_indices(kind) -> None:
+    params = _params([(5000,)])
+    opt = RemainderOptimizer(torch.optim.AdamW(params, lr=0.0, weight_decay=0.0), state_dtype="bf16")
+    p = params[0]
+    bits = torch.randn(5000).view(torch.int32)
+    bits[::97] = (bits[::97] & ~0x1FFFF) | 0x8000
+    master = bits.view(torch.float32)
+    with torch.no_grad():
+        p.copy_(master.to(torch.bfloat16))
+    opt._set_master(p, master)
+    opt.note_written(params)
+    ties = opt._ties(p)
+    assert ties.numel() > 10
+    odd = {"2-D": ties.flip(0).view(-1, 1), "int32": ties.to(torch.int32), "unsorted": ties[torch.randperm(ties.numel())]}
+    opt.kinds.set("remainder_ties", p, odd[kind])
+    _grads(params, 0)
+    opt.step()
+    assert torch.equal(opt.master(p).view(torch.int32), master.view(torch.int32))
+
+
+def test_the_memory_estimate_does_not_build_the_kernel(monkeypatch) -> None:
+    from mixprec.optim.footprint import low_precision_step_transient
+
+    monkeypatch.setattr(native, "_build", lambda: pytest.fail("the estimate built the kernel"))
+    monkeypatch.setattr(native, "_state", {})
+    params = [torch.nn.Parameter(torch.zeros(1000, 1024, dtype=torch.bfloat16))]
+    assert low_precision_step_transient(torch.optim.AdamW(params), compile="auto", rounding="kahan", fast=True,
+                                        fused=True, chunk_numel=None, state_dtype=torch.uint8) == 0
+
+
+def test_a_compiler_without_float16_builds_a_kernel_that_leaves_fp16_tensors_to_the_other_routes(
+    monkeypatch, tmp_path
+) -> None:
+    monkeypatch.setenv(native.FLAGS_ENV, "-march=native -U__FLT16_MAX__")  # as GCC 11 or clang 14 would build it
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    native._reset()
+    try:
+        assert native.status()[0] and not native._f16()
+        calls = _calls(monkeypatch)
+        w16 = _params([(512,)], dtype=torch.float16)
+        w16[0].grad = torch.ones_like(w16[0])
+        assert not native.takes("kahan", w16[0], None)
+        assert not native.use_native_route("auto", "remainder", torch.float16)
+        opt = KahanOptimizer(torch.optim.AdamW(w16, lr=1e-2), state_dtype="8bit")
+        opt.step()  # the eager path
+        assert calls[0] == 0 and float(opt.optimizer.state[w16[0]]["step"]) == 1.0
+        bf = _params([(512,)])
+        opt = KahanOptimizer(torch.optim.AdamW(bf, lr=1e-2), state_dtype="8bit")
+        _grads(bf, 0)
+        opt.step()
+        assert calls[0] == 1  # bf16 weights still step natively
+    finally:
+        monkeypatch.delenv(native.FLAGS_ENV)
+        monkeypatch.delenv("XDG_CACHE_HOME")
+        native._reset()

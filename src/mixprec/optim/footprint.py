@@ -276,7 +276,7 @@ def low_precision_step_transient(
             continue
         kind = fast_kind(inner, group) if fast else None
         n_low_state = n_state if state_low else 0
-        if kind == "adam" and native.use_native_route(compile, rounding, state_dtype):
+        if kind == "adam" and native.use_native_route(compile, rounding, state_dtype, build=False):
             low = [q for q in low if not native.takes_param(rounding, q)]  # a 256-element block at a time, on the stack
             if not low:
                 continue

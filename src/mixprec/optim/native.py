@@ -7,7 +7,8 @@ master's bit casts fast (inductor runs them element by element), so those steps 
 through ``ctypes``. Each weight is stepped 256 elements (one 8-bit block) at a time: the master
 (bf16 weight + remainder or + Kahan compensation), the gradient and the moments (fp32, bf16,
 fp16 or 8-bit) are expanded into fp32 arrays on the stack, updated with torch's Adam/AdamW
-arithmetic (torch's operation order, without contracting into fused multiply-adds) and stored
+arithmetic (the operations of torch's foreach kernels in their order, with the fused
+multiply-adds its x86-64 CPU build makes of ``lerp`` and ``addcmul``, and no others) and stored
 back, so nothing is materialised in fp32 and no compilation is needed per layout.
 
 What it computes, against the eager fast path:
@@ -19,8 +20,11 @@ What it computes, against the eager fast path:
 - Stochastic rounding uses the compiled route's noise (a hash of each element's position and
   the wrapper's checkpointed call count): the two routes give the same weights up to the
   fp32 rounding of the update.
-- The update equals torch's foreach Adam on the same fp32 values within fp32 rounding (torch's
-  vectorised kernels may contract or reorder).
+- The update gives torch's foreach Adam's bits on the same fp32 values (tested against torch
+  2.13's x86-64 CPU build), except in the last ``numel % 16`` elements of each tensor torch's
+  vector loop steps, which it computes without fused multiply-adds: there within fp32 rounding.
+  Another build of torch (another compiler, another architecture) may contract differently:
+  within fp32 rounding too.
 
 It runs where the arguments are plain contiguous CPU tensors; anything else steps on the other
 routes. ``MIXPREC_NATIVE=0`` turns it off; without a working C compiler it is off by itself
@@ -40,6 +44,7 @@ import hashlib
 import math
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -67,7 +72,7 @@ ENV = "MIXPREC_NATIVE"
 #: the target flags the kernel is built with (default ``-march=native``: this machine's
 #: instructions; ``-march=x86-64-v3`` builds its AVX2 loops, ``-march=x86-64`` its plain C ones)
 FLAGS_ENV = "MIXPREC_NATIVE_TARGET"
-_ABI = 4
+_ABI = 5
 _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, qstates.Q8: 3}
 _ROUNDINGS = {"nearest": 0, "kahan": 1, "stochastic": 2, "remainder": 3}
 #: a weight of more elements is cut into ranges stepped on several threads (torch's thread count)
@@ -107,6 +112,28 @@ def _cache_dir() -> Path:
     return Path(base) / "mixprec" / "native"
 
 
+def _private_dir(path: Path) -> Path | None:
+    """``path``, created if missing, when it is this user's and nobody else can write into it (a
+    library loaded from a directory others can write to would run their code); else None."""
+    try:
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        st = path.stat()
+    except OSError:
+        return None
+    if hasattr(os, "getuid") and (st.st_uid != os.getuid() or st.st_mode & 0o022):
+        return None
+    return path if os.access(path, os.W_OK | os.X_OK) else None
+
+
+def _own_file(path: Path) -> bool:
+    """Whether ``path`` exists, is this user's and is writable by nobody else."""
+    try:
+        st = path.stat()
+    except OSError:
+        return False
+    return not hasattr(os, "getuid") or (st.st_uid == os.getuid() and not st.st_mode & 0o022)
+
+
 def _cpu_flags() -> str:
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
@@ -124,31 +151,36 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
         return None, f"turned off by {ENV}={os.environ[ENV]}"
     if platform.system() == "Windows":
         return None, "not built on Windows (no C compiler is assumed there)"
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    if cc is None:
+    cc = shlex.split(os.environ.get("CC", "")) or [
+        c for c in (shutil.which("cc") or shutil.which("gcc") or shutil.which("clang"),) if c
+    ]
+    if not cc:
         return None, "no C compiler (cc, gcc or clang) on PATH"
     source = resources.files("mixprec.optim").joinpath("native_adam.c").read_bytes()
     try:
-        version = subprocess.run([cc, "--version"], capture_output=True, timeout=30, check=False).stdout
+        version = subprocess.run([*cc, "--version"], capture_output=True, timeout=30, check=False).stdout
     except (OSError, subprocess.SubprocessError) as exc:
-        return None, f"{cc} --version failed: {exc}"
+        return None, f"{' '.join(cc)} --version failed: {exc}"
     target_flags = os.environ.get(FLAGS_ENV, "-march=native").split()
     key = hashlib.sha256(
         source + version + _cpu_flags().encode() + platform.machine().encode() + " ".join(target_flags).encode()
     ).hexdigest()[:20]
-    target = _cache_dir() / f"native_adam_{key}.so"
-    if not target.exists():
+    where = _private_dir(_cache_dir())
+    if where is None:  # not writable, or others can write into it: a directory of this process's own
+        where = Path(tempfile.mkdtemp(prefix="mixprec-native-"))
+    target = where / f"native_adam_{key}.so"
+    if not _own_file(target):
         try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            with tempfile.TemporaryDirectory(dir=where) as tmp:
                 src = Path(tmp) / "native_adam.c"
                 src.write_bytes(source)
                 built = Path(tmp) / target.name
-                cmd = [cc, "-O3", *target_flags, "-ffp-contract=off", "-fno-math-errno", "-fno-strict-aliasing",
+                cmd = [*cc, "-O3", *target_flags, "-ffp-contract=off", "-fno-math-errno", "-fno-strict-aliasing",
                        "-fPIC", "-shared", "-o", str(built), str(src)]
                 run = subprocess.run(cmd, capture_output=True, timeout=300, check=False)
                 if run.returncode != 0:
                     return None, f"{' '.join(cmd[:2])} ... failed: {run.stderr.decode(errors='replace')[-400:]}"
+                os.chmod(built, 0o755)
                 os.replace(built, target)  # atomic: a concurrent build of the same source gives the same file
         except (OSError, subprocess.SubprocessError) as exc:
             return None, f"building {target.name} failed: {exc}"
@@ -160,6 +192,7 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     if lib.mp_abi_version() != _ABI:
         return None, f"{target} has ABI {lib.mp_abi_version()}, expected {_ABI}"
     lib.mp_compact_e0.restype = ctypes.c_int
+    lib.mp_has_f16.restype = ctypes.c_int
     lib.mp_adam.restype = ctypes.c_int64
     lib.mp_adam.argtypes = [ctypes.POINTER(_Args), ctypes.POINTER(ctypes.c_void_p)]
     lib.mp_free.argtypes = [ctypes.c_void_p]
@@ -171,13 +204,26 @@ def _library() -> ctypes.CDLL | None:
     with _lock:
         if "lib" not in _state:
             _state["lib"], _state["why"] = _build()
+            _state["f16"] = _state["lib"] is not None and bool(_state["lib"].mp_has_f16())
         return _state["lib"]
 
 
-def status() -> tuple[bool, str]:
-    """(whether the native route is available, why not); builds the kernel on the first call."""
+def status(build: bool = True) -> tuple[bool, str]:
+    """(whether the native route is available, why not); builds the kernel on the first call.
+    ``build=False`` builds nothing: before the first build it answers whether a build can be
+    tried (not turned off, a C compiler on PATH), as the memory estimate wants."""
+    if not build and "lib" not in _state:
+        if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+            return False, f"turned off by {ENV}"
+        found = bool(os.environ.get("CC")) or any(shutil.which(c) for c in ("cc", "gcc", "clang"))
+        return found, "" if found else "no C compiler (cc, gcc or clang) on PATH"
     lib = _library()
     return lib is not None, _state.get("why", "")
+
+
+def _f16() -> bool:
+    """Whether the kernel handles fp16 tensors (its compiler has ``_Float16``); True before a build."""
+    return bool(_state.get("f16", True))
 
 
 def _reset() -> None:
@@ -186,7 +232,20 @@ def _reset() -> None:
         _state.clear()
 
 
-def use_native_route(setting: CompileSetting, rounding: str, state_dtype: torch.dtype | None) -> bool:
+def _after_fork() -> None:
+    """A forked child has the parent's lock as it was (held, during a build) and none of its threads."""
+    global _lock, _pool
+    _lock = threading.Lock()
+    _pool = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)
+
+
+def use_native_route(
+    setting: CompileSetting, rounding: str, state_dtype: torch.dtype | None, *, build: bool = True
+) -> bool:
     """Whether ``compile=setting`` steps an Adam/AdamW group of ``rounding`` and ``state_dtype``
     natively, where its tensors allow (:func:`takes`): under ``"auto"``, for 8-bit moments of
     every store and for remainder masters with bf16/fp16 moments (with fp32 moments the
@@ -197,7 +256,7 @@ def use_native_route(setting: CompileSetting, rounding: str, state_dtype: torch.
         return False
     if state_dtype != qstates.Q8 and not (rounding == "remainder" and state_dtype in (torch.bfloat16, torch.float16)):
         return False
-    return status()[0]
+    return status(build)[0] and (state_dtype != torch.float16 or _f16())
 
 
 def _plain(t: torch.Tensor | None) -> bool:
@@ -209,7 +268,7 @@ def takes_param(rounding: str, param: torch.Tensor) -> bool:
     (or fp16, for the round-to-nearest and Kahan stores)."""
     if not _plain(param) or param.dtype not in (torch.bfloat16, torch.float16):
         return False
-    return param.dtype == torch.bfloat16 or rounding in ("nearest", "kahan")
+    return param.dtype == torch.bfloat16 or (rounding in ("nearest", "kahan") and _f16())
 
 
 def takes(rounding: str, param: torch.Tensor, comp: torch.Tensor | None) -> bool:
@@ -218,11 +277,11 @@ def takes(rounding: str, param: torch.Tensor, comp: torch.Tensor | None) -> bool
     grad = param.grad
     if not takes_param(rounding, param) or grad is None or not _plain(grad) or grad.shape != param.shape:
         return False
-    if grad.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+    if grad.dtype not in (torch.float32, torch.bfloat16) and not (grad.dtype == torch.float16 and _f16()):
         return False
     if rounding in ("kahan", "remainder"):
-        return _plain(comp) and comp.shape == param.shape and comp.dtype in (  # type: ignore[union-attr]
-            (torch.int16,) if rounding == "remainder" else (torch.bfloat16, torch.float16, torch.float32))
+        kinds = (torch.int16,) if rounding == "remainder" else (torch.bfloat16, torch.float32) + ((torch.float16,) if _f16() else ())
+        return _plain(comp) and comp.shape == param.shape and comp.dtype in kinds  # type: ignore[union-attr]
     return True
 
 
@@ -262,30 +321,39 @@ def native_adam_step(
     counter: list[int] | None = None,
     grad_scales: Sequence[torch.Tensor] = (),
     remainder: RemainderIO | None = None,
-) -> None:
+) -> list[torch.Tensor]:
     """Adam/AdamW for the low-precision ``params`` of ``group`` natively (each with its own
-    step count); every one must pass :func:`takes`. Stochastic rounding draws the compiled
-    route's noise for ``counter[0]`` (advanced by one here). The kernels run on worker threads
-    (torch's thread count; a weight of more than :data:`PARALLEL_NUMEL` elements in ranges) and
-    the step is counted only once all of them have finished: an interrupt arriving meanwhile
-    waits for them, so no weight is left half-stepped or stepped without its count."""
+    step count); every one must pass :func:`takes`. Returns the ones it left for another route:
+    those whose moments are held in another floating dtype than ``state_dtype`` (wrapped after
+    the inner optimizer stepped, say: the eager path reads and keeps them as they are).
+    Stochastic rounding draws the compiled route's noise for ``counter[0]`` (advanced by one
+    here). The kernels run on worker threads (torch's thread count; a weight of more than
+    :data:`PARALLEL_NUMEL` elements in ranges) and the call's weights are counted only once
+    all of them have finished: an interrupt arriving meanwhile waits for them and is raised
+    after the bookkeeping (the groups after this one are then not stepped)."""
     lib = _library()
     if lib is None:
         raise RuntimeError(f"the native optimizer kernel is not available: {_state.get('why', '')}")
-    active = [p for p in params if p.grad is not None]
-    if not active:
-        return
     dtype = torch.float32 if state_dtype is None else state_dtype
     q8 = dtype == qstates.Q8
     amsgrad = bool(group["amsgrad"])
     keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else [])
     scale_keys = [f"{k}{qstates.ABSMAX}" for k in keys] if q8 else []
-    init_adam_state(optimizer, group, active, dtype)
-    states = [optimizer.state[p] for p in active]
-    for p, state in zip(active, states, strict=True):
+    with_grads = [p for p in params if p.grad is not None]
+    init_adam_state(optimizer, group, with_grads, dtype)
+    active: list[torch.Tensor] = []
+    left: list[torch.Tensor] = []
+    for p in with_grads:
+        state = optimizer.state[p]
         if not _fits(state, keys, scale_keys, dtype, p.numel()):  # held otherwise (loaded, wrapped later)
             qstates.conform(state, p, state_dtype)
-            _conform_layout(state, p, dtype, keys)
+            if not _conform_layout(state, p, dtype, keys):
+                left.append(p)
+                continue
+        active.append(p)
+    if not active:
+        return left
+    states = [optimizer.state[p] for p in active]
     lr = scalar_value(group["lr"])
     beta1, beta2 = (scalar_value(b) for b in group["betas"])
     eps, weight_decay = float(group["eps"]), float(group["weight_decay"])
@@ -307,6 +375,7 @@ def native_adam_step(
         gscales=_ptr(factors), n_gscales=0 if factors is None else factors.numel(),
     )
     jobs: list[_Job] = []
+    written: list[torch.Tensor] = []
     offset = 0
     for p, state in zip(active, states, strict=True):
         step = float(state["step"]) + 1
@@ -315,7 +384,8 @@ def native_adam_step(
         comp = comps(p) if comps is not None and rounding in ("kahan", "remainder") else None
         ties = None
         if remainder is not None and rounding == "remainder":
-            ties = remainder.ties(p)  # sorted: the kernel walks them in order (and touches no element outside)
+            # flat, int64 and sorted: the kernel walks them in order (and touches no element outside)
+            ties = remainder.ties(p).reshape(-1).to(device="cpu", dtype=torch.int64)
             ties = ties.sort().values if ties.numel() > 1 else ties.contiguous()
         moments = [state[k] for k in keys] + [None] * (3 - len(keys))
         scales = [state[k] for k in scale_keys] + [None] * (3 - len(scale_keys))
@@ -323,30 +393,40 @@ def native_adam_step(
             w=p.data_ptr(), g=grad.data_ptr(), m=_ptr(moments[0]), v=_ptr(moments[1]), vmax=_ptr(moments[2]),
             m_scale=_ptr(scales[0]), v_scale=_ptr(scales[1]), vmax_scale=_ptr(scales[2]), comp=_ptr(comp),
             ties=_ptr(ties), n_ties=0 if ties is None else ties.numel(), offset=offset,
-            w_kind=_KINDS[p.dtype], g_kind=_KINDS[grad.dtype], comp_kind=_KINDS.get(comp.dtype, 0) if comp is not None else 0,  # (an int16 remainder: unread)
+            w_kind=_KINDS[p.dtype], g_kind=_KINDS[grad.dtype],
+            comp_kind=_KINDS.get(comp.dtype, 0) if comp is not None else 0,  # (an int16 remainder: unread)
             step_size=lr / (1 - beta1**step), bc2_sqrt=math.sqrt(1 - beta2**step),  # as torch's Adam, in double
         )
         keep = (p, grad, comp, ties, factors, *moments, *scales)
+        written += [t for t in (p, comp, *moments, *scales) if t is not None]
         n = p.numel()
-        pieces = max(1, min(threads, n // PARALLEL_NUMEL))
-        bound = -(-n // pieces // qstates.BLOCK) * qstates.BLOCK  # ranges of whole 8-bit blocks
-        for begin in range(0, n, bound):
+        pieces = max(1, min(threads, -(-n // PARALLEL_NUMEL)))
+        bound = max(qstates.BLOCK, -(-n // pieces // qstates.BLOCK) * qstates.BLOCK)  # ranges of whole 8-bit blocks
+        for begin in range(0, n, bound):  # (none for an empty weight: only counted)
             jobs.append(_Job(p, _Args(begin=begin, end=min(n, begin + bound), **shared, **own), keep))
         offset += n
     results, interrupt = _run(lib, jobs, threads)
+    torch.autograd.graph.increment_version(written)  # written in place: autograd and the undo copies see it
+    failed = any(r is None for r in results)
     if remainder is not None and rounding == "remainder":
-        found: dict[int, list[torch.Tensor]] = {}
+        found: dict[int, list[torch.Tensor]] = {id(p): [] for p in active}
         for job, ties_found in zip(jobs, results, strict=True):
-            found.setdefault(id(job.param), []).append(ties_found)
+            if ties_found is not None:
+                found[id(job.param)].append(ties_found)
         for p in active:
-            new = torch.cat(found[id(p)]) if len(found[id(p)]) > 1 else found[id(p)][0]
+            parts = found[id(p)]
+            new = torch.cat(parts) if len(parts) > 1 else parts[0] if parts else torch.empty(0, dtype=torch.int64)
             if new.numel() or remainder.ties(p).numel():
                 remainder.set_ties(p, new)
     torch._foreach_add_([s["step"] for s in states], 1.0)
     if counter is not None and rounding == "stochastic":
         counter[0] += 1
+    if failed:  # pragma: no cover - a few bytes for a tie list could not be allocated
+        raise MemoryError("the native optimizer kernel could not allocate a list of remainder ties; "
+                          "the step was taken, but those weights' ties are lost (their masters are off by 2**-8 ulp)")
     if interrupt is not None:
         raise interrupt
+    return left
 
 
 def _fits(state: dict[str, Any], keys: list[str], scale_keys: list[str], dtype: torch.dtype, numel: int) -> bool:
@@ -365,21 +445,22 @@ def _fits(state: dict[str, Any], keys: list[str], scale_keys: list[str], dtype: 
     return True
 
 
-def _conform_layout(state: dict[str, Any], param: torch.Tensor, dtype: torch.dtype, keys: list[str]) -> None:
-    """Make ``param``'s moments (and 8-bit scales) what :func:`_fits` asks for: floating moments
-    held in another floating dtype are converted to ``dtype`` (the state is kept in the wrapper's
-    state dtype from here on), other layouts copied contiguous; anything else (a wrong size, a
-    device, a missing key) is refused before a byte is written."""
+def _conform_layout(state: dict[str, Any], param: torch.Tensor, dtype: torch.dtype, keys: list[str]) -> bool:
+    """Make ``param``'s moments (and 8-bit scales) what :func:`_fits` asks for, copying other
+    layouts contiguous; False (nothing changed) when a floating moment is held in another
+    floating dtype, for the eager path, which reads and keeps it as it is; anything else (a
+    wrong size, a device, a missing key) is refused before a byte is written."""
     for key in keys:
         t = state.get(key)
-        if isinstance(t, torch.Tensor) and dtype != qstates.Q8 and t.is_floating_point() and t.dtype != dtype:
-            state[key] = t.to(dtype)
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype and dtype != qstates.Q8:
+            return False
     check_moment_layout(state, param, dtype, keys)
     names = keys + ([f"{k}{qstates.ABSMAX}" for k in keys] if dtype == qstates.Q8 else [])
     for name in names:
         t = state[name]
         if not t.is_contiguous() or type(t) is not torch.Tensor:
             state[name] = t.detach().contiguous().as_subclass(torch.Tensor)
+    return True
 
 
 @cache
@@ -432,43 +513,51 @@ def _compact_agrees(table: torch.Tensor, first: torch.Tensor, points: torch.Tens
         raise AssertionError("the native kernel's compact 8-bit lookup disagrees with mixprec.optim.quant's")
 
 
-def _call(lib: ctypes.CDLL, job: _Job) -> torch.Tensor:
+def _call(lib: ctypes.CDLL, job: _Job) -> torch.Tensor | None:
+    """The job's new ties (an empty tensor for other stores), or None when the kernel could not
+    allocate their list (it still took the step)."""
     out = ctypes.c_void_p()
     n = lib.mp_adam(ctypes.byref(job.args), ctypes.byref(out))
-    if n < 0:
-        raise MemoryError("the native optimizer kernel could not allocate the list of remainder ties")
-    if n == 0:
-        return _EMPTY
+    if n <= 0:
+        return None if n < 0 else torch.empty(0, dtype=torch.int64)
     try:
         return torch.frombuffer((ctypes.c_int64 * n).from_address(out.value or 0), dtype=torch.int64).clone()
     finally:
         lib.mp_free(out)
 
 
-_EMPTY = torch.empty(0, dtype=torch.int64)
-
-
-def _run(lib: ctypes.CDLL, jobs: list[_Job], threads: int) -> tuple[list[torch.Tensor], BaseException | None]:
+def _run(lib: ctypes.CDLL, jobs: list[_Job], threads: int) -> tuple[list[torch.Tensor | None], BaseException | None]:
     """(every job's result, an interrupt that arrived meanwhile): the jobs run on the worker
     threads, in ``threads`` lists of about equal elements, and an interrupt waits for them
-    all, for the caller to finish the step's bookkeeping before raising it."""
+    all, for the caller to finish the step's bookkeeping before raising it. Where no thread
+    can be started (the interpreter is shutting down) they run here."""
     lists: list[list[int]] = [[] for _ in range(min(threads, len(jobs)))]
     load = [0] * len(lists)
     for i in sorted(range(len(jobs)), key=lambda i: jobs[i].args.begin - jobs[i].args.end):  # largest first
         k = load.index(min(load))
         lists[k].append(i)
         load[k] += jobs[i].args.end - jobs[i].args.begin
+
+    def run(ids: list[int]) -> list[torch.Tensor | None]:
+        return [_call(lib, jobs[i]) for i in ids]
+
+    results: list[torch.Tensor | None] = [None] * len(jobs)
     pool = _executor(threads)
-    futures = [pool.submit(lambda ids: [_call(lib, jobs[i]) for i in ids], ids) for ids in lists]
+    futures = []
+    for ids in lists:
+        try:
+            futures.append((ids, pool.submit(run, ids)))
+        except RuntimeError:  # "cannot schedule new futures after interpreter shutdown": here, then
+            for i, found in zip(ids, run(ids), strict=True):
+                results[i] = found
     interrupt: BaseException | None = None
     while True:
         try:
-            wait(futures)
+            wait([f for _, f in futures])
             break
         except BaseException as exc:  # KeyboardInterrupt: the kernels are writing, let them finish
             interrupt = exc
-    results: list[torch.Tensor] = [_EMPTY] * len(jobs)
-    for ids, future in zip(lists, futures, strict=True):
+    for ids, future in futures:
         for i, found in zip(ids, future.result(), strict=True):
             results[i] = found
     return results, interrupt

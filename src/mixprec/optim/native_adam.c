@@ -13,6 +13,9 @@
 #include <string.h>
 
 #define BLOCK 256
+#if defined(__FLT16_MAX__)
+#define MP_F16 1 /* the compiler has _Float16 (GCC 12+, clang 15+ on x86-64): fp16 tensors are supported */
+#endif
 /* The compact lookup of a finite block's scaled values (in [-1, 1]): one int32 per run of 2**16 fp32
  * values with an exponent from COMPACT_E0 to 127 (rows of 128 runs, positive values then negative):
  * the run's first code c (low 8 bits) and a 17-bit threshold T above them; the nearest code of a value
@@ -70,11 +73,13 @@ static void load(int kind, const void *p, int64_t at, int n, float *out) {
         for (int i = 0; i < n; i++) out[i] = u2f((uint32_t)s[i] << 16);
         break;
     }
+#ifdef MP_F16
     case K_F16: {
         const _Float16 *s = (const _Float16 *)p + at;
         for (int i = 0; i < n; i++) out[i] = (float)s[i];
         break;
     }
+#endif
     }
 }
 
@@ -86,11 +91,13 @@ static void store(int kind, void *p, int64_t at, int n, const float *in) {
         for (int i = 0; i < n; i++) d[i] = f2bf(in[i]);
         break;
     }
+#ifdef MP_F16
     case K_F16: {
         _Float16 *d = (_Float16 *)p + at;
         for (int i = 0; i < n; i++) d[i] = (_Float16)in[i];
         break;
     }
+#endif
     }
 }
 
@@ -288,7 +295,15 @@ static void push_tie(ties_out *t, int64_t i) {
     t->data[t->n++] = i;
 }
 
-int mp_abi_version(void) { return 4; }
+int mp_abi_version(void) { return 5; }
+
+int mp_has_f16(void) {
+#ifdef MP_F16
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 int mp_compact_e0(void) { return COMPACT_E0; }
 
@@ -299,7 +314,7 @@ void mp_free(void *p) { free(p); }
  * stores, -1 when the tie list could not be allocated (the step was still taken in full). */
 int64_t mp_adam(const mp_args *a, int64_t **ties_found) {
     float w[BLOCK], g[BLOCK], m[BLOCK], v[BLOCK], vm[BLOCK], low[BLOCK];
-    int32_t bits[BLOCK];
+    uint32_t bits[BLOCK];
     ties_out found = {0, 0, 0, 0};
     q8_tables qs, qu;
     if (a->s_kind == K_Q8) {
@@ -315,8 +330,9 @@ int64_t mp_adam(const mp_args *a, int64_t **ties_found) {
         if (a->rounding == R_REMAINDER) {
             const uint16_t *hw = (const uint16_t *)a->w + at;
             const int16_t *rem = (const int16_t *)a->comp + at;
-            for (int i = 0; i < n; i++) bits[i] = (int32_t)(((uint32_t)hw[i] << 16) + (uint32_t)(int32_t)rem[i]);
-            for (; tie < tie_end && *tie < at + n; tie++) bits[*tie - at] += 0x10000; /* L == 0x8000, rounded down */
+            for (int i = 0; i < n; i++) bits[i] = ((uint32_t)hw[i] << 16) + (uint32_t)(int32_t)rem[i];
+            for (; tie < tie_end && *tie < at + n; tie++) /* L == 0x8000, rounded down (sorted: none below at) */
+                if (*tie >= at) bits[*tie - at] += 0x10000u;
             memcpy(w, bits, sizeof(float) * (size_t)n);
         } else {
             load(a->w_kind, a->w, at, n, w);

@@ -99,11 +99,11 @@ def native_route(opt: Routed, group: dict[str, Any], active: list[torch.nn.Param
     taken = [p for p in active if native.takes(opt.rounding, p, comps(p) if with_comp else None)]  # type: ignore[misc]
     if not taken:
         return active
-    native.native_adam_step(
+    left = native.native_adam_step(
         opt.optimizer, group, taken, state_dtype=opt.state_dtype, rounding=opt.rounding, comps=comps,
         counter=counter, grad_scales=opt._pending_grad_scales(), remainder=opt._compiled_remainder(),
     )
-    stepped = {id(p) for p in taken}
+    stepped = {id(p) for p in taken} - {id(p) for p in left}
     return [p for p in active if id(p) not in stepped]
 
 
