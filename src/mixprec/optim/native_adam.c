@@ -174,53 +174,12 @@ static inline uint8_t nearest(float s, const int32_t *lookup, const float *point
  * A finite block's scaled values lie in [-1, 1], whose runs the compact lookup holds (one gather per
  * element from a table that stays in the caches); a block holding inf or NaN takes the full lookup
  * and the decision points, element by element. */
-static void store_q8(uint8_t *codes, float *scale, const float *x, int n, const int32_t *lookup,
+static void store_q8(uint8_t *codes, float *scale, const float *x, int n, uint32_t top, const int32_t *lookup,
                      const float *points, const int32_t *compact, const q8_tables *t) {
-    float amax = 0.0f;
-    int nan = 0, finite = 1, j = 0;
-#if defined(__AVX512F__)
-    {
-        __m512 vmax = _mm512_setzero_ps();
-        const __m512 big = _mm512_set1_ps(3.40282347e38f);
-        __mmask16 ok = 0xFFFF;
-        for (; j + 16 <= n; j += 16) {
-            __m512 a = _mm512_abs_ps(_mm512_loadu_ps(x + j));
-            vmax = _mm512_max_ps(vmax, a);
-            ok &= _mm512_cmp_ps_mask(a, big, _CMP_LE_OQ); /* false for inf and NaN */
-        }
-        amax = _mm512_reduce_max_ps(vmax);
-        finite = ok == 0xFFFF;
-        nan = !finite; /* told apart below */
-    }
-#elif defined(__AVX2__)
-    {
-        __m256 vmax = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
-        const __m256 big = _mm256_set1_ps(3.40282347e38f);
-        const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-        for (; j + 8 <= n; j += 8) {
-            __m256 a = _mm256_and_ps(_mm256_loadu_ps(x + j), sign);
-            vmax = _mm256_max_ps(vmax, a);
-            bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, big, _CMP_NLE_UQ)); /* inf or NaN */
-        }
-        float lanes[8];
-        _mm256_storeu_ps(lanes, vmax);
-        for (int k = 0; k < 8; k++) amax = lanes[k] > amax ? lanes[k] : amax;
-        finite = _mm256_movemask_ps(bad) == 0;
-        nan = !finite;
-    }
-#endif
-    if (nan) { /* a non-finite value: the scalar reduction, NaN-aware (told apart from inf) */
-        j = 0;
-        amax = 0.0f;
-        nan = 0;
-    }
-    for (; j < n; j++) {
-        float a = fabsf(x[j]);
-        amax = a > amax ? a : amax;
-        nan |= a != a;
-        finite &= a <= 3.40282347e38f;
-    }
-    if (nan) amax = NAN; /* torch.amax: a NaN wins */
+    /* top: the largest |x| as bits (the update loop's integer maximum: for |x| the bits order as the
+     * values do, inf above every finite value and NaN above inf, so a NaN wins as in torch.amax) */
+    const int finite = top < 0x7F800000u;
+    const float amax = top > 0x7F800000u ? NAN : u2f(top);
     const float div = amax > 0.0f ? amax : 1.0f; /* an all-zero block divides by 1 */
     int i = 0;
     if (finite) {
@@ -314,7 +273,6 @@ void mp_free(void *p) { free(p); }
  * stores, -1 when the tie list could not be allocated (the step was still taken in full). */
 int64_t mp_adam(const mp_args *a, int64_t **ties_found) {
     float w[BLOCK], g[BLOCK], m[BLOCK], v[BLOCK], vm[BLOCK], low[BLOCK];
-    uint32_t bits[BLOCK];
     ties_out found = {0, 0, 0, 0};
     q8_tables qs, qu;
     if (a->s_kind == K_Q8) {
@@ -330,10 +288,12 @@ int64_t mp_adam(const mp_args *a, int64_t **ties_found) {
         if (a->rounding == R_REMAINDER) {
             const uint16_t *hw = (const uint16_t *)a->w + at;
             const int16_t *rem = (const int16_t *)a->comp + at;
-            for (int i = 0; i < n; i++) bits[i] = ((uint32_t)hw[i] << 16) + (uint32_t)(int32_t)rem[i];
+            for (int i = 0; i < n; i++) w[i] = u2f(((uint32_t)hw[i] << 16) + (uint32_t)(int32_t)rem[i]);
             for (; tie < tie_end && *tie < at + n; tie++) /* L == 0x8000, rounded down (sorted: none below at) */
-                if (*tie >= at) bits[*tie - at] += 0x10000u;
-            memcpy(w, bits, sizeof(float) * (size_t)n);
+                if (*tie >= at) w[*tie - at] = u2f(f2u(w[*tie - at]) + 0x10000u);
+        } else if (a->rounding == R_KAHAN && a->w_kind == K_BF16 && a->comp_kind == K_BF16) {
+            const uint16_t *hw = (const uint16_t *)a->w + at, *hc = (const uint16_t *)a->comp + at;
+            for (int i = 0; i < n; i++) w[i] = u2f((uint32_t)hw[i] << 16) + u2f((uint32_t)hc[i] << 16);
         } else {
             load(a->w_kind, a->w, at, n, w);
             if (a->rounding == R_KAHAN) {
@@ -363,6 +323,7 @@ int64_t mp_adam(const mp_args *a, int64_t **ties_found) {
         const float lw = a->lerp_weight, lw1 = lw < 0.5f ? lw : lw - 1.0f, dc = a->decay;
         const float b2 = a->beta2, c2 = a->one_minus_beta2, ss = -a->step_size, bc2 = a->bc2_sqrt, eps = a->eps;
         const int small = lw < 0.5f, maximize = a->maximize, wd = a->wd_mode, ams = a->amsgrad;
+        uint32_t top_m = 0, top_v = 0, top_vm = 0; /* the largest |m|, |v|, |vmax| as bits (8-bit scales) */
         for (int i = 0; i < n; i++) {
             float gi = g[i], wi = w[i];
             if (maximize) gi = -gi;
@@ -378,11 +339,15 @@ int64_t mp_adam(const mp_args *a, int64_t **ties_found) {
             m[i] = mi;
             v[i] = vi;
             w[i] = wi + (ss * mi) / (sqrtf(di) / bc2 + eps);
+            uint32_t am = f2u(mi) & 0x7FFFFFFFu, av = f2u(vi) & 0x7FFFFFFFu, ad = f2u(di) & 0x7FFFFFFFu;
+            top_m = am > top_m ? am : top_m;
+            top_v = av > top_v ? av : top_v;
+            top_vm = ad > top_vm ? ad : top_vm;
         }
         if (a->s_kind == K_Q8) {
-            store_q8((uint8_t *)a->m + at, a->m_scale + blk, m, n, a->slookup, a->spoints, a->scompact, &qs);
-            store_q8((uint8_t *)a->v + at, a->v_scale + blk, v, n, a->ulookup, a->upoints, a->ucompact, &qu);
-            if (a->amsgrad) store_q8((uint8_t *)a->vmax + at, a->vmax_scale + blk, vm, n, a->ulookup, a->upoints, a->ucompact, &qu);
+            store_q8((uint8_t *)a->m + at, a->m_scale + blk, m, n, top_m, a->slookup, a->spoints, a->scompact, &qs);
+            store_q8((uint8_t *)a->v + at, a->v_scale + blk, v, n, top_v, a->ulookup, a->upoints, a->ucompact, &qu);
+            if (a->amsgrad) store_q8((uint8_t *)a->vmax + at, a->vmax_scale + blk, vm, n, top_vm, a->ulookup, a->upoints, a->ucompact, &qu);
         } else {
             store(a->s_kind, a->m, at, n, m);
             store(a->s_kind, a->v, at, n, v);
@@ -392,13 +357,13 @@ int64_t mp_adam(const mp_args *a, int64_t **ties_found) {
         if (a->rounding == R_REMAINDER) {
             uint16_t *hw = (uint16_t *)a->w + at;
             int16_t *rem = (int16_t *)a->comp + at;
+            int any = 0; /* a tie rounded down: L == 0x8000 and W == H (rare: screened first) */
             for (int i = 0; i < n; i++) {
                 uint32_t u = f2u(w[i]);
                 hw[i] = f2bf(w[i]);
                 rem[i] = (int16_t)(u & 0xFFFFu);
+                any |= (u & 0xFFFFu) == 0x8000u;
             }
-            int any = 0; /* a tie rounded down: L == 0x8000 and W == H (rare: screened first) */
-            for (int i = 0; i < n; i++) any |= (f2u(w[i]) & 0xFFFFu) == 0x8000u;
             for (int i = 0; any && i < n; i++) {
                 uint32_t u = f2u(w[i]);
                 if ((u & 0xFFFFu) == 0x8000u && hw[i] == (uint16_t)(u >> 16)) push_tie(&found, at + i);
@@ -410,6 +375,13 @@ int64_t mp_adam(const mp_args *a, int64_t **ties_found) {
                 uint32_t noise = hash16((first + (uint32_t)i) ^ seed); /* the position's low 32 bits */
                 uint32_t u = (f2u(w[i]) + noise) >> 16;
                 hw[i] = w[i] != w[i] ? (uint16_t)0x7FC0 : (uint16_t)u;
+            }
+        } else if (a->rounding == R_KAHAN && a->w_kind == K_BF16 && a->comp_kind == K_BF16) {
+            uint16_t *hw = (uint16_t *)a->w + at, *hc = (uint16_t *)a->comp + at;
+            for (int i = 0; i < n; i++) { /* the weight rounded, what rounding dropped the compensation */
+                uint16_t h = f2bf(w[i]);
+                hw[i] = h;
+                hc[i] = f2bf(w[i] - u2f((uint32_t)h << 16));
             }
         } else {
             store(a->w_kind, a->w, at, n, w);
