@@ -181,7 +181,7 @@ def test_the_step_memory_estimate_counts_the_weights_that_step_eagerly(monkeypat
     from mixprec.optim import native
     from mixprec.optim.footprint import low_precision_step_transient
 
-    monkeypatch.setattr(native, "use_native_route", lambda *args: False)  # the compiled route's estimate
+    monkeypatch.setattr(native, "use_native_route", lambda *args, **kwargs: False)  # the compiled route's estimate
 
     odd = [torch.nn.Parameter(torch.zeros(1000, 1049, dtype=torch.bfloat16))]  # not whole 8-bit blocks
     common = {"fast": True, "fused": True, "chunk_numel": None, "state_dtype": torch.uint8}
