@@ -144,12 +144,15 @@ def test_the_native_8bit_store_gives_the_eager_quantizers_codes_at_every_boundar
     g = torch.Generator().manual_seed(0)
     values = torch.cat([edges, special, torch.randn(4000, generator=g) * torch.rand(4000, generator=g) ** 8])
     values = torch.cat([values, torch.zeros(256 - values.numel() % 256 + 100)])  # a partial last block
-    values[-356:-100] = 0.0  # an all-zero block
+    blocks = values.numel() // 256
     for scale in (1.0, 3.0):  # in blocks whose absmax is exactly 1 (the edges land on the points), and not
         p = torch.nn.Parameter(torch.zeros(values.numel(), dtype=torch.bfloat16))
         opt = LowPrecisionOptimizer(torch.optim.Adam([p], lr=0.0, betas=(0.0, 0.0)), state_dtype="8bit")
         x = values * scale
         x.view(-1, 1)[:: 256] = scale  # each block's absmax
+        x[256 * (blocks - 1) : 256 * blocks] = 0.0  # an all-zero block (divided by 1)
+        x[256 * (blocks - 2)] = -scale  # a block whose largest magnitude is negative
+        x[256 * (blocks - 3) : 256 * (blocks - 2)] *= 1e-39  # a block of subnormals (its largest one too)
         p.grad_dtype = None
         p.grad = x.clone()  # an fp32 gradient: the values land on the decision points and next to them
         opt.step()
@@ -163,19 +166,51 @@ def test_the_native_8bit_store_gives_the_eager_quantizers_codes_at_every_boundar
                                dequantize_blockwise(codes, absmax, signed=signed))
 
 
-def test_a_block_holding_inf_or_nan_quantizes_as_the_eager_quantizer_does() -> None:
-    p = torch.nn.Parameter(torch.zeros(768, dtype=torch.bfloat16))
-    opt = KahanOptimizer(torch.optim.Adam([p], lr=0.0, betas=(0.0, 0.0)), state_dtype="8bit")
-    grad = torch.randn(768)
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_a_block_holding_inf_or_nan_quantizes_as_the_eager_quantizer_does(amsgrad) -> None:
+    p = torch.nn.Parameter(torch.zeros(1024, dtype=torch.bfloat16))
+    opt = KahanOptimizer(torch.optim.Adam([p], lr=0.0, betas=(0.0, 0.0), amsgrad=amsgrad), state_dtype="8bit")
+    grad = torch.randn(1024)
     grad[3], grad[300], grad[301], grad[600] = float("inf"), float("nan"), -float("inf"), 1.0
+    grad[800:1024] *= 1e-20  # its square underflows: a block of v with zeros and subnormals beside one of m without
     p.grad = grad.to(torch.bfloat16)
     opt.step()
-    value = torch.zeros(768).lerp(p.grad.float(), 1.0)  # torch's exp_avg of this step, inf and NaN included
-    codes, absmax = quantize_blockwise(value, signed=True)
+    g = p.grad.float()
+    m = torch.zeros(1024).lerp(g, 1.0)  # torch's moments of this step, inf and NaN included
+    v = torch.zeros(1024).mul(0.0).addcmul(g, g, value=1.0)
     state = opt.optimizer.state[p]
-    assert torch.equal(state["exp_avg"], codes)
-    assert torch.equal(state["exp_avg_absmax"].isnan(), absmax.isnan())
-    assert torch.equal(state["exp_avg_absmax"].nan_to_num(), absmax.nan_to_num())
+    keys = [("exp_avg", m, True), ("exp_avg_sq", v, False)] + ([("max_exp_avg_sq", v, False)] if amsgrad else [])
+    for key, value, signed in keys:
+        codes, absmax = quantize_flat_codes(value, signed)
+        assert torch.equal(state[key], codes), key
+        assert torch.equal(state[key + "_absmax"].isnan(), absmax.isnan()), key
+        assert torch.equal(state[key + "_absmax"].nan_to_num(), absmax.nan_to_num()), key
+
+
+def quantize_flat_codes(value: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The eager quantizer's codes and scales of ``value`` (NaN and negative values included)."""
+    from mixprec.optim.quant import quantize_flat
+
+    codes, absmax = torch.empty(value.numel(), dtype=torch.uint8), torch.empty(-(-value.numel() // 256))
+    quantize_flat(value.reshape(-1), codes, absmax, signed, 256)
+    return codes.view(value.shape), absmax
+
+
+def test_a_shrinking_second_moment_keeps_its_maximum_apart_with_amsgrad() -> None:
+    runs = []
+    for setting in (False, "auto"):
+        params = _params([(4096,)])
+        opt = KahanOptimizer(torch.optim.Adam(params, lr=1e-2, betas=(0.9, 0.5), amsgrad=True), state_dtype="8bit",
+                             compile=setting)
+        for scale in (1.0, 0.01, 0.01):  # v falls under its running maximum in every block
+            params[0].grad = (torch.randn(4096, generator=torch.Generator().manual_seed(7)) * scale).bfloat16()
+            opt.step()
+        state = opt.optimizer.state[params[0]]
+        assert bool((state["max_exp_avg_sq_absmax"] > state["exp_avg_sq_absmax"] * 3).all())
+        runs.append((params[0].detach().clone(), state["max_exp_avg_sq"].clone(), state["max_exp_avg_sq_absmax"].clone()))
+    (w_e, c_e, s_e), (w_n, c_n, s_n) = runs
+    assert torch.equal(w_e.view(torch.int16), w_n.view(torch.int16))
+    assert torch.equal(c_e, c_n) and torch.equal(s_e, s_n)
 
 
 def test_a_native_remainder_step_that_changes_nothing_gives_back_every_master_bit_ties_included() -> None:
@@ -585,3 +620,20 @@ def test_a_compiler_without_float16_builds_a_kernel_that_leaves_fp16_tensors_to_
         monkeypatch.delenv(native.FLAGS_ENV)
         monkeypatch.delenv("XDG_CACHE_HOME")
         native._reset()
+
+
+def test_the_kernel_refuses_tensor_kinds_or_ranges_it_does_not_take_before_touching_anything() -> None:
+    import ctypes
+
+    lib = native._library()
+    out = ctypes.c_void_p()
+    bad = [
+        {"w_kind": 0, "g_kind": 1, "s_kind": 1, "rounding": 0},  # an fp32 weight
+        {"w_kind": 1, "g_kind": 3, "s_kind": 1, "rounding": 0},  # 8-bit "gradients"
+        {"w_kind": 2, "g_kind": 1, "s_kind": 1, "rounding": 2},  # stochastic rounding of fp16
+        {"w_kind": 1, "g_kind": 1, "s_kind": 1, "rounding": 7},  # no such store
+        {"w_kind": 1, "g_kind": 1, "s_kind": 1, "rounding": 0, "begin": 16},  # not a block boundary
+    ]
+    for fields in bad:  # null pointers: a kernel that read or wrote anything would crash
+        args = native._Args(**({"begin": 0, "end": 256} | fields))
+        assert lib.mp_adam(ctypes.byref(args), ctypes.byref(out)) == -2, fields

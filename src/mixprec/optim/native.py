@@ -72,7 +72,7 @@ ENV = "MIXPREC_NATIVE"
 #: the target flags the kernel is built with (default ``-march=native``: this machine's
 #: instructions; ``-march=x86-64-v3`` builds its AVX2 loops, ``-march=x86-64`` its plain C ones)
 FLAGS_ENV = "MIXPREC_NATIVE_TARGET"
-_ABI = 5
+_ABI = 6
 _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, qstates.Q8: 3}
 _ROUNDINGS = {"nearest": 0, "kahan": 1, "stochastic": 2, "remainder": 3}
 #: a weight of more elements is cut into ranges stepped on several threads (torch's thread count)
@@ -518,6 +518,8 @@ def _call(lib: ctypes.CDLL, job: _Job) -> torch.Tensor | None:
     allocate their list (it still took the step)."""
     out = ctypes.c_void_p()
     n = lib.mp_adam(ctypes.byref(job.args), ctypes.byref(out))
+    if n == -2:  # pragma: no cover - takes() admits only what the kernel takes
+        raise RuntimeError(f"the native optimizer kernel refused a {job.param.dtype} weight's tensors (a mixprec bug)")
     if n <= 0:
         return None if n < 0 else torch.empty(0, dtype=torch.int64)
     try:

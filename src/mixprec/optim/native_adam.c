@@ -254,7 +254,7 @@ static void push_tie(ties_out *t, int64_t i) {
     t->data[t->n++] = i;
 }
 
-int mp_abi_version(void) { return 5; }
+int mp_abi_version(void) { return 6; }
 
 int mp_has_f16(void) {
 #ifdef MP_F16
@@ -270,9 +270,25 @@ void mp_free(void *p) { free(p); }
 
 /* One Adam/AdamW step of a->w[begin:end]. Returns the number of new ties rounded down
  * (remainder; their flat indices in *ties_found, to be released with mp_free), 0 for the other
- * stores, -1 when the tie list could not be allocated (the step was still taken in full). */
+ * stores, -1 when the tie list could not be allocated (the step was still taken in full), -2
+ * for tensor kinds or a range this build does not take (nothing was touched). */
+static int float_kind(int kind) {
+#ifdef MP_F16
+    return kind == K_F32 || kind == K_BF16 || kind == K_F16;
+#else
+    return kind == K_F32 || kind == K_BF16;
+#endif
+}
+
 int64_t mp_adam(const mp_args *a, int64_t **ties_found) {
     float w[BLOCK], g[BLOCK], m[BLOCK], v[BLOCK], vm[BLOCK], low[BLOCK];
+    *ties_found = 0;
+    /* kinds this build cannot read or write: refused before anything is touched (-2) */
+    if (!float_kind(a->w_kind) || a->w_kind == K_F32 || !float_kind(a->g_kind) ||
+        !(float_kind(a->s_kind) || a->s_kind == K_Q8) || (a->rounding == R_KAHAN && !float_kind(a->comp_kind)) ||
+        ((a->rounding == R_STOCHASTIC || a->rounding == R_REMAINDER) && a->w_kind != K_BF16) ||
+        a->rounding < R_NEAREST || a->rounding > R_REMAINDER || a->begin % BLOCK != 0)
+        return -2;
     ties_out found = {0, 0, 0, 0};
     q8_tables qs, qu;
     if (a->s_kind == K_Q8) {
