@@ -3,9 +3,12 @@ the documented ``configure_model`` pattern (``fully_shard(self.net...)`` inside 
 mixprec plugin, 10 steps on 2 gloo ranks. Writes each rank's losses, final full parameters, or
 the error it raised, to ``<out>/rank<r>.pt``.
 
-Usage: torchrun --nproc_per_node 2 lightning_model_parallel.py PLAN POLICY OUT
+Usage: torchrun --nproc_per_node 2 lightning_model_parallel.py PLAN POLICY OUT [INF_STEP]
 (POLICY: "policy" passes mp_policy=fsdp_policy(PLAN) to fully_shard, "none" passes nothing,
-"mixprec" shards with mixprec.distributed.fully_shard_model(self.net, PLAN, mesh=...))
+"mixprec" shards with mixprec.distributed.fully_shard_model(self.net, PLAN, mesh=...)).
+INF_STEP: after that step's backward, rank 1 plants an inf in its own shard of the first
+weight's gradient (the other rank's shards stay finite); each rank also records, per step,
+whether mixprec skipped it and the loss scale after it.
 """
 
 from __future__ import annotations
@@ -39,11 +42,25 @@ def data() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Sharded(L.LightningModule):
-    def __init__(self, policy: dict) -> None:
+    def __init__(self, policy: dict, inf_step: int = -1) -> None:
         super().__init__()
         self.net = net()
         self.policy = policy
+        self.inf_step = inf_step
         self.losses: list[float] = []
+        self.skipped: list[bool] = []
+        self.scales: list[float] = []
+
+    def on_after_backward(self) -> None:
+        if self.global_step == self.inf_step and self.global_rank == 1:  # one rank's own shard only
+            grad = self.net[0].weight.grad
+            local = grad.to_local() if hasattr(grad, "to_local") else grad
+            local.view(-1)[0] = float("inf")
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        plugin = self.trainer.precision_plugin
+        self.skipped.append(bool(plugin.last_result.skipped))
+        self.scales.append(float(plugin.mp.scaler.get_scale()))
 
     def configure_model(self) -> None:
         mesh = self.device_mesh["data_parallel"]
@@ -65,6 +82,7 @@ class Sharded(L.LightningModule):
 
 def main() -> None:
     plan, policy_arg, out = sys.argv[1:4]
+    inf_step = int(sys.argv[4]) if len(sys.argv) > 4 else -1
     policy = ({"mp_policy": fsdp_policy(plan)} if policy_arg == "policy" else
               {"plan": plan} if policy_arg == "mixprec" else {})
     x, y = data()
@@ -77,11 +95,13 @@ def main() -> None:
         plugins=[MixprecPrecision(plan)], max_steps=STEPS, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
     )
-    module = Sharded(policy)
+    module = Sharded(policy, inf_step)
     try:
         trainer.fit(module, loader)
         result: dict = {
             "losses": module.losses,
+            "skipped": module.skipped,
+            "scales": module.scales,
             "params": {n: p.full_tensor().detach().clone() for n, p in module.net.named_parameters()},
         }
     except ValueError as exc:

@@ -19,8 +19,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.distributed, pytest.mark.slow
 SCRIPT = Path(__file__).with_name("lightning_model_parallel.py")
 
 
-def _run(plan: str, policy: str, out: Path) -> list[dict]:
-    return _torchrun(SCRIPT, [plan, policy], out)
+def _run(plan: str, policy: str, out: Path, inf_step: int | None = None) -> list[dict]:
+    return _torchrun(SCRIPT, [plan, policy, *([] if inf_step is None else [str(inf_step)])], out)
 
 
 def _torchrun(script: Path, args: list[str], out: Path) -> list:
@@ -31,7 +31,7 @@ def _torchrun(script: Path, args: list[str], out: Path) -> list:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2]) + os.pathsep +
            os.environ.get("PYTHONPATH", "")}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(port), str(script), *args, str(out)]
+           "--master_port", str(port), str(script), *args[:2], str(out), *args[2:]]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     files = [out / f"rank{r}.pt" for r in range(2)]
     if not all(f.exists() for f in files):
@@ -39,8 +39,9 @@ def _torchrun(script: Path, args: list[str], out: Path) -> list:
     return [torch.load(f, weights_only=True) for f in files]
 
 
-def _one_process(plan: str) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """mixprec's own loop on the whole global batch (the mean of the two ranks' losses)."""
+def _one_process(plan: str, inf_step: int = -1) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """mixprec's own loop on the whole global batch (the mean of the two ranks' losses); an inf
+    planted in the first weight's gradient after backward at ``inf_step``."""
     sys.path.insert(0, str(SCRIPT.parent))
     from lightning_model_parallel import MICRO, STEPS, data, net
 
@@ -56,6 +57,8 @@ def _one_process(plan: str) -> tuple[list[float], dict[str, torch.Tensor]]:
         with mp.autocast():
             loss = (model(xs).float() - ys).pow(2).mean()
         mp.backward(loss)
+        if step == inf_step:
+            model[0].weight.grad.view(-1)[0] = float("inf")
         mp.step()
         losses.append(float(loss))
     return losses, {n: p.detach().float().clone() for n, p in model.named_parameters()}
@@ -72,6 +75,27 @@ def test_configure_model_sharding_trains_as_one_process(tmp_path, plan):
     both = [(x + y) / 2 for x, y in zip(a["losses"], b["losses"], strict=True)]
     assert both == pytest.approx(losses, rel=2e-2)
     for name, ref in params.items():  # bf16 compute on half batches vs the whole: rounding apart
+        torch.testing.assert_close(a["params"][name].float(), ref, rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.parametrize("plan", ["fp16-mixed", "fp16-master"])
+def test_an_overflow_on_one_rank_skips_the_step_on_both_under_an_fp16_plan(tmp_path, plan):
+    """fp16 under Lightning's configure_model sharding: an inf in one rank's own gradient shard
+    (the other rank's are finite) skips that step on both ranks, halves the scale on both, and
+    the run then trains as one process that skipped the same step."""
+    inf_step = 3
+    ranks = _run(plan, "policy", tmp_path / "run", inf_step)
+    assert all("error" not in r for r in ranks), [r.get("error") for r in ranks]
+    a, b = ranks
+    assert a["skipped"] == b["skipped"] == [step == inf_step for step in range(10)]
+    assert a["scales"] == b["scales"]
+    assert a["scales"][inf_step] == a["scales"][inf_step - 1] / 2
+    for name in a["params"]:
+        assert torch.equal(a["params"][name], b["params"][name]), name
+    losses, params = _one_process(plan, inf_step)
+    both = [(x + y) / 2 for x, y in zip(a["losses"], b["losses"], strict=True)]
+    assert both == pytest.approx(losses, rel=2e-2)
+    for name, ref in params.items():
         torch.testing.assert_close(a["params"][name].float(), ref, rtol=2e-2, atol=2e-3)
 
 
