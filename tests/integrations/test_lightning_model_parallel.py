@@ -154,3 +154,22 @@ def test_fabric_documented_order_trains_as_one_process_and_its_sharded_checkpoin
             assert bool((diff <= 2e-3 + 10 * 2.0**-8 * ref.abs()).all()), (name, float(diff.max()))
         else:
             torch.testing.assert_close(a["after"][name].float(), ref, rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.parametrize(("plan", "policy"), [("bf16-master", "policy"), ("bf16-kahan", "mixprec"),
+                                              ("bf16-sr", "mixprec"), ("fp16-mixed", "policy")])
+def test_the_trainers_sharded_checkpoint_resumes_bit_for_bit(tmp_path, plan, policy):
+    """The Lightning Trainer's own checkpoint under ModelParallelStrategy (torch.distributed.checkpoint
+    underneath, saved at an epoch's end as ModelCheckpoint does): a new Trainer resuming from it
+    trains the second epoch to the same losses and weights, bit for bit, as the run that went on."""
+    ranks = _torchrun(SCRIPT.with_name("lightning_trainer_checkpoint.py"), [plan, policy], tmp_path / "run")
+    assert all("error" not in r for r in ranks), [r.get("error") for r in ranks]
+    a, b = ranks
+    for rank in (a, b):
+        assert len(rank["resumed"]) == 5
+        assert rank["resumed"] == rank["straight"], plan
+        for name, w in rank["after"].items():
+            assert torch.equal(rank["resumed_weights"][name], w), (plan, name)
+        assert str(rank["scaler"][0]) == str(rank["scaler"][1])  # the loss scaler's counters too
+    for name in a["after"]:
+        assert torch.equal(a["after"][name], b["after"][name]), name

@@ -233,8 +233,24 @@ class LowPrecisionOptimizer(WrappedOptimizer):
         dtype = torch.float32 if self.state_dtype is None else self.state_dtype
         for group in groups:
             mine = [p for p in group["params"] if p.dtype in LOW_PRECISION_DTYPES and p.grad is not None]
-            if mine and self._fast_kind(group) == "adam":
+            kind = self._fast_kind(group) if mine else None
+            if kind == "adam":
                 init_adam_state(self.optimizer, group, mine, dtype)
+            elif kind == "sgd" and group.get("momentum", 0) != 0:  # torch's SGD would keep zero buffers
+                for p in mine:  # (8-bit state is refused on shards: a float dtype here)
+                    state = self.optimizer.state[p]
+                    if state.get("momentum_buffer") is None:
+                        state["momentum_buffer"] = torch.zeros_like(p, dtype=dtype)
+        # the fp32 parameters (norm layers): the inner optimizer's own zero step, as torch's would be
+        saved = [group["params"] for group in groups]
+        try:
+            for group, params in zip(groups, saved, strict=True):
+                group["params"] = [p for p in params if p.dtype not in LOW_PRECISION_DTYPES]
+            if any(p.grad is not None for group in groups for p in group["params"]):
+                self._step_full_precision()
+        finally:
+            for group, params in zip(groups, saved, strict=True):
+                group["params"] = params
         self._init_kinds(low)
         return True
 
