@@ -544,3 +544,67 @@ def test_two_torchrun_nodes_hsdp_resume_bit_for_bit(tmp_path):
     assert straight["losses"][-1] < straight["losses"][0]
     for name, w in straight["weights"].items():
         assert torch.equal(resumed["weights"][name], w), name
+
+
+def _flatten_worker(rank: int, world: int, out: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_state_dict,
+        set_state_dict,
+    )
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from mixprec.distributed import fully_shard_model
+
+    mesh = init_device_mesh("cpu", (world,))
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(80, 16, generator=g), torch.randn(80, 4, generator=g)
+
+    def build(plan: str):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 4), torch.nn.LayerNorm(4))
+        net = fully_shard_model(net, plan, mesh=mesh, units=(torch.nn.Linear,))
+        mp = MixedPrecision(plan)
+        model, opt = mp.prepare(net, torch.optim.AdamW(net.parameters(), lr=1e-2))
+        return mp, model, opt
+
+    def run(mp, model, steps) -> list[float]:
+        losses = []
+        for s in steps:
+            xs, ys = x[s * 8 : (s + 1) * 8][rank::world], y[s * 8 : (s + 1) * 8][rank::world]
+            with mp.autocast():
+                loss = (model(xs).float() - ys).pow(2).mean()
+            mp.backward(loss)
+            mp.step()
+            losses.append(float(loss.detach()))
+        return losses
+
+    for plan in ("bf16-master", "bf16-kahan"):
+        mp, model, opt = build(plan)
+        run(mp, model, range(3))
+        model_sd, opt_sd = get_state_dict(model, opt, options=options)
+        dcp.save({"model": model_sd, "optim": opt_sd}, checkpoint_id=os.path.join(out, plan))
+        straight = run(mp, model, range(3, 6))
+        mp2, model2, opt2 = build(plan)
+        model_sd, opt_sd = get_state_dict(model2, opt2, options=options)
+        sd = {"model": model_sd, "optim": opt_sd}
+        dcp.load(sd, checkpoint_id=os.path.join(out, plan))
+        if plan == "bf16-master":  # the fp32 shards are the masters: flattening keeps all there is
+            set_state_dict(model2, opt2, model_state_dict=sd["model"], optim_state_dict=sd["optim"], options=options)
+            assert run(mp2, model2, range(3, 6)) == straight
+        else:  # the wrapper's own entry (compensation, noise) does not survive flattening: said, with the fix
+            with pytest.raises(ValueError, match="flatten_optimizer_state_dict"):
+                set_state_dict(model2, opt2, model_state_dict=sd["model"], optim_state_dict=sd["optim"], options=options)
+
+
+@pytest.mark.distributed
+def test_flattened_dcp_optimizer_state_resumes_master_plans_and_refuses_the_wrappers_with_the_fix(tmp_path):
+    """torch.distributed.checkpoint with StateDictOptions(flatten_optimizer_state_dict=True): the
+    fp32-master plan resumes bit for bit; a Kahan wrapper's entry, which travels in the first
+    param group, is dropped by flattening, and the load says so instead of resuming without it."""
+    reason = _fsdp2_available()
+    if reason is not None:
+        pytest.skip(reason)
+    run_ranks(_flatten_worker, WORLD, str(tmp_path))

@@ -243,9 +243,11 @@ def split_wrapper_state(state_dict: Any, key: str, owner: str) -> tuple[dict[str
             raise ValueError(
                 f"this optimizer state_dict names its parameters by qualified name and has no {key!r} entry: it went "
                 "through torch.distributed.checkpoint's get_optimizer_state_dict, which keeps only 'state' and "
-                f"'param_groups' and drops what a {owner} keeps beside them (Kahan compensation, rounding noise), "
-                "from an optimizer over unsharded parameters (over FSDP2 shards the entry travels in a param group). "
-                "Save and load with mixprec.save_checkpoint / load_checkpoint instead"
+                f"'param_groups' and drops what a {owner} keeps beside them (Kahan compensation, rounding noise): "
+                "from an optimizer over unsharded parameters, or over FSDP2 shards with "
+                "StateDictOptions(flatten_optimizer_state_dict=True) (the entry travels in the first param group, "
+                "which flattening keeps only for keys a fresh optimizer has). Save and load with "
+                "mixprec.save_checkpoint / load_checkpoint, or, over shards, without flatten_optimizer_state_dict"
             )
         raise ValueError(
             f"this optimizer state_dict has no {key!r} entry: it was not saved by a "
