@@ -5,7 +5,9 @@ the optimizer built over the sharded parameters afterwards) through mixprec's ``
 torch.distributed.checkpoint with get_optimizer_state_dict). 5 steps, save, 5 steps; load, the
 same 5 steps again. Writes the losses and weights to ``<out>/rank<r>.pt``.
 
-Usage: torchrun --nproc_per_node 2 fabric_sharded_checkpoint.py PLAN OUT
+Usage: torchrun --nproc_per_node 2 fabric_sharded_checkpoint.py PLAN OUT [MOMENTUM]
+(MOMENTUM: SGD's momentum, 0 by default; with it the optimizer holds state of its own, and a
+LayerNorm, kept in fp32 by the plans, joins the model)
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from lightning_model_parallel import MICRO, data, net  # noqa: E402
 
 def main() -> None:
     plan, out = sys.argv[1:3]
+    momentum = float(sys.argv[3]) if len(sys.argv) > 3 else 0.0
 
     def parallelize(model: torch.nn.Module, device_mesh) -> torch.nn.Module:
         return fully_shard_model(model, plan, mesh=device_mesh["data_parallel"], units=(torch.nn.Linear,))
@@ -37,8 +40,11 @@ def main() -> None:
     strategy = ModelParallelStrategy(parallelize_fn=parallelize, data_parallel_size=2, tensor_parallel_size=1)
     fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy, plugins=[MixprecPrecision(plan)])
     fabric.launch()
-    model = setup(fabric, net())
-    opt = setup_optimizers(fabric, torch.optim.SGD(model.parameters(), lr=0.05))
+    module = net()
+    if momentum:
+        module.append(torch.nn.LayerNorm(4))
+    model = setup(fabric, module)
+    opt = setup_optimizers(fabric, torch.optim.SGD(model.parameters(), lr=0.05, momentum=momentum))
     x, y = data()
     rank = fabric.global_rank
 
@@ -60,6 +66,9 @@ def main() -> None:
     state = {"model": model, "optimizer": opt}
     fabric.save(os.path.join(out, "ckpt"), state)
     straight, after = run(range(5, 10)), weights()
+    if momentum:  # as a new run would have it: no optimizer state until the load creates it
+        opt.optimizer.state.clear()
+        assert not opt.optimizer.state
     fabric.load(os.path.join(out, "ckpt"), state)
     resumed = run(range(5, 10))
     torch.save({"first": first, "straight": straight, "resumed": resumed, "after": after, "resumed_weights": weights()},

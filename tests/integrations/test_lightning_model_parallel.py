@@ -20,10 +20,11 @@ SCRIPT = Path(__file__).with_name("lightning_model_parallel.py")
 
 
 def _run(plan: str, policy: str, out: Path, inf_step: int | None = None) -> list[dict]:
-    return _torchrun(SCRIPT, [plan, policy, *([] if inf_step is None else [str(inf_step)])], out)
+    return _torchrun(SCRIPT, [plan, policy], out, [] if inf_step is None else [str(inf_step)])
 
 
-def _torchrun(script: Path, args: list[str], out: Path) -> list:
+def _torchrun(script: Path, args: list[str], out: Path, after: list[str] | None = None) -> list:
+    """``script`` under torchrun on 2 ranks as ``script *args out *after``; each rank's result."""
     out.mkdir()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -31,7 +32,7 @@ def _torchrun(script: Path, args: list[str], out: Path) -> list:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2]) + os.pathsep +
            os.environ.get("PYTHONPATH", "")}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(port), str(script), *args[:2], str(out), *args[2:]]
+           "--master_port", str(port), str(script), *args, str(out), *(after or [])]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     files = [out / f"rank{r}.pt" for r in range(2)]
     if not all(f.exists() for f in files):
@@ -154,6 +155,17 @@ def test_fabric_documented_order_trains_as_one_process_and_its_sharded_checkpoin
             assert bool((diff <= 2e-3 + 10 * 2.0**-8 * ref.abs()).all()), (name, float(diff.max()))
         else:
             torch.testing.assert_close(a["after"][name].float(), ref, rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.parametrize("plan", ["bf16-kahan", "bf16-sr"])
+def test_fabric_sharded_checkpoint_resumes_momentum_and_fp32_layers_bit_for_bit(tmp_path, plan):
+    """fabric.save / fabric.load with SGD momentum and an fp32 LayerNorm: the optimizer's own state
+    (created on load by torch.distributed.checkpoint's zero step) comes back too."""
+    a, b = _torchrun(SCRIPT.with_name("fabric_sharded_checkpoint.py"), [plan], tmp_path / "run", ["0.9"])
+    for rank in (a, b):
+        assert rank["resumed"] == rank["straight"], plan
+        for name, w in rank["after"].items():
+            assert torch.equal(rank["resumed_weights"][name], w), (plan, name)
 
 
 @pytest.mark.parametrize(("plan", "policy"), [("bf16-master", "policy"), ("bf16-kahan", "mixprec"),
