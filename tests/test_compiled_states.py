@@ -13,7 +13,7 @@ import torch
 from mixprec import get_plan
 from mixprec.compiling import compile_works
 from mixprec.optim import KahanOptimizer, LowPrecisionOptimizer, RemainderOptimizer
-from mixprec.optim.compiled import _q8_store, _q8_tables, use_compiled_route
+from mixprec.optim.compiled import _q8_store, q8_tables, use_compiled_route
 from mixprec.optim.quant import join_master, quantize_flat, split_master
 
 pytestmark = pytest.mark.skipif(not compile_works(torch.device("cpu")), reason="torch.compile does not work here")
@@ -42,7 +42,7 @@ def _run(make, compile: bool, steps: int = 6, **adam):
 
 
 def test_the_compiled_8bit_store_gives_the_eager_quantizers_codes_and_scales_bit_for_bit() -> None:
-    tables = _q8_tables(torch.device("cpu"))
+    tables = q8_tables(torch.device("cpu"))
     store = torch.compile(_q8_store, dynamic=False)
     g = torch.Generator().manual_seed(0)
     for n in (1024, 256, 4096):

@@ -637,3 +637,16 @@ def test_the_kernel_refuses_tensor_kinds_or_ranges_it_does_not_take_before_touch
     for fields in bad:  # null pointers: a kernel that read or wrote anything would crash
         args = native._Args(**({"begin": 0, "end": 256} | fields))
         assert lib.mp_adam(ctypes.byref(args), ctypes.byref(out)) == -2, fields
+
+
+def test_a_switch_value_it_does_not_understand_is_refused_when_the_optimizer_is_built(monkeypatch) -> None:
+    monkeypatch.setenv(native.ENV, "maybe")
+    native._reset()
+    try:
+        with pytest.raises(ValueError, match=r"MIXPREC_NATIVE='maybe' is not understood: set it to 0"):
+            KahanOptimizer(torch.optim.AdamW(_params([(8,)]), lr=1e-2), state_dtype="8bit")
+        with pytest.raises(ValueError, match="MIXPREC_NATIVE"):
+            native.status(build=False)
+    finally:
+        monkeypatch.delenv(native.ENV)
+        native._reset()

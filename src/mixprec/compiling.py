@@ -84,28 +84,37 @@ _OFF_VALUES = ("0", "off", "false", "no")
 _ON_VALUES = ("", "1", "on", "true", "yes")
 
 
-def _enabled_by_environment() -> bool:
-    """Whether ``MIXPREC_COMPILE`` allows automatic compilation; a value it does not
-    understand is an error naming it and the fix."""
-    value = os.environ.get("MIXPREC_COMPILE", "1").strip().lower()
+def env_switch(name: str, off: str) -> bool:
+    """Whether the on/off environment variable ``name`` is on (unset: on); a value it does not
+    understand is an error naming it and the fix (``off`` says what 0 does)."""
+    value = os.environ.get(name, "1").strip().lower()
     if value in _OFF_VALUES:
         return False
     if value in _ON_VALUES:
         return True
     raise ValueError(
-        f"MIXPREC_COMPILE={os.environ['MIXPREC_COMPILE']!r} is not understood: set it to 0 (never compile "
-        "mixprec's kernels automatically) or 1 (the default), or unset it"
+        f"{name}={os.environ[name]!r} is not understood: set it to 0 ({off}) or 1 (the default), or unset it"
     )
 
 
-def check_environment() -> None:
-    """Refuse a ``MIXPREC_COMPILE`` value that is not understood, now rather than at the
-    first compilation (mid-training). :class:`~mixprec.MixedPrecision` and the Kahan /
-    stochastic-rounding optimizers with ``compile="auto"`` call it when they are built.
+#: the switch of mixprec's native optimizer kernel (:mod:`mixprec.optim.native`)
+NATIVE_ENV = "MIXPREC_NATIVE"
 
-    >>> check_environment()  # MIXPREC_COMPILE unset, 0/1, off/on, false/true or no/yes
+
+def _enabled_by_environment() -> bool:
+    """Whether ``MIXPREC_COMPILE`` allows automatic compilation."""
+    return env_switch("MIXPREC_COMPILE", "never compile mixprec's kernels automatically")
+
+
+def check_environment() -> None:
+    """Refuse a ``MIXPREC_COMPILE`` or ``MIXPREC_NATIVE`` value that is not understood, now rather
+    than at the first compilation or native step (mid-training). :class:`~mixprec.MixedPrecision`
+    and the Kahan / stochastic-rounding optimizers with ``compile="auto"`` call it when they are built.
+
+    >>> check_environment()  # each unset, 0/1, off/on, false/true or no/yes
     """
     _enabled_by_environment()
+    env_switch(NATIVE_ENV, "never build or use the native optimizer kernel")
 
 
 def _probe(x: torch.Tensor) -> torch.Tensor:

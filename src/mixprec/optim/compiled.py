@@ -186,7 +186,7 @@ def _adam_lists(
     and the new remainder's low and high byte, for the caller to list and combine: separate
     tensors, as rows or slices of one buffer written in place would be copied whole each
     time). ``q8``: the moments are 8-bit codes with their block scales in ``scales`` (one
-    list per moment key) and the lookup ``tables`` of :func:`_q8_tables`.
+    list per moment key) and the lookup ``tables`` of :func:`q8_tables`.
     """
     lr, beta1, beta2, eps, wd, step_size, bc2_sqrt, gscale = hyper.unbind(0)
     offset = 0
@@ -281,7 +281,7 @@ def _nearest(scaled: torch.Tensor, table: torch.Tensor, points: torch.Tensor) ->
     return (first + (scaled >= points[first]).to(torch.int32)).to(torch.uint8)
 
 
-def _q8_tables(device: torch.device) -> list[torch.Tensor]:
+def q8_tables(device: torch.device) -> list[torch.Tensor]:
     """[signed map, signed lookup, signed points, unsigned map, unsigned lookup, unsigned points]."""
     out = []
     for signed in (True, False):
@@ -403,7 +403,7 @@ def compiled_adam_step(
         seed = seed32(counter[0])
     keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
     scales = [[s[f"{key}{qstates.ABSMAX}"] for s in states] for key in keys] if q8 else []
-    tables = _q8_tables(device) if q8 else []
+    tables = q8_tables(device) if q8 else []
     raised: list[tuple[torch.Tensor, torch.Tensor]] = []  # (weight, ties) raised so far
     flags: list[list[torch.Tensor]] = []
     comp_list: list[torch.Tensor] = []

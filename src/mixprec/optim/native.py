@@ -59,16 +59,16 @@ from typing import Any
 
 import torch
 
-from mixprec.optim import quant
+from mixprec.compiling import NATIVE_ENV, env_switch
 from mixprec.optim import states as qstates
 from mixprec.optim.checks import check_moment_layout
-from mixprec.optim.compiled import CompileSetting, RemainderIO, seed32
+from mixprec.optim.compiled import CompileSetting, RemainderIO, q8_tables, seed32
 from mixprec.optim.fast import init_adam_state, scalar_value
 
 __all__ = ["ENV", "FLAGS_ENV", "status", "use_native_route"]
 
 #: set to "0" to turn the native route off
-ENV = "MIXPREC_NATIVE"
+ENV = NATIVE_ENV
 #: the target flags the kernel is built with (default ``-march=native``: this machine's
 #: instructions; ``-march=x86-64-v3`` builds its AVX2 loops, ``-march=x86-64`` its plain C ones)
 FLAGS_ENV = "MIXPREC_NATIVE_TARGET"
@@ -145,15 +145,26 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+def _turned_off() -> str:
+    """Why the route may not be built here ("" when it may): the switch, or the platform."""
+    if not env_switch(ENV, "never build or use the native optimizer kernel"):
+        return f"turned off by {ENV}={os.environ[ENV]}"
+    if platform.system() == "Windows":
+        return "not built on Windows (no C compiler is assumed there)"
+    return ""
+
+
+def _compiler() -> list[str]:
+    """The C compiler command: ``$CC`` (with its arguments), else cc, gcc or clang on PATH; [] if none."""
+    found = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    return shlex.split(os.environ.get("CC", "")) or ([found] if found else [])
+
+
 def _build() -> tuple[ctypes.CDLL | None, str]:
     """(the library, "") or (None, why not)."""
-    if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off"):
-        return None, f"turned off by {ENV}={os.environ[ENV]}"
-    if platform.system() == "Windows":
-        return None, "not built on Windows (no C compiler is assumed there)"
-    cc = shlex.split(os.environ.get("CC", "")) or [
-        c for c in (shutil.which("cc") or shutil.which("gcc") or shutil.which("clang"),) if c
-    ]
+    if why := _turned_off():
+        return None, why
+    cc = _compiler()
     if not cc:
         return None, "no C compiler (cc, gcc or clang) on PATH"
     source = resources.files("mixprec.optim").joinpath("native_adam.c").read_bytes()
@@ -213,10 +224,9 @@ def status(build: bool = True) -> tuple[bool, str]:
     ``build=False`` builds nothing: before the first build it answers whether a build can be
     tried (not turned off, a C compiler on PATH), as the memory estimate wants."""
     if not build and "lib" not in _state:
-        if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off"):
-            return False, f"turned off by {ENV}"
-        found = bool(os.environ.get("CC")) or any(shutil.which(c) for c in ("cc", "gcc", "clang"))
-        return found, "" if found else "no C compiler (cc, gcc or clang) on PATH"
+        if why := _turned_off():
+            return False, why
+        return (True, "") if _compiler() else (False, "no C compiler (cc, gcc or clang) on PATH")
     lib = _library()
     return lib is not None, _state.get("why", "")
 
@@ -347,7 +357,7 @@ def native_adam_step(
         state = optimizer.state[p]
         if not _fits(state, keys, scale_keys, dtype, p.numel()):  # held otherwise (loaded, wrapped later)
             qstates.conform(state, p, state_dtype)
-            if not _conform_layout(state, p, dtype, keys):
+            if not _conform_layout(state, p, dtype, keys, scale_keys):
                 left.append(p)
                 continue
         active.append(p)
@@ -433,19 +443,17 @@ def _fits(state: dict[str, Any], keys: list[str], scale_keys: list[str], dtype: 
     """Whether ``state``'s moments (and 8-bit scales) are already what the kernel writes through raw
     pointers: plain contiguous CPU tensors of ``dtype`` (fp32 scales), one element per weight (one
     scale per block). The common case, checked without building anything."""
-    for key in keys:
+    wanted = [(k, dtype, numel) for k in keys] + [(k, torch.float32, -(-numel // qstates.BLOCK)) for k in scale_keys]
+    for key, kind, n in wanted:
         t = state.get(key)
-        if type(t) is not torch.Tensor or t.dtype != dtype or t.numel() != numel or not t.is_contiguous() or t.device.type != "cpu":
-            return False
-    blocks = -(-numel // qstates.BLOCK)
-    for key in scale_keys:
-        t = state.get(key)
-        if type(t) is not torch.Tensor or t.dtype != torch.float32 or t.numel() != blocks or not t.is_contiguous() or t.device.type != "cpu":
+        if type(t) is not torch.Tensor or t.dtype != kind or t.numel() != n or not t.is_contiguous() or t.device.type != "cpu":
             return False
     return True
 
 
-def _conform_layout(state: dict[str, Any], param: torch.Tensor, dtype: torch.dtype, keys: list[str]) -> bool:
+def _conform_layout(
+    state: dict[str, Any], param: torch.Tensor, dtype: torch.dtype, keys: list[str], scale_keys: list[str]
+) -> bool:
     """Make ``param``'s moments (and 8-bit scales) what :func:`_fits` asks for, copying other
     layouts contiguous; False (nothing changed) when a floating moment is held in another
     floating dtype, for the eager path, which reads and keeps it as it is; anything else (a
@@ -455,8 +463,7 @@ def _conform_layout(state: dict[str, Any], param: torch.Tensor, dtype: torch.dty
         if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype and dtype != qstates.Q8:
             return False
     check_moment_layout(state, param, dtype, keys)
-    names = keys + ([f"{k}{qstates.ABSMAX}" for k in keys] if dtype == qstates.Q8 else [])
-    for name in names:
+    for name in keys + scale_keys:
         t = state[name]
         if not t.is_contiguous() or type(t) is not torch.Tensor:
             state[name] = t.detach().contiguous().as_subclass(torch.Tensor)
@@ -468,11 +475,9 @@ def _q8_tables(e0: int) -> list[torch.Tensor]:
     """[signed map, lookup, points, unsigned map, lookup, points, signed compact lookup, unsigned
     compact lookup] (see ``COMPACT_E0`` in :file:`native_adam.c`), the compact ones checked
     against the full lookup and decision points at every run's ends and around every point."""
-    out: list[torch.Tensor] = []
+    out = q8_tables(torch.device("cpu"))
     compact = []
-    for signed in (True, False):
-        first, points = quant.lookup_tables(signed, torch.device("cpu"))
-        out += [quant.dynamic_map(signed, "cpu"), first, points]
+    for first, points in (out[1:3], out[4:6]):
         table = _compact(first, points, e0)
         _compact_agrees(table, first, points, e0)
         compact.append(table)
