@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from mixprec import MixedPrecision
+from mixprec import MixedPrecision, get_plan
+from mixprec.optim import native
 from tests._dist import run_ranks
 
 WORLD, STEPS, PER_RANK = 2, 4, 4
@@ -29,6 +30,16 @@ TOLERANCE = {
     "bf16-master": 4e-3, "fp16-master": 5e-4, "bf16-pure": 8e-3, "fp16-pure": 1e-3,
     "bf16-kahan": 8e-3, "bf16-sr": 8e-3,
 }
+# Adam(W) with low-precision moments, which step on the native CPU route where it is available
+# (mixprec.optim.native): the same arithmetic on every replica, so replicas stay bit-identical.
+# Against one process, as the bf16 plans above: a weight may land on the neighbouring bf16 value.
+ADAM_PLANS = {
+    "bf16-kahan/8bit": ({"name": "bf16-kahan", "state_dtype": "8bit"}, 8e-3),
+    "bf16-sr/8bit": ({"name": "bf16-sr", "state_dtype": "8bit"}, 8e-3),
+    "bf16-master/remainders-8bit": ({"name": "bf16-master", "remainders": True, "state_dtype": "8bit"}, 8e-3),
+    "bf16-master/remainders-bf16": ({"name": "bf16-master", "remainders": True, "state_dtype": "bf16"}, 8e-3),
+}
+TOLERANCE |= {name: tolerance for name, (_, tolerance) in ADAM_PLANS.items()}
 
 
 def _model() -> torch.nn.Module:
@@ -46,8 +57,13 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _train(plan: str, rank: int, mode: str) -> list[dict[str, torch.Tensor]]:
     """mode: "prepare" (ddp=True), "wrapped" (framework DDP after prepare_model) or "single"."""
     model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    mp = MixedPrecision(plan)
+    if plan in ADAM_PLANS:
+        spec = dict(ADAM_PLANS[plan][0])
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+        mp = MixedPrecision(get_plan(spec.pop("name"), **spec))
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        mp = MixedPrecision(plan)
     if mode == "prepare":
         model, opt = mp.prepare(model, opt, ddp=True)
     else:
@@ -71,10 +87,19 @@ def _train(plan: str, rank: int, mode: str) -> list[dict[str, torch.Tensor]]:
 
 def _worker(rank: int, world: int, out: str) -> None:
     results: dict[str, object] = {}
-    for plan in PLANS:
+    real_call, calls = native._call, [0]
+
+    def counted(lib, job):
+        calls[0] += 1
+        return real_call(lib, job)
+
+    native._call = counted  # (this worker process only)
+    for plan in (*PLANS, *ADAM_PLANS):
         for mode in ("prepare", "wrapped"):
+            calls[0] = 0
             try:
                 results[f"{plan}/{mode}"] = _train(plan, rank, mode)
+                results[f"{plan}/{mode}/native calls"] = calls[0]
             except Exception as exc:  # reported by the test of that plan, the others still run
                 results[f"{plan}/{mode}"] = f"{type(exc).__name__}: {exc}"
             torch.distributed.barrier()
@@ -90,7 +115,7 @@ def ddp_results(tmp_path_factory):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("mode", ["prepare", "wrapped"])
-@pytest.mark.parametrize("plan", PLANS)
+@pytest.mark.parametrize("plan", [*PLANS, *ADAM_PLANS])
 def test_every_plan_under_ddp_keeps_replicas_identical_and_matches_one_process(ddp_results, plan, mode):
     r0, r1 = (r[f"{plan}/{mode}"] for r in ddp_results)
     for r in (r0, r1):
@@ -98,6 +123,8 @@ def test_every_plan_under_ddp_keeps_replicas_identical_and_matches_one_process(d
     for step, (a, b) in enumerate(zip(r0, r1, strict=True)):
         for name in a:
             assert torch.equal(a[name], b[name]), f"{plan} {mode}: replicas differ at step {step} in {name}"
+    if plan in ADAM_PLANS and native.status(build=False)[0]:  # these steps took the native route
+        assert all(r[f"{plan}/{mode}/native calls"] >= STEPS for r in ddp_results), plan
     single = _train(plan, 0, "single")
     for name, value in r0[-1].items():
         diff = (value - single[-1][name]).abs().max().item()

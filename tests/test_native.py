@@ -650,3 +650,43 @@ def test_a_switch_value_it_does_not_understand_is_refused_when_the_optimizer_is_
     finally:
         monkeypatch.delenv(native.ENV)
         native._reset()
+
+
+@pytest.mark.parametrize("plan", [{"name": "bf16-sr", "state_dtype": "8bit"},
+                                  {"name": "bf16-master", "remainders": True, "state_dtype": "8bit"}])
+def test_the_front_doors_checkpoint_resumes_native_steps_bit_for_bit(plan, monkeypatch, tmp_path) -> None:
+    from mixprec import MixedPrecision, load_checkpoint, save_checkpoint
+
+    calls = _calls(monkeypatch)
+
+    def session():
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(32, 300), torch.nn.GELU(), torch.nn.Linear(300, 4))
+        spec = dict(plan)
+        mp = MixedPrecision(get_plan(spec.pop("name"), **spec))
+        model, opt = mp.prepare(net, torch.optim.AdamW(net.parameters(), lr=1e-2))
+        return mp, model, opt
+
+    def train(mp, model, steps) -> list[float]:
+        losses = []
+        for step in steps:
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(16, 32, generator=g), torch.randn(16, 4, generator=g)
+            with mp.autocast():
+                loss = (model(x).float() - y).pow(2).mean()
+            mp.backward(loss)
+            mp.step()
+            losses.append(float(loss.detach()))
+        return losses
+
+    mp, model, opt = session()
+    train(mp, model, range(3))
+    save_checkpoint(tmp_path / "ckpt.pt", model=model, optimizers=[opt], mp=mp)
+    straight = train(mp, model, range(3, 6))
+    after = [p.detach().clone() for p in model.parameters()]
+    mp2, model2, opt2 = session()
+    load_checkpoint(tmp_path / "ckpt.pt", model=model2, optimizers=[opt2], mp=mp2)
+    assert train(mp2, model2, range(3, 6)) == straight
+    for a, b in zip(after, model2.parameters(), strict=True):
+        assert torch.equal(a, b.detach())
+    assert calls[0] >= 9  # the steps took the native route
