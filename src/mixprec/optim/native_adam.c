@@ -25,7 +25,7 @@
 #define COMPACT_E0 103
 #define COMPACT_ROWS (128 - COMPACT_E0)
 
-enum { K_F32 = 0, K_BF16 = 1, K_F16 = 2, K_Q8 = 3, K_I16 = 4 };
+enum { K_F32 = 0, K_BF16 = 1, K_F16 = 2, K_Q8 = 3 };
 enum { R_NEAREST = 0, R_KAHAN = 1, R_STOCHASTIC = 2, R_REMAINDER = 3 };
 enum { WD_NONE = 0, WD_L2 = 1, WD_DECOUPLED = 2 };
 
@@ -204,16 +204,16 @@ static void store_q8(uint8_t *codes, float *scale, const float *x, int n, uint32
 #elif defined(__AVX2__)
         (void)t;
         const __m256 vd = _mm256_set1_ps(div);
-        const __m256i e0 = _mm256_set1_epi32(COMPACT_E0), ff = _mm256_set1_epi32(0xFF);
-        const __m256i m7 = _mm256_set1_epi32(0x7F), low = _mm256_set1_epi32(0xFFFF), one = _mm256_set1_epi32(1);
+        /* the AVX-512 loop's index and key, 8 at a time */
+        const __m256i row0 = _mm256_set1_epi32(COMPACT_E0 << 7), run = _mm256_set1_epi32(0x7FFF);
+        const __m256i half = _mm256_set1_epi32(COMPACT_ROWS * 128), low = _mm256_set1_epi32(0xFFFF);
+        const __m256i ff = _mm256_set1_epi32(0xFF), one = _mm256_set1_epi32(1);
         for (; i + 8 <= n; i += 8) {
             __m256 s = _mm256_div_ps(_mm256_loadu_ps(x + i), vd);
-            __m256i b = _mm256_castps_si256(s);
-            __m256i e = _mm256_sub_epi32(_mm256_max_epi32(_mm256_and_si256(_mm256_srli_epi32(b, 23), ff), e0), e0);
-            __m256i at = _mm256_add_epi32(_mm256_mullo_epi32(_mm256_srli_epi32(b, 31), _mm256_set1_epi32(COMPACT_ROWS * 128)),
-                                          _mm256_add_epi32(_mm256_slli_epi32(e, 7), _mm256_and_si256(_mm256_srli_epi32(b, 16), m7)));
-            __m256i entry = _mm256_i32gather_epi32(compact, at, 4);
-            __m256i key = _mm256_xor_si256(_mm256_and_si256(b, low), _mm256_and_si256(_mm256_srai_epi32(b, 31), low));
+            __m256i b = _mm256_castps_si256(s), neg = _mm256_srai_epi32(b, 31);
+            __m256i at = _mm256_sub_epi32(_mm256_max_epi32(_mm256_and_si256(_mm256_srli_epi32(b, 16), run), row0), row0);
+            __m256i entry = _mm256_i32gather_epi32(compact, _mm256_add_epi32(at, _mm256_and_si256(neg, half)), 4);
+            __m256i key = _mm256_xor_si256(_mm256_and_si256(b, low), _mm256_and_si256(neg, low));
             /* key >= threshold: not (threshold > key) */
             __m256i below = _mm256_cmpgt_epi32(_mm256_srli_epi32(entry, 8), key);
             __m256i c = _mm256_add_epi32(_mm256_and_si256(entry, ff), _mm256_andnot_si256(below, one));
