@@ -296,13 +296,16 @@ def test_policies_of_the_plans_without_masters():
 RESUME_PLANS = ("bf16-kahan", "bf16-sr", "fp16-pure", "bf16-master")
 
 
-def _session(plan_name: str):
+def _session(plan_name: str, mesh_shape: tuple[int, ...] | None = None):
+    from torch.distributed.device_mesh import init_device_mesh
+
     from mixprec.distributed import fully_shard_model
 
     task = build_task("mlp", size="tiny", seed=0)
     plan = get_plan(plan_name)
     mp = MixedPrecision(plan, clip_grad_norm=1.0)
-    model = fully_shard_model(task.model, plan, units=(type(task.model.blocks[0]),))
+    mesh = None if mesh_shape is None else init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
+    model = fully_shard_model(task.model, plan, mesh=mesh, units=(type(task.model.blocks[0]),))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     model, opt, criterion = mp.prepare(model, opt, criterion=task.criterion)
     return task, mp, model, opt, criterion
@@ -391,6 +394,10 @@ def _resume_worker(rank: int, world: int, out: str) -> None:
         # saving again replaces the parts of the earlier save
         save_checkpoint(path, model=model2, optimizers=[opt2], mp=mp2)
         results[plan_name]["after"] = sorted(os.listdir(path + ".shards"))
+        # what that save holds, whole, and where 3 more steps on these 2 ranks take it (for the loads on 1 and 3)
+        results[plan_name]["saved"] = _gathered(model2, opt2, mp2)
+        results[plan_name]["next"] = _steps(task, mp2, model2, criterion2, rank, world, range(6, 9))
+        results[plan_name]["next_params"] = _full(model2)
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))
 
 
@@ -418,21 +425,109 @@ def test_sharded_checkpoints_resume_bit_for_bit(tmp_path):
             assert a["files"] == b["files"] and len(a["files"]) == 1, plan_name
         parts = sorted(os.listdir(tmp_path / f"{plan_name}.pt.shards" / a["after"][0]))
         assert parts == ["rank00000-of-00002.pt", "rank00001-of-00002.pt"]
-    run_ranks(_one_rank_load_worker, 1, str(tmp_path))
-    found = torch.load(tmp_path / "one-rank.pt", weights_only=True)
-    assert "was saved by 2 ranks and this run has 1" in found
+    # another number of ranks: the state is put together and cut again, exactly
+    # (and on 2 ranks as 2 replicas of one shard: another mesh)
+    for world, mesh in ((1, None), (3, None), (2, (2, 1))):
+        run_ranks(_reshard_load_worker, world, str(tmp_path), RESUME_PLANS, mesh)
+        loaded = [torch.load(tmp_path / f"reshard{r}-of-{world}.pt", weights_only=True) for r in range(world)]
+        for plan_name in RESUME_PLANS:
+            for rank, got in enumerate(loaded):
+                assert "was saved by 2 ranks and is loaded by " + str(world) in got[plan_name]["warning"], plan_name
+                assert ("sharding it otherwise" in got[plan_name]["warning"]) == (world == 2), plan_name
+                assert ("did not save" in got[plan_name]["warning"]) == (rank >= 2), (plan_name, rank)
+                _assert_same(got[plan_name]["state"], r0[plan_name]["saved"], f"{plan_name} on {world}")
+            # (fp16-pure: whether a step at scale 2^16 overflows, and is skipped, depends on how the batch is split)
+            if world == 1 and plan_name != "fp16-pure":  # the whole batch on one rank: as the 2 ranks' halves
+                assert loaded[0][plan_name]["next"] == pytest.approx(
+                    [(x + y) / 2 for x, y in zip(r0[plan_name]["next"], r1[plan_name]["next"], strict=True)], rel=1e-2)
+                if plan_name == "bf16-sr":  # other rounding noise: a bf16 ulp per step at most
+                    for name, ref in r0[plan_name]["next_params"].items():
+                        diff = (loaded[0][plan_name]["params"][name].float() - ref.float()).abs()
+                        assert bool((diff <= 2e-3 + 3 * 2.0**-8 * ref.float().abs()).all()), (name, float(diff.max()))
+                else:
+                    _check_close(loaded[0][plan_name]["params"], r0[plan_name]["next_params"], f"{plan_name} 2 -> 1")
+            else:  # 15 of the 16 rows on 3 ranks, or fp16's own skips; the ranks stay one model
+                for name, w in loaded[0][plan_name]["params"].items():
+                    assert all(torch.equal(got[plan_name]["params"][name], w) for got in loaded), (plan_name, name)
+                    assert bool(torch.isfinite(w).all()), (plan_name, name)
 
 
-def _one_rank_load_worker(rank: int, world: int, out: str) -> None:
+def test_shard_extents_are_torch_chunks_and_replicas_are_told_apart():
+    """Where a rank's shard lies, as DTensor's Shard splits a dimension (torch.chunk: equal
+    chunks rounded up, the last shorter or empty), on one mesh dimension or under a replicated one."""
+    from mixprec.checkpoint.sharded import _extent, _is_replica
+
+    for length in range(10):
+        for size in range(1, 5):
+            chunks = torch.arange(length).chunk(size)
+            for coord in range(size):
+                layout = {"shape": [length, 3], "mesh": [size], "coordinate": [coord], "placements": [["S", 0]]}
+                (begin, n), whole = _extent(layout)
+                want = chunks[coord].tolist() if coord < len(chunks) else []
+                assert list(range(begin, begin + n)) == want and whole == (0, 3), (length, size, coord)
+    hsdp = {"shape": [5], "mesh": [2, 2], "coordinate": [1, 1], "placements": [["R"], ["S", 0]]}
+    assert _extent(hsdp) == [(3, 2)] and _is_replica(hsdp)
+    assert not _is_replica({**hsdp, "coordinate": [0, 1]})
+    assert "placement" in _extent({**hsdp, "placements": [["R"], ["?", "Partial(sum)"]]})
+    assert "more than one" in _extent({**hsdp, "placements": [["S", 0], ["S", 0]]})
+
+
+def test_a_part_without_its_layout_is_refused_on_another_number_of_ranks():
+    from mixprec.checkpoint.sharded import reshard
+
+    parts = [{"sharded": {"dtensors": {"model": [], "optimizers": []}}, "model": {}, "optimizers": []}] * 2
+    with pytest.raises(ValueError, match=r"saved by 2 ranks .* do not record how their tensors were split"):
+        reshard("ck.pt", parts, torch.nn.Linear(2, 2), [], 0)
+
+
+def _gathered(model, opt, mp) -> dict:
+    """Model, optimizer and session state with every DTensor whole (the rounding noise left out)."""
+
+    def whole(obj):
+        if isinstance(obj, torch.Tensor):  # (a copy: the optimizer steps its counters in place)
+            return (obj.full_tensor() if hasattr(obj, "full_tensor") else obj).detach().clone()
+        if isinstance(obj, dict):
+            return {k: whole(v) for k, v in obj.items() if k != "generators"}
+        if isinstance(obj, list | tuple):
+            return [whole(v) for v in obj]
+        return obj
+
+    return {"model": whole(model.state_dict()), "optimizer": whole(opt.state_dict()), "mp": whole(mp.state_dict())}
+
+
+def _assert_same(got, want, where: str) -> None:
+    if isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor) and got.dtype == want.dtype and torch.equal(got, want), where
+    elif isinstance(want, dict):
+        assert isinstance(got, dict) and sorted(map(str, got)) == sorted(map(str, want)), (where, list(got), list(want))
+        for key, value in want.items():
+            _assert_same(got[key], value, f"{where}/{key}")
+    elif isinstance(want, list):
+        assert isinstance(got, list) and len(got) == len(want), where
+        for i, (a, b) in enumerate(zip(got, want, strict=True)):
+            _assert_same(a, b, f"{where}/{i}")
+    else:
+        assert got == want or (got != got and want != want), (where, got, want)
+
+
+def _reshard_load_worker(rank: int, world: int, out: str, plans: tuple[str, ...], mesh: tuple[int, ...] | None) -> None:
+    """Load the 2 ranks' checkpoints on ``world`` ranks (a ``mesh`` of that shape: replicas x shards);
+    the state whole, then 3 more steps."""
+    import warnings
+
     from mixprec import load_checkpoint
 
-    task, mp, model, opt, criterion = _session("bf16-kahan")
-    try:
-        load_checkpoint(os.path.join(out, "bf16-kahan.pt"), model=model, optimizers=[opt], mp=mp)
-        found = "loaded"
-    except ValueError as exc:
-        found = str(exc)
-    torch.save(found, os.path.join(out, "one-rank.pt"))
+    results = {}
+    for plan_name in plans:
+        task, mp, model, opt, criterion = _session(plan_name, mesh)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            load_checkpoint(os.path.join(out, f"{plan_name}.pt"), model=model, optimizers=[opt], mp=mp)
+        state = _gathered(model, opt, mp)
+        losses = _steps(task, mp, model, criterion, rank, world, range(6, 9))
+        results[plan_name] = {"state": state, "next": losses, "params": _full(model),
+                              "warning": " | ".join(str(w.message) for w in caught)}
+    torch.save(results, os.path.join(out, f"reshard{rank}-of-{world}.pt"))
 
 
 # ------------------------------------------------------------------------------- HSDP
@@ -443,20 +538,13 @@ def _hsdp_worker(rank: int, world: int, out: str) -> None:
     """A 2-D mesh: 2 replicas x 2 shards (HSDP; as two nodes of two ranks each)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from mixprec.distributed import fully_shard_model, local_tensor
+    from mixprec import save_checkpoint
+    from mixprec.distributed import local_tensor
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     results = {}
     for plan_name in HSDP_PLANS:
-        task = build_task("mlp", size="tiny", seed=0)
-        plan = get_plan(plan_name)
-        model = task.model
-        if plan.family == "lowbit":
-            plan.convert_model(model)
-        mp = MixedPrecision(plan, clip_grad_norm=1.0)
-        model = fully_shard_model(model, plan, mesh=mesh, units=(type(model.blocks[0]),))
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        model, opt, criterion = mp.prepare(model, opt, criterion=task.criterion)
+        task, mp, model, opt, criterion = _hsdp_session(plan_name, mesh)
         stepped, norms = [], []
         for step in range(STEPS):
             x, y = _global_batch(task, step, 16)
@@ -475,7 +563,38 @@ def _hsdp_worker(rank: int, world: int, out: str) -> None:
             "local": {n: local_tensor(p).detach().clone() for n, p in model.named_parameters()},
             "stepped": stepped, "norms": norms,
         }
+        if plan_name == "bf16-kahan":  # for a run on one mesh dimension of 2 ranks to load
+            save_checkpoint(os.path.join(out, "hsdp.pt"), model=model, optimizers=[opt], mp=mp)
+            results[plan_name]["saved"] = _gathered(model, opt, mp)
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+
+
+def _hsdp_session(plan_name: str, mesh=None):
+    from mixprec.distributed import fully_shard_model
+
+    task = build_task("mlp", size="tiny", seed=0)
+    plan = get_plan(plan_name)
+    model = task.model
+    if plan.family == "lowbit":
+        plan.convert_model(model)
+    mp = MixedPrecision(plan, clip_grad_norm=1.0)
+    model = fully_shard_model(model, plan, mesh=mesh, units=(type(model.blocks[0]),))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    model, opt, criterion = mp.prepare(model, opt, criterion=task.criterion)
+    return task, mp, model, opt, criterion
+
+
+def _hsdp_reshard_worker(rank: int, world: int, out: str) -> None:
+    """The HSDP run's checkpoint (2 replicas x 2 shards) loaded by 2 ranks sharding one mesh dimension."""
+    import warnings
+
+    from mixprec import load_checkpoint
+
+    task, mp, model, opt, criterion = _hsdp_session("bf16-kahan")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        load_checkpoint(os.path.join(out, "hsdp.pt"), model=model, optimizers=[opt], mp=mp)
+    torch.save(_gathered(model, opt, mp), os.path.join(out, f"hsdp-loaded{rank}.pt"))
 
 
 @pytest.mark.distributed
@@ -508,6 +627,11 @@ def test_hsdp_two_replicas_of_two_shards_train_like_one_process(tmp_path):
                 assert bool((diff <= 2e-3 + STEPS * 2.0**-8 * ref.float().abs()).all()), (plan_name, name)
         else:
             _check_close(runs[0]["params"], reference["params"], f"HSDP {plan_name}")
+    # its checkpoint on 2 ranks and one mesh dimension: the state is put together from one replica, exactly
+    run_ranks(_hsdp_reshard_worker, 2, str(tmp_path))
+    for r in range(2):
+        _assert_same(torch.load(tmp_path / f"hsdp-loaded{r}.pt", weights_only=True), ranks[0]["bf16-kahan"]["saved"],
+                     f"HSDP -> 2 ranks, rank {r}")
 
 
 def _two_nodes(tmp: Path, *args: str) -> None:

@@ -223,14 +223,17 @@ def _save_parts(path: str, build: Any, group: Any) -> None:
     try:
         payload = build()
         places: dict[str, Any] = {"model": [], "optimizers": []}
-        payload["model"] = sharded.localize(payload["model"], places["model"])
+        layouts: dict[str, Any] = {"model": [], "optimizers": []}
+        payload["model"] = sharded.localize(payload["model"], places["model"], layouts=layouts["model"])
         local_opts = []
         for state in payload["optimizers"]:
             found: list[list[Any]] = []
-            local_opts.append(sharded.localize(state, found))
+            split: list[dict[str, Any]] = []
+            local_opts.append(sharded.localize(state, found, layouts=split))
             places["optimizers"].append(found)
+            layouts["optimizers"].append(split)
         payload["optimizers"] = local_opts
-        payload["sharded"] = {"dtensors": places}
+        payload["sharded"] = {"dtensors": places, "layouts": layouts}
     except BaseException as exc:  # every rank learns of it before anyone switches to this save
         error = exc
     save, rank, world = sharded.save_id(group), dist.get_rank(group), dist.get_world_size(group)
@@ -371,19 +374,50 @@ def load_checkpoint(
 def _read_part(path: str, pointer: dict[str, Any], module: torch.nn.Module,
                optimizers: Sequence[torch.optim.Optimizer], group: Any) -> dict[str, Any]:
     save = pointer["sharded"]["save"]
-    rank, world = sharded.check_world(path, pointer["sharded"], group)
-    part = sharded.part_path(path, save, rank, world)
-    payload = files.read(part)
-    verify_checksums(part, payload, payload.get("checksum"))
-    if payload.get("sharded", {}).get("save") != save:
-        raise ValueError(f"checkpoint {path!r}: {part!r} belongs to another save; the checkpoint folder was changed by hand")
-    if len(payload["optimizers"]) != len(optimizers):
-        raise ValueError(
-            f"the checkpoint holds {len(payload['optimizers'])} optimizer states but {len(optimizers)} "
-            "optimizers were given; pass the same optimizers, in the same order, as when saving"
-        )
-    sharded.restore_dtensors(path, payload, module, optimizers)
-    _lift_wrapper_entries(payload)
+    rank, world, saved = sharded.check_world(path, pointer["sharded"], group)
+
+    def read(k: int) -> dict[str, Any]:
+        part = sharded.part_path(path, save, k, saved)
+        payload = files.read(part)
+        verify_checksums(part, payload, payload.get("checksum"))
+        if payload.get("sharded", {}).get("save") != save:
+            raise ValueError(f"checkpoint {path!r}: {part!r} belongs to another save; the checkpoint folder was changed "
+                             "by hand")
+        if len(payload["optimizers"]) != len(optimizers):
+            raise ValueError(
+                f"the checkpoint holds {len(payload['optimizers'])} optimizer states but {len(optimizers)} "
+                "optimizers were given; pass the same optimizers, in the same order, as when saving"
+            )
+        return payload
+
+    own = read(rank) if saved == world else None
+    if own is not None and sharded.split_as_saved(own, module, optimizers):
+        sharded.restore_dtensors(path, own, module, optimizers)
+        _lift_wrapper_entries(own)
+        return own
+    # another number of ranks or another mesh: every part is read and each sharded entry cut again
+    parts = [own if k == rank and own is not None else read(k) for k in range(saved)]
+    payload = sharded.reshard(path, parts, module, optimizers, rank)
+    for part in parts:  # (``payload`` is one of them)
+        _lift_wrapper_entries(part)
+    for i, state in enumerate(payload["optimizers"]):  # stochastic rounding: every saved shard's noise, for
+        rounding = state.get(ROUNDING_KEY)             # the shard this rank holds now to pick
+        if isinstance(rounding, dict) and isinstance(rounding.get("generators"), dict):
+            merged = {}
+            for part in parts:
+                theirs = part["optimizers"][i].get(ROUNDING_KEY)
+                if isinstance(theirs, dict) and isinstance(theirs.get("generators"), dict):
+                    merged.update(theirs["generators"])
+            state[ROUNDING_KEY] = {**rounding, "generators": merged}
+    warnings.warn(
+        f"checkpoint {path!r} was saved by {saved} ranks and is loaded by {world}"
+        + (" sharding it otherwise" if saved == world else "") + ": its sharded tensors were put "
+        "together and cut for this run (every rank read every part). "
+        + ("This rank did not save, so its RNG state was not restored. " if rank >= saved else "")
+        + "The run goes on from the same state, but not bit for bit as one on "
+        f"{saved} ranks would: the gradients are reduced over another split of the batch",
+        UserWarning, stacklevel=3,
+    )
     return payload
 
 

@@ -14,8 +14,16 @@ the same ``path``:
   parts are untouched;
 - a load reads ``<path>``, then this rank's part, and checks that every rank's part belongs
   to that save and is sharded as the model is now. The resumed run continues bit for bit.
-  A run on another number of ranks is refused, naming both (gather the weights with
-  ``full_tensor()`` and re-shard them in a new run instead).
+- a run on another number of ranks (or another mesh) reads every part: each part records how
+  its tensors were split (global shape, mesh shape, this rank's coordinate, placements), so
+  every sharded entry (weights, optimizer state, Kahan compensation) is put together from the
+  parts holding its shards, one replica's under HSDP, and cut as this run shards its
+  parameter: exactly the saved state. Each rank then holds the whole saved state in memory
+  for a moment. Per-rank state follows the new ranks: rank ``r`` keeps the RNG state of the
+  saved rank ``r`` (none where there was none), stochastic rounding the noise of shard ``r``
+  (re-seeded where there was none). The run goes on from the same state, not bit for bit as
+  on the old number of ranks (the batch is split otherwise). Shards over two mesh dimensions
+  of one tensor dimension, or placements other than Shard/Replicate, are refused.
 
 ``path`` must be on a filesystem every rank sees (as for ``torch.distributed.checkpoint``).
 DTensors are stored as their local tensors with the list of places where they were;
@@ -24,6 +32,7 @@ the load makes them DTensors again, sharded like the model's parameters.
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import uuid
@@ -35,8 +44,8 @@ import torch.distributed as dist
 
 from mixprec.optim.shards import is_dtensor, local_of, wrap_like
 
-__all__ = ["PeerFailed", "agree", "check_world", "is_sharded", "localize", "part_path", "restore_dtensors", "save_id",
-           "shards_folder"]
+__all__ = ["PeerFailed", "agree", "check_world", "is_sharded", "layout_of", "localize", "part_path", "reshard",
+           "restore_dtensors", "save_id", "shards_folder", "split_as_saved"]
 
 Path = tuple[Any, ...]
 
@@ -63,17 +72,63 @@ def save_id(group: Any) -> str:
     return str(box[0])
 
 
-def localize(obj: Any, found: list[list[Any]], path: Path = ()) -> Any:
-    """``obj`` with every DTensor replaced by its local tensor; their paths appended to ``found``."""
+def localize(obj: Any, found: list[list[Any]], path: Path = (), layouts: list[dict[str, Any]] | None = None) -> Any:
+    """``obj`` with every DTensor replaced by its local tensor; their paths appended to ``found``
+    and, with ``layouts``, how each was sharded (:func:`layout_of`) appended to it."""
     if is_dtensor(obj):
         found.append(list(path))
+        if layouts is not None:
+            layouts.append(layout_of(obj))
         return local_of(obj)
     if isinstance(obj, dict):
-        return {k: localize(v, found, (*path, k)) for k, v in obj.items()}
+        return {k: localize(v, found, (*path, k), layouts) for k, v in obj.items()}
     if isinstance(obj, list | tuple):
-        out = [localize(v, found, (*path, i)) for i, v in enumerate(obj)]
+        out = [localize(v, found, (*path, i), layouts) for i, v in enumerate(obj)]
         return out if isinstance(obj, list) else tuple(out)
     return obj
+
+
+def layout_of(t: Any) -> dict[str, Any]:
+    """How DTensor ``t`` is split, in plain values a checkpoint keeps: its global shape, its mesh's
+    shape, this rank's coordinate in the mesh, and one placement per mesh dimension (``["S", dim]``
+    for a shard of tensor dimension ``dim``, ``["R"]`` for a replica, ``["?", text]`` otherwise)."""
+    placements: list[list[Any]] = []
+    for placement in t.placements:
+        if placement.is_shard():
+            placements.append(["S", int(placement.dim)])
+        elif placement.is_replicate():
+            placements.append(["R"])
+        else:
+            placements.append(["?", str(placement)])
+    mesh = t.device_mesh
+    return {"shape": [int(n) for n in t.shape], "mesh": [int(n) for n in mesh.shape],
+            "coordinate": [int(c) for c in (mesh.get_coordinate() or [])], "placements": placements}
+
+
+def _extent(layout: dict[str, Any]) -> list[tuple[int, int]] | str:
+    """(offset, length) per tensor dimension of the shard ``layout`` describes, as DTensor's
+    ``Shard`` splits (``torch.chunk``: equal chunks rounded up, the last ones shorter or empty);
+    or why it cannot be told."""
+    extent = [(0, int(n)) for n in layout["shape"]]
+    sharded_dims: set[int] = set()
+    if len(layout["coordinate"]) != len(layout["mesh"]) or len(layout["placements"]) != len(layout["mesh"]):
+        return "this rank was not in the mesh"
+    for size, coord, placement in zip(layout["mesh"], layout["coordinate"], layout["placements"], strict=True):
+        if placement[0] == "R":
+            continue
+        if placement[0] != "S":
+            return f"placement {placement[1]}"
+        dim = int(placement[1])
+        if not 0 <= dim < len(extent):
+            return f"a shard of dimension {dim} of a {len(extent)}-dimensional tensor"
+        if dim in sharded_dims:
+            return f"tensor dimension {dim} sharded over more than one mesh dimension"
+        sharded_dims.add(dim)
+        start, length = extent[dim]
+        chunk = -(-length // size) if length else 0
+        begin = min(coord * chunk, length)
+        extent[dim] = (start + begin, max(0, min(chunk, length - begin)))
+    return extent
 
 
 def _get(obj: Any, path: Sequence[Any]) -> Any:
@@ -135,17 +190,128 @@ def restore_dtensors(path: str, payload: dict[str, Any], module: torch.nn.Module
             _set(payload["optimizers"][i], entry, wrap_like(local, param))
 
 
-def check_world(path: str, pointer: dict[str, Any], group: Any) -> tuple[int, int]:
-    """(rank, world) of this run in ``group``, refused where the checkpoint was saved by another world size."""
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    saved = int(pointer["world"])
-    if saved != world:
-        raise ValueError(
-            f"checkpoint {path!r} was saved by {saved} ranks and this run has {world}: each rank's part holds its "
-            f"shards. Resume with {saved} ranks, or gather the weights (DTensor.full_tensor()) in a run of {saved} "
-            "and start the new run from them"
-        )
-    return rank, world
+def _is_replica(layout: dict[str, Any]) -> bool:
+    """True where ``layout``'s rank holds a copy of a shard another rank with coordinate 0 on the
+    replicated mesh dimensions also holds (HSDP's other replicas)."""
+    return any(p[0] == "R" and c for p, c in zip(layout["placements"], layout["coordinate"], strict=False))
+
+
+def reshard(path: str, parts: Sequence[dict[str, Any]], module: torch.nn.Module,
+            optimizers: Sequence[torch.optim.Optimizer], rank: int) -> dict[str, Any]:
+    """This rank's payload of a save made by ``len(parts)`` ranks (``parts``, in rank order, as
+    :func:`localize` left them), for the model as it is sharded now: every DTensor entry is put
+    together from the parts that hold its shards and cut as this rank's shard of the model's
+    parameter is. What is not sharded comes from this rank's own part where there was one,
+    else from rank 0's; the RNG state of a rank that did not save is left out. Refused
+    (ValueError naming the entry and the fix) where a part does not record how it was split."""
+    saved = len(parts)
+    refuse = (f"Resume with {saved} ranks, or gather the weights (DTensor.full_tensor()) in a run of {saved} ranks "
+              "and start the new run from them")
+    layouts = [part["sharded"].get("layouts") for part in parts]
+    if any(not isinstance(layout, dict) for layout in layouts):
+        raise ValueError(f"checkpoint {path!r} was saved by {saved} ranks and this run has a different number; its "
+                         f"parts do not record how their tensors were split (an older save). {refuse}")
+    places = [part["sharded"]["dtensors"] for part in parts]
+    if any(p != places[0] for p in places):
+        raise ValueError(f"checkpoint {path!r}: its parts hold different sharded entries, so they cannot be put "
+                         f"together. {refuse}")
+    # in place: each entry is read from every part before this part's entry is replaced
+    payload = parts[rank] if rank < saved else parts[0]
+    if rank >= saved:
+        payload.pop("rng", None)
+
+    def whole(section: str, index: int | None, n: int, entry: Sequence[Any]) -> torch.Tensor:
+        pieces = []
+        for k, part in enumerate(parts):
+            layout = layouts[k][section][n] if index is None else layouts[k][section][index][n]
+            if _is_replica(layout):
+                continue
+            extent = _extent(layout)
+            obj = part[section] if index is None else part[section][index]
+            local = _get(obj, entry)
+            if isinstance(extent, str) or tuple(length for _, length in extent) != tuple(local.shape):
+                why = extent if isinstance(extent, str) else f"shape {tuple(local.shape)} where its split gives " \
+                    f"{tuple(length for _, length in extent)}"
+                raise ValueError(f"checkpoint {path!r}: rank {k}'s shard of {'/'.join(map(str, entry))} cannot be "
+                                 f"placed ({why}). {refuse}")
+            pieces.append((extent, local))
+        shape = layouts[0][section][n]["shape"] if index is None else layouts[0][section][index][n]["shape"]
+        if not pieces or sum(local.numel() for _, local in pieces) != math.prod(shape):
+            raise ValueError(f"checkpoint {path!r}: the shards of {'/'.join(map(str, entry))} do not cover its shape "
+                             f"{tuple(shape)} once. {refuse}")
+        out = torch.empty(shape, dtype=pieces[0][1].dtype, device=pieces[0][1].device)
+        for extent, local in pieces:
+            out[tuple(slice(begin, begin + length) for begin, length in extent)] = local
+        return out
+
+    def mine(full: torch.Tensor, like: torch.Tensor, what: str) -> torch.Tensor:
+        if tuple(full.shape) != tuple(like.shape):
+            raise ValueError(f"checkpoint {path!r}: {what} has shape {tuple(full.shape)} in the checkpoint but "
+                             f"{tuple(like.shape)} in this model")
+        extent = _extent(layout_of(like))
+        local_shape = tuple(local_of(like).shape)
+        if isinstance(extent, str) or tuple(length for _, length in extent) != local_shape:
+            raise ValueError(f"checkpoint {path!r}: {what} is sharded in this run in a way it cannot be cut for "
+                             f"({extent if isinstance(extent, str) else local_shape}). {refuse}")
+        local = full[tuple(slice(begin, begin + length) for begin, length in extent)].clone()
+        return wrap_like(local, like)
+
+    current = module.state_dict()
+    model = payload["model"]
+    for n, key_path in enumerate(places[0]["model"]):
+        like = current.get(key_path[0])
+        if like is None or not is_dtensor(like):
+            raise ValueError(f"checkpoint {path!r}: {key_path[0]!r} was sharded when saved but is not sharded in this model")
+        _set(model, key_path, mine(whole("model", None, n, key_path), like, repr(key_path[0])))
+    states = []
+    for i, (opt, opt_places) in enumerate(zip(optimizers, places[0]["optimizers"], strict=True)):
+        params = _params(opt)
+        state = payload["optimizers"][i]
+        for n, entry in enumerate(opt_places):
+            index = _param_index(entry)
+            what = f"optimizer {i}'s {'/'.join(map(str, entry))}"
+            if index is None or index >= len(params) or not is_dtensor(params[index]):
+                raise ValueError(f"checkpoint {path!r}: {what} was sharded when saved, but its parameter is not "
+                                 "sharded in this run")
+            _set(state, entry, mine(whole("optimizers", i, n, entry), params[index], what))
+        for index, entries in (state.get("state") or {}).items():
+            for name, value in entries.items() if isinstance(entries, dict) else ():
+                if isinstance(value, torch.Tensor) and value.numel() > 1 and [*("state", index, name)] not in opt_places:
+                    raise ValueError(f"checkpoint {path!r}: optimizer {i}'s state/{index}/{name} is a plain tensor "
+                                     f"of one rank's shard, which cannot be put together. {refuse}")
+        states.append(state)
+    payload["optimizers"] = states
+    return payload
+
+
+def split_as_saved(payload: dict[str, Any], module: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> bool:
+    """False where ``payload`` (one rank's part) records that a sharded entry was split otherwise
+    than the model's tensor it belongs to is now (another mesh or placement on as many ranks);
+    True where it matches, or where the part records nothing (:func:`restore_dtensors` checks those)."""
+    layouts = payload["sharded"].get("layouts")
+    if not isinstance(layouts, dict):
+        return True
+    places = payload["sharded"]["dtensors"]
+    current = module.state_dict()
+
+    def differs(saved: dict[str, Any], like: Any) -> bool:
+        return is_dtensor(like) and any(saved[k] != v for k, v in layout_of(like).items() if k != "shape")
+
+    for key_path, saved in zip(places["model"], layouts["model"], strict=True):
+        if differs(saved, current.get(key_path[0])):
+            return False
+    for opt, opt_places, opt_layouts in zip(optimizers, places["optimizers"], layouts["optimizers"], strict=True):
+        params = _params(opt)
+        for entry, saved in zip(opt_places, opt_layouts, strict=True):
+            index = _param_index(entry)
+            if index is not None and index < len(params) and differs(saved, params[index]):
+                return False
+    return True
+
+
+def check_world(path: str, pointer: dict[str, Any], group: Any) -> tuple[int, int, int]:
+    """(rank, world) of this run in ``group`` and the number of ranks that saved the checkpoint."""
+    return dist.get_rank(group), dist.get_world_size(group), int(pointer["world"])
 
 
 class PeerFailed(RuntimeError):
