@@ -342,8 +342,7 @@ def test_fsdp_policy_follows_the_plan():
     assert (master.param_dtype, master.reduce_dtype) == (torch.bfloat16, torch.float32)
     assert fsdp_policy(get_plan("bf16-master", reduce_dtype=torch.bfloat16)).reduce_dtype == torch.bfloat16
     assert sharded_plan("bf16-master").fingerprint()["family"] == "fsdp2-master"
-    with pytest.raises(ValueError, match=re.escape("plan 'fp8-mixed' (fp8) is not supported under FSDP2")):
-        fsdp_policy("fp8-mixed")
+    assert sharded_plan("fp8-mixed").fingerprint()["family"] == "fsdp2-fp8"
 
 
 def test_plan_for_ddp_gathers_master_grads_at_step_time():

@@ -1,4 +1,5 @@
-"""FSDP2 on a GPU with NCCL (one rank per GPU present): every plan without masters, and sharded checkpoints.
+"""FSDP2 on a GPU with NCCL (one rank per GPU present): the plans without masters, bf16-master and fp8-mixed
+(native fp8 GEMMs on the gathered weights where the GPU has them), and sharded checkpoints.
 
 With one GPU the mesh has one rank: the all-gathers and reduce-scatters are NCCL's own
 copies, and the run must equal the unsharded one on the same GPU within the plan's
@@ -19,7 +20,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)"),
 ]
 
-PLANS = ("bf16-pure", "fp16-pure", "bf16-kahan", "bf16-sr", "bf16-master")
+PLANS = ("bf16-pure", "fp16-pure", "bf16-kahan", "bf16-sr", "bf16-master", "fp8-mixed")
 STEPS = 6
 
 

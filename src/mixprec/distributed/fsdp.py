@@ -27,8 +27,10 @@ fp32 norm layers), then shards it. Their optimizer wrappers update elementwise, 
 rank steps its own shard (Adam, AdamW and SGD, and the other elementwise torch optimizers);
 Kahan compensation and optimizer state are DTensors sharded like the weights, and
 stochastic rounding draws different noise per shard (replicas of one shard, under HSDP,
-the same). fp8 plans and remainder masters (``remainders=True``: FSDP2's fp32 shards are
-the masters already) are refused.
+the same). fp8 plans swap their Linear layers for fp8 layers before sharding: FSDP2 gathers
+the fp32 weights, the layers quantise them, and the amaxes are MAX-reduced over the ranks once
+per step, as under DDP. Remainder masters (``remainders=True``: FSDP2's fp32 shards are the
+masters already) are refused.
 
 >>> from mixprec.distributed import fsdp_policy
 >>> policy = fsdp_policy("bf16-master")
@@ -185,7 +187,10 @@ def check_sharded_policy(model: torch.nn.Module, plan: ShardedPlan) -> None:
         "dtype. Pass mp_policy=mixprec.distributed.fsdp_policy(plan) to each fully_shard call (in Lightning's "
         "configure_model too), or shard with mixprec.distributed.fully_shard_model(module, plan, mesh=...)"
         + (" (transformers' load-time sharding: DistributedConfig(..., fsdp_mixed_precision=True))"
-           if plan.param_dtype == torch.bfloat16 else "")
+           if plan.param_dtype == torch.bfloat16 else
+           " (transformers' load-time sharding gathers in fp32, or bf16 with fsdp_mixed_precision=True, never in "
+           "fp16: there train 'fp16-mixed' loaded in fp32, or 'fp16-pure' loaded with dtype=torch.float16)"
+           if plan.param_dtype == torch.float16 else "")
         + "; or use a '*-mixed' plan, which casts per op"
     )
 
@@ -247,10 +252,12 @@ def fully_shard_model(
     api = _fsdp_api()
     policy = fsdp_policy(plan)
     low_shards = keeps_low_shards(plan)
-    if low_shards:
+    fp8 = _base_of(plan).family == "fp8"
+    if low_shards or fp8:
         if has_fsdp(model):
+            what = "a plan without masters" if low_shards else "an fp8 plan (its Linear layers become fp8 layers)"
             raise ValueError(
-                f"fully_shard_model(plan={plan.name!r}) got a model already sharded: a plan without masters converts "
+                f"fully_shard_model(plan={plan.name!r}) got a model already sharded: {what} converts "
                 "the model before sharding it. Pass the unsharded model"
             )
         _convert_for(model, plan)
@@ -287,6 +294,10 @@ def fully_shard_model(
             api.fully_shard(module, mesh=mesh, mp_policy=policy, **fully_shard_kwargs)
     api.fully_shard(model, mesh=mesh, mp_policy=policy, **fully_shard_kwargs)
     return model
+
+
+def _base_of(plan: Plan) -> Plan:
+    return plan.base if isinstance(plan, ShardedPlan) and plan.base is not None else plan
 
 
 def _convert_for(model: torch.nn.Module, plan: Plan) -> None:
@@ -387,6 +398,8 @@ class ShardedPlan(Plan):
     def convert_model(self, model: torch.nn.Module) -> dict[torch.Tensor, torch.Tensor]:
         if self.low_shards:
             check_low_shards(model, self)
+        if self.base_family == "fp8":
+            check_fp8_layers(model, self)
         return {}
 
     def wrap_optimizer(
@@ -434,6 +447,19 @@ def check_low_shards(model: torch.nn.Module, plan: ShardedPlan) -> None:
             "converts, then shards), then build the optimizer and prepare; with transformers' load-time sharding, "
             f"load in that dtype: from_pretrained(..., dtype=torch.{str(plan.weight_dtype).split('.')[-1]}, "
             "distributed_config=...) (norm layers then stay in it too)"
+        )
+
+
+def check_fp8_layers(model: torch.nn.Module, plan: ShardedPlan) -> None:
+    """Refuse an FSDP2 model without fp8 layers under an fp8 plan: its Linear layers become fp8
+    layers before sharding (replacing them afterwards would replace the sharded parameters)."""
+    from mixprec.fp8.linear import Fp8Linear
+
+    if not any(isinstance(m, Fp8Linear) for m in model.modules()):
+        raise ValueError(
+            f"plan {plan.name!r} computes its Linear layers in fp8, but this FSDP2 model holds no fp8 layers: under "
+            "FSDP2 they are swapped in before sharding. Shard with mixprec.distributed.fully_shard_model(model, plan, "
+            "...) (it converts, then shards), then build the optimizer and prepare"
         )
 
 

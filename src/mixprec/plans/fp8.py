@@ -34,7 +34,7 @@ class Fp8Plan(MixedPlan):
     emulate: bool | None = None
 
     family: ClassVar[str] = "fp8"
-    supports_fsdp: ClassVar[bool] = False  # fp8 layers do not take DTensor shards
+    supports_fsdp: ClassVar[bool] = True  # converted before sharding; FSDP2 gathers the fp32 weights they quantise
     summary: ClassVar[str] = "bf16-mixed with fp8 (E4M3 forward, E5M2 gradient) linear layers"
 
     def tensor_dtypes(self) -> dict[str, str]:
