@@ -36,7 +36,8 @@ STEPS, INF_STEP = 10, 4
 PLANS = ("bf16-pure", "fp16-pure", "bf16-kahan", "bf16-sr", "fp16-master", "fp8-mixed")
 
 
-def _train(plan_name: str, rank: int, world: int, *, shard: bool, adam: bool = False, ddp: bool = False) -> dict:
+def _train(plan_name: str, rank: int, world: int, *, shard: bool, adam: bool = False, ddp: bool = False,
+           compile: bool = False) -> dict:
     from mixprec.distributed import fully_shard_model, local_tensor
 
     task = build_task("mlp", size="tiny", seed=0)
@@ -44,7 +45,7 @@ def _train(plan_name: str, rank: int, world: int, *, shard: bool, adam: bool = F
     model = task.model
     if plan.family in ("pure", "lowbit"):
         plan.convert_model(model)  # the reference starts from the same low-precision weights
-    mp = MixedPrecision(plan, clip_grad_norm=1.0)
+    mp = MixedPrecision(plan, clip_grad_norm=1.0, compile=compile)
     if shard:
         model = fully_shard_model(model, plan, units=(type(model.blocks[0]),))
     opt = (torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01) if adam
@@ -70,7 +71,9 @@ def _train(plan_name: str, rank: int, world: int, *, shard: bool, adam: bool = F
             total /= world
         losses.append(float(total))
     if shard:
-        params = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+        from mixprec.checkpoint import unwrap_model
+
+        params = {n: p.full_tensor().detach().clone() for n, p in unwrap_model(model).named_parameters()}
     else:
         params = _params(model.module if ddp else model)
     return {
@@ -85,6 +88,7 @@ def _worker(rank: int, world: int, out: str) -> None:
     results = {name: _train(name, rank, world, shard=True) for name in PLANS}
     results["bf16-kahan adamw"] = _train("bf16-kahan", rank, world, shard=True, adam=True)
     results["fp8-mixed ddp"] = _train("fp8-mixed", rank, world, shard=False, ddp=True)  # the like-for-like oracle
+    results["bf16-kahan compiled"] = _train("bf16-kahan", rank, world, shard=True, compile=True)
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))
 
 
@@ -96,6 +100,13 @@ def test_plans_without_masters_train_sharded_like_one_process(tmp_path):
     run_ranks(_worker, WORLD, str(tmp_path))
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(WORLD))
     expected_skips = [step != INF_STEP for step in range(STEPS)]
+    # MixedPrecision(compile=True) over FSDP2 shards: the compiled model trains as the eager one (the
+    # bf16 weights, stored by the same Kahan step from the same fp32 gradients, bit for bit here)
+    for r in (r0, r1):
+        eager, compiled = r["bf16-kahan"], r["bf16-kahan compiled"]
+        assert compiled["stepped"] == eager["stepped"] and compiled["losses"] == eager["losses"]
+        for name, w in eager["params"].items():
+            assert torch.equal(compiled["params"][name], w), name
     for label in (*PLANS, "bf16-kahan adamw"):
         a, b = r0[label], r1[label]
         plan_name, adam = label.split()[0], label.endswith("adamw")

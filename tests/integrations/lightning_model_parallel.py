@@ -1,7 +1,8 @@
-"""Run by torchrun from test_lightning_model_parallel.py: Lightning's ModelParallelStrategy with
-the documented ``configure_model`` pattern (``fully_shard(self.net...)`` inside the module), the
-mixprec plugin, 10 steps on 2 gloo ranks. Writes each rank's losses, final full parameters, or
-the error it raised, to ``<out>/rank<r>.pt``.
+"""Run by torchrun from test_lightning_model_parallel.py (and its ``fit`` by
+lightning_sharded_plans.py): Lightning's ModelParallelStrategy with the documented
+``configure_model`` pattern (``fully_shard(self.net...)`` inside the module), the mixprec
+plugin, 10 steps on 2 gloo ranks. Writes each rank's losses, final full parameters, or the
+error it raised, to ``<out>/rank<r>.pt``.
 
 Usage: torchrun --nproc_per_node 2 lightning_model_parallel.py PLAN POLICY OUT [INF_STEP]
 (POLICY: "policy" passes mp_policy=fsdp_policy(PLAN) to fully_shard, "none" passes nothing,
@@ -80,9 +81,8 @@ class Sharded(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05)
 
 
-def main() -> None:
-    plan, policy_arg, out = sys.argv[1:4]
-    inf_step = int(sys.argv[4]) if len(sys.argv) > 4 else -1
+def fit(plan: str, policy_arg: str, inf_step: int = -1) -> dict:
+    """One run of the Trainer; its losses, skips, scales and full parameters (or the error it raised)."""
     policy = ({"mp_policy": fsdp_policy(plan)} if policy_arg == "policy" else
               {"plan": plan} if policy_arg == "mixprec" else {})
     x, y = data()
@@ -98,15 +98,22 @@ def main() -> None:
     module = Sharded(policy, inf_step)
     try:
         trainer.fit(module, loader)
-        result: dict = {
-            "losses": module.losses,
-            "skipped": module.skipped,
-            "scales": module.scales,
-            "params": {n: p.full_tensor().detach().clone() for n, p in module.net.named_parameters()},
-        }
     except ValueError as exc:
-        result = {"error": str(exc)}
-    torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+        return {"error": str(exc)}
+    return {
+        "losses": module.losses,
+        "skipped": module.skipped,
+        "scales": module.scales,
+        "params": {n: p.full_tensor().detach().clone() for n, p in module.net.named_parameters()},
+        "layers": sorted({type(m).__name__ for m in module.net.modules()}),
+    }
+
+
+def main() -> None:
+    plan, policy_arg, out = sys.argv[1:4]
+    inf_step = int(sys.argv[4]) if len(sys.argv) > 4 else -1
+    result = fit(plan, policy_arg, inf_step)
+    torch.save(result, os.path.join(out, f"rank{os.environ['RANK']}.pt"))
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
-"""Run by torchrun from test_lightning_model_parallel.py: the Lightning Trainer's own sharded
-checkpoint under ModelParallelStrategy (the documented ``configure_model`` sharding) with the
-mixprec plugin. Two epochs of 5 steps, a checkpoint at the end of the first (what
-ModelCheckpoint does); then a new Trainer and module resume from it (``fit(ckpt_path=...)``)
-and train the second epoch again. Writes each rank's losses and final full weights of both
-runs, or the error it raised, to ``<out>/rank<r>.pt``.
+"""Run by torchrun from test_lightning_model_parallel.py (and its ``resume`` by
+lightning_sharded_plans.py): the Lightning Trainer's own sharded checkpoint under
+ModelParallelStrategy (the documented ``configure_model`` sharding) with the mixprec plugin.
+Two epochs of 5 steps, a checkpoint at the end of the first (what ModelCheckpoint does); then a
+new Trainer and module resume from it (``fit(ckpt_path=...)``) and train the second epoch
+again. Writes each rank's losses and final full weights of both runs, or the error it raised,
+to ``<out>/rank<r>.pt``.
 
 Usage: torchrun --nproc_per_node 2 lightning_trainer_checkpoint.py PLAN POLICY OUT
 (POLICY as in lightning_model_parallel.py: "policy" or "mixprec")
@@ -33,7 +34,7 @@ EPOCH = 5  # steps per epoch
 
 class WithMomentum(Sharded):
     """Optimizer state of its own to resume (momentum buffers, sharded like the weights), and a
-    LayerNorm, which the plans keep in fp32 (its state is the inner optimizer's own)."""
+    LayerNorm, which the plans but pure ones keep in fp32 (its state is the inner optimizer's own)."""
 
     def __init__(self, policy: dict) -> None:
         super().__init__(policy)
@@ -60,15 +61,15 @@ def _trainer(plan: str, callbacks: list) -> L.Trainer:
     )
 
 
-def main() -> None:
-    plan, policy_arg, out = sys.argv[1:4]
+def resume(plan: str, policy_arg: str, ckpt: str) -> dict:
+    """The run that goes on and the run resumed from ``ckpt`` (written at the first epoch's end):
+    their second-epoch losses, final weights and loss-scaler states (or the error raised)."""
     policy = {"mp_policy": fsdp_policy(plan)} if policy_arg == "policy" else {"plan": plan}
     x, y = data()
     rank = int(os.environ["RANK"])
     # an epoch: the first EPOCH global batches, rank r taking rows r, r + 2, ... of each
     mine = torch.arange(EPOCH * 2 * MICRO).view(EPOCH, 2 * MICRO)[:, rank::2].reshape(-1)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x[mine], y[mine]), batch_size=MICRO)
-    ckpt = os.path.join(out, "ckpt")
 
     def weights(module: Sharded) -> dict[str, torch.Tensor]:
         return {n: p.full_tensor().detach().clone() for n, p in module.net.named_parameters()}
@@ -80,14 +81,19 @@ def main() -> None:
         resumed = WithMomentum(policy)
         second = _trainer(plan, [])
         second.fit(resumed, loader, ckpt_path=ckpt)
-        result: dict = {
+        return {
             "straight": straight.losses[EPOCH:], "resumed": resumed.losses,
             "after": weights(straight), "resumed_weights": weights(resumed),
             "scaler": [t.precision_plugin.mp.scaler.state_dict() for t in (first, second)],
         }
     except Exception as exc:  # reported to the test, which shows it
-        result = {"error": f"{type(exc).__name__}: {exc}"}
-    torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def main() -> None:
+    plan, policy_arg, out = sys.argv[1:4]
+    result = resume(plan, policy_arg, os.path.join(out, "ckpt"))
+    torch.save(result, os.path.join(out, f"rank{os.environ['RANK']}.pt"))
 
 
 if __name__ == "__main__":

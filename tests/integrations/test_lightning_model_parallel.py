@@ -61,7 +61,7 @@ def _one_process(plan: str, inf_step: int = -1) -> tuple[list[float], dict[str, 
         if step == inf_step:
             model[0].weight.grad.view(-1)[0] = float("inf")
         mp.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses, {n: p.detach().float().clone() for n, p in model.named_parameters()}
 
 
@@ -100,7 +100,7 @@ def test_an_overflow_on_one_rank_skips_the_step_on_both_under_an_fp16_plan(tmp_p
         torch.testing.assert_close(a["params"][name].float(), ref, rtol=2e-2, atol=2e-3)
 
 
-@pytest.mark.parametrize("plan", ["bf16-kahan"])  # (bf16-sr runs through Fabric below)
+@pytest.mark.parametrize("plan", ["bf16-kahan"])  # (bf16-sr, bf16-pure, fp16-pure: test_lightning_sharded_plans.py)
 def test_configure_model_sharding_with_fully_shard_model_trains_the_plans_without_masters(tmp_path, plan):
     """bf16 weights as the shards, stepped by mixprec's Kahan wrapper inside Lightning."""
     ranks = _run(plan, "mixprec", tmp_path / "run")

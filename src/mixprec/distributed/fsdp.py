@@ -459,7 +459,8 @@ def check_fp8_layers(model: torch.nn.Module, plan: ShardedPlan) -> None:
         raise ValueError(
             f"plan {plan.name!r} computes its Linear layers in fp8, but this FSDP2 model holds no fp8 layers: under "
             "FSDP2 they are swapped in before sharding. Shard with mixprec.distributed.fully_shard_model(model, plan, "
-            "...) (it converts, then shards), then build the optimizer and prepare"
+            "...) (it converts, then shards), then build the optimizer and prepare; with transformers' load-time "
+            "sharding, load the model unsharded and shard it that way"
         )
 
 
