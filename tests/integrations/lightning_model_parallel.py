@@ -43,11 +43,12 @@ def data() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Sharded(L.LightningModule):
-    def __init__(self, policy: dict, inf_step: int = -1) -> None:
+    def __init__(self, policy: dict, inf_step: int = -1, root: bool = False) -> None:
         super().__init__()
         self.net = net()
         self.policy = policy
         self.inf_step = inf_step
+        self.root = root  # the LightningModule itself the FSDP root, not self.net
         self.losses: list[float] = []
         self.skipped: list[bool] = []
         self.scales: list[float] = []
@@ -66,9 +67,9 @@ class Sharded(L.LightningModule):
     def configure_model(self) -> None:
         mesh = self.device_mesh["data_parallel"]
         if "plan" in self.policy:  # the plans without masters: mixprec converts, then shards
-            fully_shard_model(self.net, self.policy["plan"], mesh=mesh, units=(torch.nn.Linear,))
+            fully_shard_model(self if self.root else self.net, self.policy["plan"], mesh=mesh, units=(torch.nn.Linear,))
             return
-        for layer in (self.net[0], self.net[2], self.net):
+        for layer in (self.net[0], self.net[2], self if self.root else self.net):
             fully_shard(layer, mesh=mesh, **self.policy)
 
     def training_step(self, batch, batch_idx):
@@ -81,8 +82,9 @@ class Sharded(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05)
 
 
-def fit(plan: str, policy_arg: str, inf_step: int = -1) -> dict:
-    """One run of the Trainer; its losses, skips, scales and full parameters (or the error it raised)."""
+def fit(plan: str, policy_arg: str, inf_step: int = -1, root: bool = False) -> dict:
+    """One run of the Trainer; its losses, skips, scales and full parameters (or the error it raised).
+    ``root``: the LightningModule itself is sharded as the FSDP root (Lightning's other pattern)."""
     policy = ({"mp_policy": fsdp_policy(plan)} if policy_arg == "policy" else
               {"plan": plan} if policy_arg == "mixprec" else {})
     x, y = data()
@@ -95,7 +97,7 @@ def fit(plan: str, policy_arg: str, inf_step: int = -1) -> dict:
         plugins=[MixprecPrecision(plan)], max_steps=STEPS, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
     )
-    module = Sharded(policy, inf_step)
+    module = Sharded(policy, inf_step, root)
     try:
         trainer.fit(module, loader)
     except ValueError as exc:

@@ -49,6 +49,11 @@ def cells(out: str) -> dict[str, Callable[[], dict]]:
         "fabric fp16-master": lambda: run("fp16-master", os.path.join(out, "fabric-fp16-master"),
                                           inf_step=FABRIC_INF_STEP),
         "fit fp8-mixed": lambda: fit("fp8-mixed", "mixprec"),
+        # the LightningModule itself as the FSDP root
+        "root bf16-master": lambda: fit("bf16-master", "policy", root=True),
+        "root fp16-master inf": lambda: fit("fp16-master", "policy", INF_STEP, root=True),
+        "root bf16-kahan": lambda: fit("bf16-kahan", "mixprec", root=True),
+        "root fp16-pure inf": lambda: fit("fp16-pure", "mixprec", INF_STEP, root=True),
         "fabric fp8-mixed": lambda: run("fp8-mixed", os.path.join(out, "fabric-fp8-mixed")),
     }
 

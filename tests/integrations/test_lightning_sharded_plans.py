@@ -142,3 +142,22 @@ def test_fp8_mixed_through_configure_model_and_fabric_trains_as_one_process_and_
         assert rank["resumed"] == rank["straight"]
         for name, w in rank["after"].items():
             assert torch.equal(rank["resumed_weights"][name], w), name
+
+
+@pytest.mark.parametrize("cell", ["root bf16-master", "root fp16-master inf", "root bf16-kahan", "root fp16-pure inf"])
+def test_the_lightning_module_itself_as_the_fsdp_root_trains_as_one_process(cells, cell):
+    """Lightning's other sharding pattern: configure_model shards the LightningModule itself as the
+    root (fully_shard(self, mp_policy=fsdp_policy(plan)) for a master plan, fully_shard_model(self,
+    plan) for a plan without masters). Under fp16 an inf in rank 1's own gradient shard skips the
+    step on both ranks and halves the scale on both."""
+    plan = cell.split()[1]
+    inf_step = INF_STEP if cell.endswith("inf") else -1
+    a, b = cells[cell]
+    assert "error" not in a and "error" not in b, (a.get("error"), b.get("error"))
+    assert a["skipped"] == b["skipped"] == [step == inf_step for step in range(STEPS)]
+    assert a["scales"] == b["scales"]
+    if inf_step >= 0:
+        assert a["scales"][inf_step] == a["scales"][inf_step - 1] / 2
+    for name in a["params"]:
+        assert torch.equal(a["params"][name], b["params"][name]), name
+    _like_one_process(plan, (a["losses"], b["losses"]), a["params"], inf_step)
