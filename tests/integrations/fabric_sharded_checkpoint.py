@@ -34,11 +34,24 @@ sys.path.insert(0, os.path.dirname(__file__))
 from lightning_model_parallel import MICRO, data, net  # noqa: E402
 
 
-def run(plan: str, ckpt: str, momentum: float = 0.0, inf_step: int = -1) -> dict:
-    """Train, save at ``ckpt`` after 5 steps, go on; load and train the last 5 steps again."""
+def _graphs() -> int:
+    """How many frames torch.compile has compiled in this process so far."""
+    if "torch._dynamo" not in sys.modules:
+        return 0
+    from torch._dynamo.utils import counters
+
+    return int(counters["frames"]["ok"])
+
+
+def run(plan: str, ckpt: str, momentum: float = 0.0, inf_step: int = -1, compile: bool = False) -> dict:
+    """Train, save at ``ckpt`` after 5 steps, go on; load and train the last 5 steps again.
+    ``compile``: the sharded model is compiled in place (``nn.Module.compile``) in the parallelize_fn."""
 
     def parallelize(model: torch.nn.Module, device_mesh) -> torch.nn.Module:
-        return fully_shard_model(model, plan, mesh=device_mesh["data_parallel"], units=(torch.nn.Linear,))
+        model = fully_shard_model(model, plan, mesh=device_mesh["data_parallel"], units=(torch.nn.Linear,))
+        if compile:
+            model.compile()
+        return model
 
     strategy = ModelParallelStrategy(parallelize_fn=parallelize, data_parallel_size=2, tensor_parallel_size=1)
     plugin = MixprecPrecision(plan)
@@ -85,6 +98,7 @@ def run(plan: str, ckpt: str, momentum: float = 0.0, inf_step: int = -1) -> dict
     resumed = train(range(5, 10))
     return {"first": first, "straight": straight, "resumed": resumed, "after": after, "resumed_weights": weights(),
             "layers": sorted({type(m).__name__ for m in model.module.modules()}),
+            "graphs": _graphs(),
             "skipped": skipped, "scales": scales}
 
 

@@ -49,6 +49,9 @@ def cells(out: str) -> dict[str, Callable[[], dict]]:
         "fabric fp16-master": lambda: run("fp16-master", os.path.join(out, "fabric-fp16-master"),
                                           inf_step=FABRIC_INF_STEP),
         "fit fp8-mixed": lambda: fit("fp8-mixed", "mixprec"),
+        # compiled in the parallelize_fn, against the same run eager
+        "fabric bf16-kahan": lambda: run("bf16-kahan", os.path.join(out, "fabric-bf16-kahan")),
+        "fabric bf16-kahan compiled": lambda: run("bf16-kahan", os.path.join(out, "fabric-bf16-kahan-c"), compile=True),
         # the LightningModule itself as the FSDP root
         "root bf16-master": lambda: fit("bf16-master", "policy", root=True),
         "root fp16-master inf": lambda: fit("fp16-master", "policy", INF_STEP, root=True),

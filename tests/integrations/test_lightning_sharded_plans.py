@@ -161,3 +161,16 @@ def test_the_lightning_module_itself_as_the_fsdp_root_trains_as_one_process(cell
     for name in a["params"]:
         assert torch.equal(a["params"][name], b["params"][name]), name
     _like_one_process(plan, (a["losses"], b["losses"]), a["params"], inf_step)
+
+
+def test_a_model_compiled_in_fabrics_parallelize_fn_trains_as_the_eager_one(cells):
+    """torch.compile over the FSDP2 shards (nn.Module.compile in the parallelize_fn, after
+    fully_shard_model) under bf16-kahan: the same losses and weights as the eager run, and its
+    sharded checkpoint resumes bit for bit."""
+    for eager, compiled in zip(cells["fabric bf16-kahan"], cells["fabric bf16-kahan compiled"], strict=True):
+        assert compiled["graphs"] > eager["graphs"], (compiled["graphs"], eager["graphs"])  # it did compile
+        assert compiled["first"] + compiled["straight"] == pytest.approx(eager["first"] + eager["straight"], rel=1e-6)
+        assert compiled["resumed"] == compiled["straight"]
+        for name, w in eager["after"].items():
+            assert torch.equal(compiled["after"][name], w), name
+            assert torch.equal(compiled["resumed_weights"][name], compiled["after"][name]), name
