@@ -261,6 +261,12 @@ def _refusal_worker(rank: int, world: int, out: str) -> None:
         fully_shard_model(net, "fp8-mixed")
     except ValueError as exc:
         found["fp8 sharded"] = str(exc)
+    # ... while a model none of whose Linear layers is eligible (8 features) is sharded as it is, and runs
+    net = fully_shard_model(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)), "fp8-mixed")
+    net, fp8_opt = MixedPrecision("fp8-mixed").prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    net(torch.randn(2, 8)).float().sum().backward()
+    fp8_opt.step()
+    found["fp8 none eligible"] = "trained"
     # a pickle or copy of the wrapper carries no stand-ins of this run's shards
     found["copy views"] = len(opt.__getstate__()["_shard_views"])
     found["views"] = len(opt._shard_views)
@@ -290,6 +296,7 @@ def test_what_cannot_be_sharded_is_refused_with_the_fix(tmp_path):
     assert found["island"] == ["torch.float32", "torch.bfloat16"]  # the island fp32, the rest bf16
     assert "holds no fp8 layers" in found["fp8 layers"] and "fully_shard_model(model, plan" in found["fp8 layers"]
     assert "got a model already sharded: an fp8 plan" in found["fp8 sharded"], found["fp8 sharded"]
+    assert found["fp8 none eligible"] == "trained"
 
 
 def _in_backward_worker(rank: int, world: int, out: str) -> None:
@@ -478,7 +485,7 @@ def test_sharded_checkpoints_resume_bit_for_bit(tmp_path):
         assert parts == ["rank00000-of-00002.pt", "rank00001-of-00002.pt"]
     # another number of ranks: the state is put together and cut again, exactly
     # (and on 2 ranks as 2 replicas of one shard: another mesh)
-    for world, mesh in ((1, None), (3, None), (2, (2, 1))):
+    for world, mesh in ((1, None), (4, None), (2, (2, 1))):  # (4: the head's 5 rows as 2, 2, 1 and 0)
         run_ranks(_reshard_load_worker, world, str(tmp_path), RESUME_PLANS, mesh)
         loaded = [torch.load(tmp_path / f"reshard{r}-of-{world}.pt", weights_only=True) for r in range(world)]
         for plan_name in RESUME_PLANS:
@@ -497,7 +504,7 @@ def test_sharded_checkpoints_resume_bit_for_bit(tmp_path):
                         assert bool((diff <= 2e-3 + 3 * 2.0**-8 * ref.float().abs()).all()), (name, float(diff.max()))
                 else:
                     _check_close(loaded[0][plan_name]["params"], r0[plan_name]["next_params"], f"{plan_name} 2 -> 1")
-            else:  # 15 of the 16 rows on 3 ranks, or fp16's own skips; the ranks stay one model
+            else:  # 4 ranks or 2 replicas, or fp16's own skips: the ranks stay one model
                 for name, w in loaded[0][plan_name]["params"].items():
                     assert all(torch.equal(got[plan_name]["params"][name], w) for got in loaded), (plan_name, name)
                     assert bool(torch.isfinite(w).all()), (plan_name, name)

@@ -413,7 +413,8 @@ def _read_part(path: str, pointer: dict[str, Any], module: torch.nn.Module,
         f"checkpoint {path!r} was saved by {saved} ranks and is loaded by {world}"
         + (" sharding it otherwise" if saved == world else "") + ": its sharded tensors were put "
         "together and cut for this run (every rank read every part). "
-        + ("This rank did not save, so its RNG state was not restored. " if rank >= saved else "")
+        + ("This rank did not save: its RNG state was not restored, and its extra dict and unsharded buffers "
+           "are rank 0's. " if rank >= saved else "")
         + "The run goes on from the same state, but not bit for bit as one on "
         f"{saved} ranks would: the gradients are reduced over another split of the batch",
         UserWarning, stacklevel=3,

@@ -18,12 +18,13 @@ the same ``path``:
   its tensors were split (global shape, mesh shape, this rank's coordinate, placements), so
   every sharded entry (weights, optimizer state, Kahan compensation) is put together from the
   parts holding its shards, one replica's under HSDP, and cut as this run shards its
-  parameter: exactly the saved state. Each rank then holds the whole saved state in memory
-  for a moment. Per-rank state follows the new ranks: rank ``r`` keeps the RNG state of the
-  saved rank ``r`` (none where there was none), stochastic rounding the noise of shard ``r``
-  (re-seeded where there was none). The run goes on from the same state, not bit for bit as
-  on the old number of ranks (the batch is split otherwise). Shards over two mesh dimensions
-  of one tensor dimension, or placements other than Shard/Replicate, are refused.
+  parameter: exactly the saved state. Every rank reads every part, so while it loads each rank
+  holds the whole saved state in host memory (a node of 8 ranks: 8 copies). Per-rank state
+  follows the new ranks: rank ``r`` keeps the RNG state of the saved rank ``r`` (none where
+  there was none), stochastic rounding the noise of shard ``r`` (re-seeded where there was
+  none). The run goes on from the same state, not bit for bit as on the old number of ranks
+  (the batch is split otherwise). Shards over two mesh dimensions of one tensor dimension, or
+  placements other than Shard/Replicate, are refused.
 
 ``path`` must be on a filesystem every rank sees (as for ``torch.distributed.checkpoint``).
 DTensors are stored as their local tensors with the list of places where they were;
@@ -205,8 +206,10 @@ def reshard(path: str, parts: Sequence[dict[str, Any]], module: torch.nn.Module,
     else from rank 0's; the RNG state of a rank that did not save is left out. Refused
     (ValueError naming the entry and the fix) where a part does not record how it was split."""
     saved = len(parts)
-    refuse = (f"Resume with {saved} ranks, or gather the weights (DTensor.full_tensor()) in a run of {saved} ranks "
-              "and start the new run from them")
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
+    refuse = ((f"Resume with {saved} ranks" if world != saved else "Resume with the mesh and placements it was saved "
+               "with") + ", or gather the weights (DTensor.full_tensor()) in a run like the one that saved it and "
+              "start the new run from them")
     layouts = [part["sharded"].get("layouts") for part in parts]
     if any(not isinstance(layout, dict) for layout in layouts):
         raise ValueError(f"checkpoint {path!r} was saved by {saved} ranks and this run has a different number; its "
@@ -229,6 +232,9 @@ def reshard(path: str, parts: Sequence[dict[str, Any]], module: torch.nn.Module,
             extent = _extent(layout)
             obj = part[section] if index is None else part[section][index]
             local = _get(obj, entry)
+            if local.numel() == 0 and math.prod(layout["shape"]) == 0:
+                pieces.append(([(0, 0)] * local.dim(), local))
+                continue
             if isinstance(extent, str) or tuple(length for _, length in extent) != tuple(local.shape):
                 why = extent if isinstance(extent, str) else f"shape {tuple(local.shape)} where its split gives " \
                     f"{tuple(length for _, length in extent)}"
@@ -236,6 +242,8 @@ def reshard(path: str, parts: Sequence[dict[str, Any]], module: torch.nn.Module,
                                  f"placed ({why}). {refuse}")
             pieces.append((extent, local))
         shape = layouts[0][section][n]["shape"] if index is None else layouts[0][section][index][n]["shape"]
+        if pieces and math.prod(shape) == 0:  # (FSDP2 gives an empty tensor's shards its own shape)
+            return pieces[0][1].new_empty(shape)
         if not pieces or sum(local.numel() for _, local in pieces) != math.prod(shape):
             raise ValueError(f"checkpoint {path!r}: the shards of {'/'.join(map(str, entry))} do not cover its shape "
                              f"{tuple(shape)} once. {refuse}")
@@ -250,6 +258,8 @@ def reshard(path: str, parts: Sequence[dict[str, Any]], module: torch.nn.Module,
                              f"{tuple(like.shape)} in this model")
         extent = _extent(layout_of(like))
         local_shape = tuple(local_of(like).shape)
+        if full.numel() == 0:
+            return wrap_like(full.new_empty(local_shape), like)
         if isinstance(extent, str) or tuple(length for _, length in extent) != local_shape:
             raise ValueError(f"checkpoint {path!r}: {what} is sharded in this run in a way it cannot be cut for "
                              f"({extent if isinstance(extent, str) else local_shape}). {refuse}")
@@ -275,7 +285,8 @@ def reshard(path: str, parts: Sequence[dict[str, Any]], module: torch.nn.Module,
                                  "sharded in this run")
             _set(state, entry, mine(whole("optimizers", i, n, entry), params[index], what))
         for index, entries in (state.get("state") or {}).items():
-            for name, value in entries.items() if isinstance(entries, dict) else ():
+            sharded_param = isinstance(index, int) and index < len(params) and is_dtensor(params[index])
+            for name, value in entries.items() if isinstance(entries, dict) and sharded_param else ():
                 if isinstance(value, torch.Tensor) and value.numel() > 1 and [*("state", index, name)] not in opt_places:
                     raise ValueError(f"checkpoint {path!r}: optimizer {i}'s state/{index}/{name} is a plain tensor "
                                      f"of one rank's shard, which cannot be put together. {refuse}")

@@ -260,7 +260,9 @@ def fully_shard_model(
                 f"fully_shard_model(plan={plan.name!r}) got a model already sharded: {what} converts "
                 "the model before sharding it. Pass the unsharded model"
             )
-        _convert_for(model, plan)
+        _convert_for(model, _base_of(plan))
+        if fp8:  # (a model whose Linear layers are none of them eligible holds no fp8 layer, rightly)
+            model._mixprec_fp8_converted = True  # type: ignore[assignment]
     if mesh is None:
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -455,7 +457,7 @@ def check_fp8_layers(model: torch.nn.Module, plan: ShardedPlan) -> None:
     layers before sharding (replacing them afterwards would replace the sharded parameters)."""
     from mixprec.fp8.linear import Fp8Linear
 
-    if not any(isinstance(m, Fp8Linear) for m in model.modules()):
+    if not any(isinstance(m, Fp8Linear) or getattr(m, "_mixprec_fp8_converted", False) for m in model.modules()):
         raise ValueError(
             f"plan {plan.name!r} computes its Linear layers in fp8, but this FSDP2 model holds no fp8 layers: under "
             "FSDP2 they are swapped in before sharding. Shard with mixprec.distributed.fully_shard_model(model, plan, "

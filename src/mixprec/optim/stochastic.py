@@ -137,17 +137,22 @@ class StochasticRoundingOptimizer(LowPrecisionOptimizer):
         self._generators = {}
         sharded = [p for p in self._low_params() if shards.is_dtensor(p)]
         own = shards.shard_index(sharded[0]) if sharded else None
+        here = shards.local_of(sharded[0]).device if sharded else None
         missing = False
         for key, state in extra.get("generators", {}).items():
             dev, _, shard = str(key).partition("/shard")
-            if own is not None and (not shard or int(shard) != own):
+            if own is not None and (not shard or int(shard) != own or torch.device(dev).type != here.type):  # type: ignore[union-attr]
                 # another shard's noise (a whole-model state dict holds every rank's, or rank 0's), or
                 # noise saved unsharded, which every shard would then repeat
                 missing = True
                 continue
             if shard:
                 self._shard_offset = int(shard)
-            self._generator(torch.device(dev)).set_state(state)
+            # a shard's noise goes to the device this rank holds that shard on (saved by a rank
+            # that may have held it on another GPU: a CUDA generator's state is its seed and offset)
+            device = here if here is not None else torch.device(dev)
+            if device not in self._generators:  # (replicas of a shard saved the same noise: the first)
+                self._generator(device).set_state(state)
         if missing and not self._generators:
             self._shard_offset = own or 0
             warnings.warn(
