@@ -790,3 +790,79 @@ def test_flattened_dcp_optimizer_state_resumes_master_plans_and_refuses_the_wrap
     if reason is not None:
         pytest.skip(reason)
     run_ranks(_flatten_worker, WORLD, str(tmp_path))
+
+
+def _generic_zero_step_worker(rank: int, world: int, out: str) -> None:
+    """torch.distributed.checkpoint's zero step over FSDP2 shards where the wrapper takes its
+    generic path (a fused AdamW, Adagrad): it creates the state a real step would, in its dtypes,
+    and changes no weight; a full optimizer state dict then resumes bit for bit."""
+    import copy
+
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    from mixprec.distributed import fully_shard_model
+
+    full = StateDictOptions(full_state_dict=True)
+    results = {}
+    for plan_name, make in (("bf16-kahan", lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True)),
+                            ("bf16-sr", lambda ps: torch.optim.Adagrad(ps, lr=1e-2))):
+        def session(plan_name=plan_name, make=make):
+            torch.manual_seed(0)
+            net = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
+            net = fully_shard_model(net, plan_name)
+            mp = MixedPrecision(plan_name)
+            net, opt = mp.prepare(net, make(net.parameters()))
+            return mp, net, opt
+
+        def steps(mp, net, first: int) -> list[float]:
+            losses = []
+            for i in range(first, first + 3):
+                x = torch.randn(8, 16, generator=torch.Generator().manual_seed(i))
+                with mp.autocast():
+                    loss = net(x).float().pow(2).mean()
+                mp.backward(loss)
+                mp.step()
+                losses.append(float(loss.detach()))
+            return losses
+
+        mp, net, opt = session()
+        steps(mp, net, 0)
+        # (copies, as from a file: the state dicts hold the optimizer's own step counters)
+        model_sd = copy.deepcopy(get_model_state_dict(net, options=full))
+        optim_sd = copy.deepcopy(get_optimizer_state_dict(net, opt, options=full))
+        straight = steps(mp, net, 3)
+        mp2, net2, opt2 = session()
+        set_model_state_dict(net2, model_sd, options=full)
+        weights = {n: p.full_tensor().clone() for n, p in net2.named_parameters()}
+        get_optimizer_state_dict(net2, opt2)  # the zero step on a fresh optimizer
+        kinds = sorted({f"{p.dtype}:{k}:{v.dtype}" for p, st in opt2.optimizer.state.items() for k, v in st.items()
+                        if isinstance(v, torch.Tensor)})
+        unchanged = all(torch.equal(p.full_tensor(), weights[n]) for n, p in net2.named_parameters())
+        set_optimizer_state_dict(net2, opt2, optim_sd, options=full)
+        resumed = steps(mp2, net2, 3)
+        same = all(torch.equal(p.full_tensor(), q.full_tensor()) for p, q in zip(net2.parameters(), net.parameters(),
+                                                                                  strict=True))
+        results[plan_name] = {"kinds": kinds, "unchanged": unchanged, "resumed": resumed == straight, "same": same}
+    torch.save(results, os.path.join(out, "generic.pt"))
+
+
+@pytest.mark.distributed
+def test_the_checkpoint_zero_step_creates_the_generic_paths_state_and_changes_no_weight(tmp_path):
+    reason = _fsdp2_available()
+    if reason is not None:
+        pytest.skip(reason)
+    run_ranks(_generic_zero_step_worker, 1, str(tmp_path))
+    found = torch.load(tmp_path / "generic.pt", weights_only=True)
+    kahan, sr = found["bf16-kahan"], found["bf16-sr"]
+    assert kahan["unchanged"] and sr["unchanged"]
+    assert kahan["resumed"] and kahan["same"] and sr["resumed"] and sr["same"], found  # bit for bit
+    # the bf16 weights' moments in the wrapper's state dtype, as its first real step makes them
+    assert "torch.bfloat16:exp_avg:torch.bfloat16" in kahan["kinds"], kahan["kinds"]
+    assert "torch.float32:exp_avg:torch.float32" in kahan["kinds"], kahan["kinds"]  # the LayerNorm's
+    assert any(k.startswith("torch.bfloat16:sum:") for k in sr["kinds"]), sr["kinds"]

@@ -8,9 +8,14 @@ from __future__ import annotations
 
 import copy
 import os
+import socket
+import subprocess
+import sys
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -118,3 +123,20 @@ def assert_same_params(got: dict[str, torch.Tensor], want: dict[str, torch.Tenso
     assert got.keys() == want.keys()
     for k in want:
         assert torch.equal(got[k], want[k]), f"{k}: max diff {(got[k].float() - want[k].float()).abs().max()}"
+
+
+def torchrun(script: Path, args: list[str], out: Path, after: list[str] | None = None, ranks: int = 2) -> list:
+    """``script`` under torchrun on ``ranks`` ranks as ``script *args out *after``; each rank's result."""
+    out.mkdir()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2]) + os.pathsep +
+           os.environ.get("PYTHONPATH", "")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_addr", "127.0.0.1",
+           "--master_port", str(port), str(script), *args, str(out), *(after or [])]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    files = [out / f"rank{r}.pt" for r in range(ranks)]
+    if not all(f.exists() for f in files):
+        pytest.fail(f"torchrun exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return [torch.load(f, weights_only=True) for f in files]

@@ -168,12 +168,20 @@ def test_accelerator_mixed_precision_and_mixprec_conflict():
 
 
 def test_an_fsdp_accelerator_is_refused_not_run_as_ddp(monkeypatch):
-    """On CPU Accelerate ignores an FSDP plugin and runs DDP; mixprec says so instead."""
-    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
-    acc = Accelerator(cpu=True)
-    model = TinyMLP()
-    with pytest.raises(ValueError, match=re.escape("this Accelerator runs FSDP")):
-        prepare(acc, MixedPrecision("bf16-mixed"), model, torch.optim.SGD(model.parameters(), lr=0.1))
+    """On CPU Accelerate ignores an FSDP plugin and runs DDP; mixprec says so instead (on GPUs,
+    where Accelerate runs it, FSDP2 runs: test_accelerate_fsdp2.py)."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "false")  # (Accelerator(fsdp_plugin=...) sets it: restored after)
+    for make in (lambda: Accelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2)),
+                 lambda: (monkeypatch.setenv("ACCELERATE_USE_FSDP", "true"), Accelerator(cpu=True))[1]):
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        acc = make()
+        model = TinyMLP()
+        with pytest.raises(ValueError, match=re.escape("Accelerate ignores an FSDP plugin on this device")):
+            prepare(acc, MixedPrecision("bf16-mixed"), model, torch.optim.SGD(model.parameters(), lr=0.1))
+
 
 
 def test_clip_in_the_middle_of_accumulation_is_refused():

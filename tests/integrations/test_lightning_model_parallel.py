@@ -3,9 +3,6 @@ inside the LightningModule), 2 gloo ranks under torchrun, against one process on
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,6 +10,8 @@ import pytest
 import torch
 
 pytest.importorskip("lightning")
+
+from tests.integrations._common import torchrun as _torchrun
 
 pytestmark = [pytest.mark.integration, pytest.mark.distributed, pytest.mark.slow]
 
@@ -23,26 +22,9 @@ def _run(plan: str, policy: str, out: Path, inf_step: int | None = None) -> list
     return _torchrun(SCRIPT, [plan, policy], out, [] if inf_step is None else [str(inf_step)])
 
 
-def _torchrun(script: Path, args: list[str], out: Path, after: list[str] | None = None, ranks: int = 2) -> list:
-    """``script`` under torchrun on ``ranks`` ranks as ``script *args out *after``; each rank's result."""
-    out.mkdir()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2]) + os.pathsep +
-           os.environ.get("PYTHONPATH", "")}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_addr", "127.0.0.1",
-           "--master_port", str(port), str(script), *args, str(out), *(after or [])]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-    files = [out / f"rank{r}.pt" for r in range(ranks)]
-    if not all(f.exists() for f in files):
-        pytest.fail(f"torchrun exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    return [torch.load(f, weights_only=True) for f in files]
-
-
-def _one_process(plan: str, inf_step: int = -1) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _one_process(plan: str, inf_step: int = -1, momentum: float = 0.0) -> tuple[list[float], dict[str, torch.Tensor]]:
     """mixprec's own loop on the whole global batch (the mean of the two ranks' losses); an inf
-    planted in the first weight's gradient after backward at ``inf_step``."""
+    planted in the first weight's gradient after backward at ``inf_step``; SGD with ``momentum``."""
     sys.path.insert(0, str(SCRIPT.parent))
     from lightning_model_parallel import MICRO, STEPS, data, net
 
@@ -50,7 +32,7 @@ def _one_process(plan: str, inf_step: int = -1) -> tuple[list[float], dict[str, 
 
     model = net()
     mp = MixedPrecision(plan)
-    model, opt = mp.prepare(model, torch.optim.SGD(model.parameters(), lr=0.05))
+    model, opt = mp.prepare(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=momentum))
     x, y = data()
     losses = []
     for step in range(STEPS):

@@ -191,8 +191,9 @@ def test_training_arguments_precision_flags_conflict(tmp_path):
         MixprecTrainer(model=gpt2(), args=args, precision="fp16-mixed")
 
 
-def test_trainer_fsdp_is_refused_not_run_as_ddp(tmp_path):
+def test_trainer_fsdp_is_refused_not_run_as_ddp(tmp_path, monkeypatch):
     """The Trainer's fsdp= used to run DDP on CPU under MixprecTrainer, without a word."""
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "false")  # (TrainingArguments(fsdp=...) sets it: restored after)
     args = TrainingArguments(output_dir=str(tmp_path), fsdp=True, use_cpu=True, report_to=[])
     with pytest.raises(ValueError, match=re.escape("TrainingArguments(fsdp=...) asks the Trainer for FSDP")):
         MixprecTrainer(model=gpt2(), args=args, precision="bf16-mixed")

@@ -63,7 +63,7 @@ from accelerate.optimizer import AcceleratedOptimizer  # noqa: E402
 from mixprec.integrations.forward import AutocastForward  # noqa: E402
 from mixprec.session import MixedPrecision, StepResult  # noqa: E402
 
-__all__ = ["MixprecAcceleratedOptimizer", "SessionCheckpoint", "attach", "prepare"]
+__all__ = ["MixprecAcceleratedOptimizer", "SessionCheckpoint", "attach", "fsdp2_plugin", "prepare"]
 
 
 def _plain_module(model: torch.nn.Module) -> torch.nn.Module:
@@ -74,24 +74,123 @@ def _plain_module(model: torch.nn.Module) -> torch.nn.Module:
         model = inner
 
 
+def fsdp2_plugin(accelerator: Any) -> Any | None:
+    """The FSDP plugin of an accelerator that runs FSDP2 (``fsdp_version=2``); None otherwise."""
+    state = getattr(accelerator, "state", None)
+    plugin = getattr(state, "fsdp_plugin", None)
+    running = str(getattr(state, "distributed_type", "")).split(".")[-1] == "FSDP"
+    return plugin if running and plugin is not None and getattr(plugin, "fsdp_version", 1) == 2 else None
+
+
 def _check_accelerator(accelerator: Any) -> None:
     if not isinstance(accelerator, Accelerator):
         raise TypeError(f"accelerator must be an accelerate.Accelerator, got {type(accelerator).__name__}")
     state = getattr(accelerator, "state", None)
-    engine = ("FSDP" if getattr(state, "fsdp_plugin", None) is not None or os.environ.get("ACCELERATE_USE_FSDP", "").lower()
-              in ("1", "true") else "DeepSpeed" if getattr(state, "deepspeed_plugin", None) is not None else None)
-    if engine is not None:
+    if getattr(state, "deepspeed_plugin", None) is not None:
         raise ValueError(
-            f"this Accelerator runs {engine}, which mixprec's Accelerate integration does not support: its engine "
-            "applies its own precision (and on CPU Accelerate ignores an FSDP plugin and runs DDP, without a word). "
-            "Use an Accelerator without it (DDP), or shard with mixprec.distributed.fully_shard_model in your own loop"
+            "this Accelerator runs DeepSpeed, which mixprec's Accelerate integration does not support: its engine "
+            "owns the optimizer and applies its own precision. Use an Accelerator without it (DDP), or one with an "
+            "FSDP2 plugin (FullyShardedDataParallelPlugin(fsdp_version=2)); docs/distributed.md says how a DeepSpeed "
+            "fp16/bf16 config maps to a plan"
         )
+    plugin = getattr(state, "fsdp_plugin", None)
+    asked = plugin is not None or os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true")
+    if asked and fsdp2_plugin(accelerator) is None:
+        why = (f"fsdp_version={plugin.fsdp_version}: mixprec runs its plans on FSDP2 shards only; pass "
+               "FullyShardedDataParallelPlugin(fsdp_version=2)" if plugin is not None and
+               str(getattr(state, "distributed_type", "")).split(".")[-1] == "FSDP" else
+               "Accelerate ignores an FSDP plugin on this device and runs DDP instead, without a word (it shards on "
+               "GPUs only). Use an Accelerator without it (DDP) here, or shard with "
+               "mixprec.distributed.fully_shard_model in your own loop")
+        raise ValueError(f"this Accelerator was asked for FSDP, which mixprec does not run here: {why}")
+    if plugin is not None and asked:
+        _check_fsdp2_plugin(plugin)
     mixed = str(getattr(accelerator, "mixed_precision", "no"))
     if mixed != "no":
         raise ValueError(
             f"Accelerator(mixed_precision={mixed!r}) and mixprec would both run the precision; "
             "create the Accelerator with mixed_precision='no' and choose the plan in MixedPrecision(...)"
         )
+
+
+def _check_fsdp2_plugin(plugin: Any) -> None:
+    """Refuse the FSDP2 plugin options mixprec does not take, naming the fix."""
+    if getattr(plugin, "mixed_precision_policy", None) is not None:
+        raise ValueError(
+            f"FullyShardedDataParallelPlugin(mixed_precision_policy={plugin.mixed_precision_policy!r}) and mixprec would "
+            "both set the precision; leave it unset: mixprec shards with the plan's own policy (fsdp_policy(plan))"
+        )
+    if getattr(plugin, "activation_checkpointing", False):
+        raise ValueError(
+            "FullyShardedDataParallelPlugin(activation_checkpointing=True) wraps the layers after mixprec has sharded "
+            "them; leave it False and checkpoint inside the model (torch.utils.checkpoint, or the model's own "
+            "gradient_checkpointing_enable())"
+        )
+    offload = getattr(plugin, "cpu_offload", None)
+    if offload is not None and type(offload).__name__ == "CPUOffloadPolicy":
+        raise ValueError(
+            "FullyShardedDataParallelPlugin(cpu_offload=True) is not supported under mixprec: its optimizer wrappers "
+            "step the shards where FSDP2 keeps them, which was not tested with offloading. Leave cpu_offload unset"
+        )
+
+
+def _fsdp2_units(plugin: Any, model: torch.nn.Module) -> tuple[type[torch.nn.Module], ...]:
+    """The module classes the plugin's auto-wrap policy makes FSDP2 units (transformer-based
+    wrapping: ``transformer_cls_names_to_wrap``, else the model's ``_no_split_modules``); none
+    without a policy (the root alone, as Accelerate does). Resolved before sharding renames the
+    classes, and left resolved on the plugin, as Accelerate leaves it."""
+    import functools
+
+    plugin.set_auto_wrap_policy(model)
+    policy = getattr(plugin, "auto_wrap_policy", None)
+    if policy is None:
+        return ()
+    keywords = policy.keywords if isinstance(policy, functools.partial) else {}
+    if "transformer_layer_cls" in keywords:
+        return tuple(keywords["transformer_layer_cls"])
+    raise ValueError(
+        f"FullyShardedDataParallelPlugin(auto_wrap_policy={policy!r}): mixprec shards by module class (norm layers "
+        "a plan keeps in fp32 form their own unit); use auto_wrap_policy='transformer_based_wrap' with "
+        "transformer_cls_names_to_wrap (or the model's _no_split_modules), or no auto-wrap policy"
+    )
+
+
+def _shard_for_fsdp2(accelerator: Any, session: MixedPrecision, model: torch.nn.Module,
+                     optimizers: list[torch.optim.Optimizer]) -> None:
+    """Shard ``model`` as Accelerate's FSDP2 plugin asks, with the plan's policy (mixprec's
+    :func:`~mixprec.distributed.fully_shard_model`: converted first under the plans without masters
+    and fp8, norm layers in one fp32 unit), and point ``optimizers`` at the sharded parameters.
+    Accelerate then finds the model sharded and keeps it."""
+    from mixprec.distributed import fully_shard_model, has_fsdp
+
+    if has_fsdp(model):
+        return
+    plugin = fsdp2_plugin(accelerator)
+    assert plugin is not None, "called for an accelerator running FSDP2 only"
+    names = {id(p): n for n, p in model.named_parameters()}
+    for i, opt in enumerate(optimizers):
+        if opt.state:
+            raise ValueError(
+                f"optimizer {i} ({type(opt).__name__}) has state already; under FSDP2 it is pointed at the sharded "
+                "parameters, so build it fresh and pass it to prepare() before its first step"
+            )
+        strangers = [p for g in opt.param_groups for p in g["params"] if id(p) not in names]
+        if strangers:
+            raise ValueError(
+                f"optimizer {i} ({type(opt).__name__}) holds {len(strangers)} tensor(s) that are not parameters of the "
+                "model given to prepare(); under FSDP2 it is pointed at the sharded parameters by name. Build it over "
+                "model.parameters()"
+            )
+    mesh = accelerator.torch_device_mesh
+    config = getattr(accelerator, "parallelism_config", None)
+    if mesh is not None and config is not None:
+        mesh = mesh[tuple(config.fsdp_dim_names)]
+    fully_shard_model(model, session.plan, mesh=mesh, units=_fsdp2_units(plugin, model),
+                      reshard_after_forward=plugin.reshard_after_forward)
+    sharded = dict(model.named_parameters())
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["params"] = [sharded[names[id(p)]] for p in group["params"]]
 
 
 class _Link:
@@ -165,7 +264,11 @@ class MixprecAcceleratedOptimizer(AcceleratedOptimizer):
                 "optimizer.step(closure) is not supported under mixprec: compute the loss, call "
                 "accelerator.backward(loss), then optimizer.step()"
             )
-        if self.gradient_state.sync_gradients:
+        if not self._link.pending and _state_init_step(self.optimizer):
+            # torch.distributed.checkpoint's zero step (Accelerate's FSDP2 load_state): it gives an
+            # optimizer without state the tensors to load into; the plan's optimizer creates them
+            self.optimizer.step()
+        elif self.gradient_state.sync_gradients:
             self._link.step()
 
     @property
@@ -178,6 +281,19 @@ class MixprecAcceleratedOptimizer(AcceleratedOptimizer):
         return self._link.mp.last_result
 
 
+def _state_init_step(optimizer: torch.optim.Optimizer) -> bool:
+    """True for the step ``torch.distributed.checkpoint`` takes to create an optimizer's state:
+    no state yet, every learning rate 0, every gradient zero."""
+    if optimizer.state:
+        return False
+    groups = optimizer.param_groups
+    if not groups or any(float(g.get("lr", 1.0)) != 0.0 for g in groups):
+        return False
+    grads = [p.grad for g in groups for p in g["params"] if p.grad is not None]
+    local = [getattr(grad, "_local_tensor", grad) for grad in grads]
+    return bool(grads) and not any(bool(t.any()) for t in local)
+
+
 class _MixprecAcceleratorMixin:
     """Methods an attached accelerator takes from mixprec (see :func:`attach`)."""
 
@@ -186,6 +302,17 @@ class _MixprecAcceleratorMixin:
     @property
     def mixed_precision_session(self) -> MixedPrecision:
         return self._mixprec.mp
+
+    def prepare(self, *args: Any, device_placement: Any = None) -> Any:
+        """Accelerate's prepare; under an FSDP2 plugin, mixprec first shards the model with the
+        plan's policy and prepares it and its optimizers on the shards (as :func:`prepare` does):
+        the path of a caller that prepares through the accelerator itself (the Trainer)."""
+        mp = self._mixprec.mp
+        models = [a for a in args if isinstance(a, torch.nn.Module)]
+        if models and mp.model is None and fsdp2_plugin(self) is not None:
+            return prepare(self, mp, *args, device_placement=device_placement)
+        kwargs = {} if device_placement is None else {"device_placement": device_placement}
+        return super().prepare(*args, **kwargs)  # type: ignore[misc]
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None) -> Any:
         if getattr(optimizer, "_is_accelerate_prepared", False) or isinstance(optimizer, AcceleratedOptimizer):
@@ -279,7 +406,7 @@ def attach(accelerator: Any, mp: MixedPrecision | str | Any) -> MixedPrecision:
         _ATTACHED[cls] = sub
     link = _Link(session)
     link.distributed = bool(getattr(accelerator, "use_distributed", False))
-    link.mp.is_ddp = link.mp.is_ddp or link.distributed
+    link.mp.is_ddp = link.mp.is_ddp or (link.distributed and fsdp2_plugin(accelerator) is None)
     accelerator._mixprec = link
     accelerator.__class__ = sub
     accelerator.register_for_checkpointing(SessionCheckpoint(session, link))
@@ -306,6 +433,9 @@ def prepare(accelerator: Any, mp: MixedPrecision | str | Any, *args: Any, device
     if optimizers and not models and session.model is None:
         raise ValueError("prepare() got optimizers but no model; pass the model in the same call (mixprec converts it first)")
     replaced: dict[int, Any] = {}
+    if models and session.model is None and fsdp2_plugin(accelerator) is not None:
+        _shard_for_fsdp2(accelerator, session, models[0], [o for o in optimizers if not any(o is p for p in
+                                                                                         session.optimizers)])
     for model in models:
         if session.model is None:
             replaced[id(model)] = session.prepare_model(model)  # torch.compile(model) with compile=True

@@ -56,7 +56,7 @@ from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME  # noqa: E402
 from transformers.trainer_pt_utils import reissue_pt_warnings  # noqa: E402
 
 from mixprec.dtypes import cast_floating  # noqa: E402
-from mixprec.integrations.accelerate import attach  # noqa: E402
+from mixprec.integrations.accelerate import attach, fsdp2_plugin  # noqa: E402
 from mixprec.optim import KahanOptimizer, MasterWeightOptimizer, WrappedOptimizer  # noqa: E402
 from mixprec.resume import STATE_FORMAT, fingerprint_diffs, load_plain_optimizer_state  # noqa: E402
 from mixprec.session import MixedPrecision  # noqa: E402
@@ -98,19 +98,18 @@ class MixprecTrainer(Trainer):
         super().__init__(*args, **kwargs)
         if self.model is None:
             raise ValueError("MixprecTrainer needs model=...; model_init is not supported")
-        self.mp.prepare_model(self.model)
+        if fsdp2_plugin(self.accelerator) is None:  # (under FSDP2 the model is sharded first, at prepare)
+            self.mp.prepare_model(self.model)
 
     # -------------------------------------------------------------- wiring
     def create_accelerator_and_postprocess(self) -> None:
-        for flag, what in (("fsdp", "FSDP"), ("deepspeed", "DeepSpeed")):
-            if getattr(self.args, flag, None):
-                raise ValueError(
-                    f"TrainingArguments({flag}=...) asks the Trainer for {what}, which MixprecTrainer does not "
-                    f"integrate: its engine applies its own precision (and on CPU Accelerate would run DDP instead, "
-                    "without a word). For sharded training shard the model at load time "
-                    "(from_pretrained(..., distributed_config=...)) or use mixprec's own loop with "
-                    "mixprec.distributed.fully_shard_model; drop " + flag + "= here"
-                )
+        if getattr(self.args, "deepspeed", None):
+            raise ValueError(
+                "TrainingArguments(deepspeed=...) asks the Trainer for DeepSpeed, which MixprecTrainer does not "
+                "integrate: its engine owns the optimizer and applies its own precision. Shard with FSDP2 instead "
+                "(fsdp=..., fsdp_config={'fsdp_version': 2}), or at load time (from_pretrained(..., "
+                "distributed_config=...)); drop deepspeed= here"
+            )
         for flag in ("fp16", "bf16", "fp16_full_eval", "bf16_full_eval"):
             if getattr(self.args, flag, False):
                 raise ValueError(
@@ -118,10 +117,19 @@ class MixprecTrainer(Trainer):
                     f"both run the precision; drop {flag}=True (the plan decides the dtypes)"
                 )
         super().create_accelerator_and_postprocess()
+        if getattr(self.args, "fsdp", None) and fsdp2_plugin(self.accelerator) is None:
+            raise ValueError(
+                "TrainingArguments(fsdp=...) asks the Trainer for FSDP, which MixprecTrainer runs as FSDP2 where "
+                "Accelerate shards (GPUs, with fsdp_config={'fsdp_version': 2}); here Accelerate would run DDP "
+                "instead, without a word (on CPU), or FSDP1. Drop fsdp= here, or shard the model at load time "
+                "(from_pretrained(..., distributed_config=...))"
+            )
         attach(self.accelerator, self.mp)
 
     def create_optimizer(self, model: Any = None) -> torch.optim.Optimizer:
         optimizer = super().create_optimizer(model)
+        if self.mp.model is None:  # FSDP2: prepared with the model once it is sharded (accelerator.prepare)
+            return optimizer
         if optimizer is not None and not any(optimizer is o for o in self.mp.optimizers):
             inner = getattr(optimizer, "optimizer", None)  # already through Accelerate
             if not any(inner is o for o in self.mp.optimizers):

@@ -231,9 +231,12 @@ class LowPrecisionOptimizer(WrappedOptimizer):
         if any(bool(shards.local_of(p.grad).any()) for p in self.params() if p.grad is not None):  # type: ignore[union-attr]
             return False
         dtype = torch.float32 if self.state_dtype is None else self.state_dtype
+        generic: list[torch.Tensor] = []  # stepped on the generic path (fused, other optimizers): its own zero step
         for group in groups:
             mine = [p for p in group["params"] if p.dtype in LOW_PRECISION_DTYPES and p.grad is not None]
             kind = self._fast_kind(group) if mine else None
+            if mine and kind is None:
+                generic.extend(mine)
             if kind == "adam":
                 init_adam_state(self.optimizer, group, mine, dtype)
             elif kind == "sgd" and group.get("momentum", 0) != 0:  # torch's SGD would keep zero buffers
@@ -251,6 +254,8 @@ class LowPrecisionOptimizer(WrappedOptimizer):
         finally:
             for group, params in zip(groups, saved, strict=True):
                 group["params"] = params
+        if generic:  # lr 0 and zero gradients: the weights (and compensation) come back as they were
+            self.step_selected(set(generic))
         self._init_kinds(low)
         return True
 
