@@ -21,6 +21,7 @@ takes its slice of every global batch.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 
 import torch
@@ -50,10 +51,18 @@ def main() -> None:
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if cuda else "gloo")
+    train(args, torch.device("cuda") if cuda else torch.device("cpu"))
+    # the sharded model and optimizer are gone with train()'s frame: free what they left while the
+    # group is alive, then leave together (destroyed first, the group can abort a rank at exit)
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def train(args: argparse.Namespace, device: torch.device) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     if world % args.replicas:
         raise SystemExit(f"--replicas {args.replicas} does not divide the world size {world}")
-    device = torch.device("cuda") if cuda else torch.device("cpu")
     mesh = init_device_mesh(device.type, (args.replicas, world // args.replicas), mesh_dim_names=("replicate", "shard"))
     if args.replicas == 1:
         mesh = mesh["shard"]
@@ -89,8 +98,6 @@ def main() -> None:
     weights = {n: p.full_tensor().detach().cpu() for n, p in model.named_parameters()}
     if rank == 0 and args.out:
         torch.save({"weights": weights, "losses": losses, "world": world}, args.out)
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def _units(model: torch.nn.Module) -> tuple[type[torch.nn.Module], ...]:
