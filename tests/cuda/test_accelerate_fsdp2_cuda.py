@@ -39,7 +39,7 @@ def _run(plan: str, out: str) -> dict:
                                                 transformer_cls_names_to_wrap=[type(task.model.blocks[0]).__name__])
         acc = Accelerator(fsdp_plugin=plugin)
         assert acc.is_fsdp2, acc.distributed_type
-        model = task.model.to(acc.device)
+        model = task.model  # left on the CPU, as the Trainer leaves it: mixprec shards it onto the GPU
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         model, opt = prepare(acc, MixedPrecision(plan), model, opt)
         return acc, task, model, opt
@@ -77,6 +77,13 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     torch.cuda.set_device(rank)
     results = {plan: _run(plan, out) for plan in PLANS}
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+    import gc
+
+    import torch.distributed as dist
+
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def test_accelerates_fsdp2_plugin_runs_the_plans_on_gpus_and_resumes_bit_for_bit():

@@ -28,7 +28,7 @@ from accelerate.state import AcceleratorState, GradientState, PartialState  # no
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin  # noqa: E402
 
 from mixprec import MixedPrecision  # noqa: E402
-from mixprec.integrations.accelerate import prepare  # noqa: E402
+from mixprec.integrations.accelerate import attach, prepare  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from lightning_model_parallel import MICRO, STEPS, data, net  # noqa: E402
@@ -50,10 +50,27 @@ def accelerator(**plugin_kwargs) -> Accelerator:
     return acc
 
 
+class WithRows(torch.nn.Sequential):
+    """The tiny net with two parameters of one row, which add zero to its output (their gradients
+    are zero): on 2 ranks rank 1 holds an empty shard of each, whose data pointers are both 0."""
+
+    def __init__(self) -> None:
+        super().__init__(*net())
+        self.row = torch.nn.Parameter(torch.ones(1, 4))
+        self.one = torch.nn.Parameter(torch.ones(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + 0.0 * (self.row.sum() + self.one.sum())
+
+
+def model_with_empty_shards() -> torch.nn.Module:
+    return WithRows()
+
+
 def session(plan: str):
     acc = accelerator(auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["Linear"])
     mp = MixedPrecision(plan)
-    model = net()
+    model = model_with_empty_shards()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     model, opt = prepare(acc, mp, model, opt)
     return acc, mp, model, opt
@@ -102,7 +119,7 @@ def run(plan: str, out: str) -> dict:
 
 def refusals() -> dict[str, str]:
     found = {}
-    for option, value in (("activation_checkpointing", True), ("fsdp_version", 1)):
+    for option, value in (("activation_checkpointing", True), ("fsdp_version", 1), ("cpu_ram_efficient_loading", True)):
         try:
             acc = accelerator(**{option: value})
             model = net()
@@ -110,6 +127,21 @@ def refusals() -> dict[str, str]:
             found[option] = "accepted"
         except ValueError as exc:
             found[option] = str(exc)
+        os.environ.pop("FSDP_CPU_RAM_EFFICIENT_LOADING", None)  # (the plugin sets it for the plugins after it)
+    calls = {
+        "two optimizers": lambda acc, model: prepare(acc, MixedPrecision("bf16-master"), model,
+                                                     torch.optim.SGD(model[0].parameters(), lr=0.1),
+                                                     torch.optim.SGD(model[2].parameters(), lr=0.1)),
+        "auto": lambda acc, model: prepare(acc, MixedPrecision("auto"), model,
+                                           torch.optim.SGD(model.parameters(), lr=0.1)),
+        "model alone": lambda acc, model: (attach(acc, MixedPrecision("bf16-master")), acc.prepare(model)),
+    }
+    for name, call in calls.items():
+        try:
+            call(accelerator(), net())
+            found[name] = "accepted"
+        except ValueError as exc:
+            found[name] = str(exc)
     return found
 
 

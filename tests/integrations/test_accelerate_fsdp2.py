@@ -36,7 +36,7 @@ def ranks(tmp_path_factory) -> tuple[dict, dict]:
 def test_every_plan_trains_sharded_through_accelerate_as_one_process_and_resumes_bit_for_bit(ranks, plan):
     a, b = (r[plan] for r in ranks)
     inf_step = INF_STEP if plan.startswith("fp16") else -1
-    assert a["sharded"] == "DTensor"  # the parameters are FSDP2 shards
+    assert a["sharded"] == "DTensor"  # the parameters are FSDP2 shards (two of them empty on rank 1: save_state works)
     assert a["dtypes"] == [WEIGHTS.get(plan, "torch.float32")]  # the plan's shards (fp32 = the masters)
     assert a["skipped"][:STEPS] == b["skipped"][:STEPS] == [step == inf_step for step in range(STEPS)]
     assert a["scales"] == b["scales"]
@@ -68,3 +68,7 @@ def test_what_the_fsdp2_plugin_asks_that_mixprec_does_not_take_is_refused_with_t
     assert "activation_checkpointing=True) wraps the layers after mixprec has sharded them" in found[
         "activation_checkpointing"]
     assert "fsdp_version=1: mixprec runs its plans on FSDP2 shards only" in found["fsdp_version"]
+    assert "--fsdp_cpu_ram_efficient_loading false" in found["cpu_ram_efficient_loading"]
+    assert "one optimizer per model" in found["two optimizers"]
+    assert "name the plan" in found["auto"]
+    assert "in one prepare() call" in found["model alone"]

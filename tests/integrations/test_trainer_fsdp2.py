@@ -68,3 +68,11 @@ def test_the_trainers_fsdp2_trains_every_plan_and_resumes_bit_for_bit(run, cell)
         for name, ref in want.items():  # the ranks' half batches: rounding apart
             torch.testing.assert_close(straight["params"][name], ref, rtol=3e-2, atol=3e-3,
                                        msg=lambda m, name=name: f"{cell} {name}: {m}")
+
+
+def test_a_plain_trainers_fsdp2_checkpoint_is_refused_under_a_plan_without_masters(run):
+    """Its sharded optimizer state has no compensation or noise for the plan's optimizer (before: the
+    optimizer and the learning-rate schedule started afresh, with a warning naming the optimizer only)."""
+    _, a, b = run
+    for rank in (a, b):
+        assert "has no mixprec.pt" in rank["plain checkpoint"] and "under FSDP2" in rank["plain checkpoint"]

@@ -1,4 +1,4 @@
-"""Run by torchrun from test_transformers_sharded.py: MixprecTrainer with ``fsdp=`` and
+"""Run by torchrun from test_trainer_fsdp2.py: MixprecTrainer with ``fsdp=`` and
 ``fsdp_config={"fsdp_version": 2}`` on 2 gloo ranks. The Trainer's Accelerator runs FSDP only on
 GPUs; so that its FSDP2 path runs here, each Accelerator created with an FSDP plugin gets its state
 set to FSDP, as Accelerate sets it on GPUs. For each plan: 10 steps with a checkpoint at step 5
@@ -11,6 +11,7 @@ Usage: torchrun --nproc_per_node 2 trainer_fsdp2.py CKPT OUT
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import warnings
 
@@ -79,6 +80,17 @@ def main() -> None:
         straight = train(ckpt, plan, kind, folder)
         resumed = train(ckpt, plan, kind, folder + "-resumed", resume=os.path.join(folder, "checkpoint-5"))
         results[f"{plan} {kind}"] = {"straight": straight, "resumed": resumed}
+    # a checkpoint without mixprec.pt (a plain Trainer's) under a plan without masters: refused
+    plain = os.path.join(out, "plain-checkpoint")
+    if int(os.environ["RANK"]) == 0:
+        shutil.copytree(os.path.join(out, "bf16-kahan-FULL_STATE_DICT", "checkpoint-5"), plain)
+        os.remove(os.path.join(plain, "mixprec.pt"))
+    torch.distributed.barrier()
+    try:
+        train(ckpt, "bf16-kahan", "FULL_STATE_DICT", os.path.join(out, "plain-resumed"), resume=plain)
+        results["plain checkpoint"] = "resumed"
+    except ValueError as exc:
+        results["plain checkpoint"] = str(exc)
     torch.save(results, os.path.join(out, f"rank{os.environ['RANK']}.pt"))
 
 

@@ -96,15 +96,23 @@ def _check_accelerator(accelerator: Any) -> None:
     plugin = getattr(state, "fsdp_plugin", None)
     asked = plugin is not None or os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true")
     if asked and fsdp2_plugin(accelerator) is None:
+        kind = str(getattr(state, "distributed_type", "")).split(".")[-1]
         why = (f"fsdp_version={plugin.fsdp_version}: mixprec runs its plans on FSDP2 shards only; pass "
-               "FullyShardedDataParallelPlugin(fsdp_version=2)" if plugin is not None and
-               str(getattr(state, "distributed_type", "")).split(".")[-1] == "FSDP" else
+               "FullyShardedDataParallelPlugin(fsdp_version=2)" if plugin is not None and kind == "FSDP" else
+               "this process was not launched as one of several (accelerate launch or torchrun), so Accelerate runs "
+               "it alone, without FSDP. Launch it distributed" if kind == "NO" else
                "Accelerate ignores an FSDP plugin on this device and runs DDP instead, without a word (it shards on "
                "GPUs only). Use an Accelerator without it (DDP) here, or shard with "
                "mixprec.distributed.fully_shard_model in your own loop")
         raise ValueError(f"this Accelerator was asked for FSDP, which mixprec does not run here: {why}")
     if plugin is not None and asked:
         _check_fsdp2_plugin(plugin)
+        config = getattr(accelerator, "parallelism_config", None)
+        if config is not None and (getattr(config, "tp_enabled", False) or getattr(config, "cp_enabled", False)):
+            raise ValueError(
+                "this Accelerator's parallelism_config asks for tensor or context parallelism beside FSDP2; mixprec "
+                "shards the model with FSDP2 alone (data parallel). Drop tp_size/cp_size, or shard in your own loop"
+            )
     mixed = str(getattr(accelerator, "mixed_precision", "no"))
     if mixed != "no":
         raise ValueError(
@@ -125,6 +133,18 @@ def _check_fsdp2_plugin(plugin: Any) -> None:
             "FullyShardedDataParallelPlugin(activation_checkpointing=True) wraps the layers after mixprec has sharded "
             "them; leave it False and checkpoint inside the model (torch.utils.checkpoint, or the model's own "
             "gradient_checkpointing_enable())"
+        )
+    if getattr(plugin, "cpu_ram_efficient_loading", False):
+        raise ValueError(
+            "FullyShardedDataParallelPlugin(cpu_ram_efficient_loading=True) (accelerate launch's "
+            "--fsdp_cpu_ram_efficient_loading, on by default there) loads the weights on rank 0 only and relies on "
+            "Accelerate's own sharding to broadcast them, which mixprec's sharding with the plan's policy replaces. "
+            "Pass --fsdp_cpu_ram_efficient_loading false (fsdp_config={'cpu_ram_efficient_loading': False})"
+        )
+    if getattr(plugin, "ignored_modules", None):
+        raise ValueError(
+            "FullyShardedDataParallelPlugin(ignored_modules=...) is not supported under mixprec: the plan converts and "
+            "shards every module. Leave it unset (freeze those parameters instead: requires_grad=False)"
         )
     offload = getattr(plugin, "cpu_offload", None)
     if offload is not None and type(offload).__name__ == "CPUOffloadPolicy":
@@ -181,10 +201,24 @@ def _shard_for_fsdp2(accelerator: Any, session: MixedPrecision, model: torch.nn.
                 "model given to prepare(); under FSDP2 it is pointed at the sharded parameters by name. Build it over "
                 "model.parameters()"
             )
+    if getattr(session.plan, "auto_reason", None):
+        raise ValueError(
+            f"MixedPrecision('auto') chooses its plan when the model is prepared, and under FSDP2 the model is sharded "
+            f"for the plan before that; name the plan (here 'auto' chose {session.plan.name!r})"
+        )
+    if len(optimizers) + len(session.optimizers) > 1:
+        raise ValueError(
+            "under FSDP2 Accelerate checkpoints one optimizer per model (save_state pairs them by index); pass one "
+            "optimizer, with several param groups if needed"
+        )
     mesh = accelerator.torch_device_mesh
     config = getattr(accelerator, "parallelism_config", None)
     if mesh is not None and config is not None:
         mesh = mesh[tuple(config.fsdp_dim_names)]
+    elif mesh is None:  # on the accelerator's device, wherever the model is now (the Trainer leaves it on the CPU)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(accelerator.device.type, (accelerator.num_processes,))
     fully_shard_model(model, session.plan, mesh=mesh, units=_fsdp2_units(plugin, model),
                       reshard_after_forward=plugin.reshard_after_forward)
     sharded = dict(model.named_parameters())
@@ -287,7 +321,7 @@ def _state_init_step(optimizer: torch.optim.Optimizer) -> bool:
     if optimizer.state:
         return False
     groups = optimizer.param_groups
-    if not groups or any(float(g.get("lr", 1.0)) != 0.0 for g in groups):
+    if not groups or any(float(g.get("lr", 0.0)) != 0.0 for g in groups):  # (an optimizer without lr: its zero step too)
         return False
     grads = [p.grad for g in groups for p in g["params"] if p.grad is not None]
     local = [getattr(grad, "_local_tensor", grad) for grad in grads]
@@ -310,6 +344,12 @@ class _MixprecAcceleratorMixin:
         mp = self._mixprec.mp
         models = [a for a in args if isinstance(a, torch.nn.Module)]
         if models and mp.model is None and fsdp2_plugin(self) is not None:
+            if not any(isinstance(a, torch.optim.Optimizer) for a in args):
+                raise ValueError(
+                    "under FSDP2 the model is prepared with its optimizer, in one prepare() call (mixprec shards the "
+                    "model and points the optimizer at the shards); pass both (with the Trainer: train() before "
+                    "evaluate())"
+                )
             return prepare(self, mp, *args, device_placement=device_placement)
         kwargs = {} if device_placement is None else {"device_placement": device_placement}
         return super().prepare(*args, **kwargs)  # type: ignore[misc]
@@ -448,4 +488,13 @@ def prepare(accelerator: Any, mp: MixedPrecision | str | Any, *args: Any, device
         replaced.update({id(o): w for o, w in zip(fresh, out, strict=True)})
     converted = [replaced.get(id(a), a) for a in args]
     kwargs = {} if device_placement is None else {"device_placement": device_placement}
-    return accelerator.prepare(*converted, **kwargs)
+    if fsdp2_plugin(accelerator) is None:
+        return accelerator.prepare(*converted, **kwargs)
+    # Accelerate's FSDP2 prepare swaps every optimizer parameter out and back by its shard's data
+    # pointer, which two empty shards on one rank share (0): the parameters are put back as they were
+    groups = [(o, [list(g["params"]) for g in o.param_groups]) for o in session.optimizers]
+    out = accelerator.prepare(*converted, **kwargs)
+    for opt, params in groups:
+        for group, mine in zip(opt.param_groups, params, strict=True):
+            group["params"] = mine
+    return out

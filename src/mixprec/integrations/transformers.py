@@ -210,6 +210,13 @@ class MixprecTrainer(Trainer):
         its optimizer state goes into the plan's optimizer, which keeps its own masters /
         compensation, started from the checkpoint's weights."""
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # inside Accelerate's wrapper
+        if fsdp2_plugin(self.accelerator) is not None and isinstance(optimizer, WrappedOptimizer):
+            raise ValueError(
+                f"checkpoint {checkpoint!r} has no {MIXPREC_STATE_NAME} (a plain Trainer's, or saved with "
+                f"save_only_model=True), and under FSDP2 its sharded optimizer state cannot go into plan "
+                f"{self.mp.plan.name!r}'s optimizer (its compensation or noise is not there). Resume it under a "
+                "'*-master' or '*-mixed' plan, or start from its weights without resume_from_checkpoint"
+            )
         found = all(os.path.isfile(os.path.join(checkpoint, name)) for name in (OPTIMIZER_NAME, SCHEDULER_NAME))
         if not isinstance(optimizer, WrappedOptimizer):
             super()._load_optimizer_and_scheduler(checkpoint)
