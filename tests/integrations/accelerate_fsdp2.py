@@ -136,6 +136,16 @@ def refusals() -> dict[str, str]:
                                            torch.optim.SGD(model.parameters(), lr=0.1)),
         "model alone": lambda acc, model: (attach(acc, MixedPrecision("bf16-master")), acc.prepare(model)),
     }
+    # as Accelerate itself leaves it on CPU: the plugin set aside, DDP
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    acc = Accelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
+    try:
+        model = net()
+        prepare(acc, MixedPrecision("bf16-master"), model, torch.optim.SGD(model.parameters(), lr=0.1))
+        found["ddp instead"] = "accepted"
+    except ValueError as exc:
+        found["ddp instead"] = str(exc)
     for name, call in calls.items():
         try:
             call(accelerator(), net())

@@ -72,3 +72,4 @@ def test_what_the_fsdp2_plugin_asks_that_mixprec_does_not_take_is_refused_with_t
     assert "one optimizer per model" in found["two optimizers"]
     assert "name the plan" in found["auto"]
     assert "in one prepare() call" in found["model alone"]
+    assert "Accelerate ignores an FSDP plugin on this device and runs DDP instead" in found["ddp instead"]
