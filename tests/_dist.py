@@ -9,6 +9,7 @@ import tempfile
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -40,3 +41,32 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, *args: Any) -> None:
         mp.start_processes(
             _entry, args=(world_size, init_file, fn, args), nprocs=world_size, join=True, start_method="spawn"
         )
+
+
+def whole(obj: Any) -> Any:
+    """``obj`` (a state dict) with every tensor a copy and every DTensor gathered whole; stochastic
+    rounding's per-shard noise (``generators``) left out. (A copy: optimizers step their counters
+    in place.) Collective where it gathers: call it on every rank."""
+    if isinstance(obj, torch.Tensor):
+        return (obj.full_tensor() if hasattr(obj, "full_tensor") else obj).detach().clone()
+    if isinstance(obj, dict):
+        return {k: whole(v) for k, v in obj.items() if k != "generators"}
+    if isinstance(obj, list | tuple):
+        return [whole(v) for v in obj]
+    return obj
+
+
+def assert_same(got: Any, want: Any, where: str) -> None:
+    """``got`` equals ``want`` exactly: the same keys, tensors of the same dtype and bits."""
+    if isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor) and got.dtype == want.dtype and torch.equal(got, want), where
+    elif isinstance(want, dict):
+        assert isinstance(got, dict) and sorted(map(str, got)) == sorted(map(str, want)), (where, list(got), list(want))
+        for key, value in want.items():
+            assert_same(got[key], value, f"{where}/{key}")
+    elif isinstance(want, list):
+        assert isinstance(got, list) and len(got) == len(want), where
+        for i, (a, b) in enumerate(zip(got, want, strict=True)):
+            assert_same(a, b, f"{where}/{i}")
+    else:
+        assert got == want or (got != got and want != want), (where, got, want)

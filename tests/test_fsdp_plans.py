@@ -21,7 +21,7 @@ import torch
 
 from mixprec import MixedPrecision, get_plan
 from mixprec.cli.models import build_task
-from tests._dist import run_ranks
+from tests._dist import assert_same, run_ranks, whole
 from tests.test_distributed import (
     _check_close,
     _fsdp2_available,
@@ -493,7 +493,7 @@ def test_sharded_checkpoints_resume_bit_for_bit(tmp_path):
                 assert "was saved by 2 ranks and is loaded by " + str(world) in got[plan_name]["warning"], plan_name
                 assert ("sharding it otherwise" in got[plan_name]["warning"]) == (world == 2), plan_name
                 assert ("did not save" in got[plan_name]["warning"]) == (rank >= 2), (plan_name, rank)
-                _assert_same(got[plan_name]["state"], r0[plan_name]["saved"], f"{plan_name} on {world}")
+                assert_same(got[plan_name]["state"], r0[plan_name]["saved"], f"{plan_name} on {world}")
             # (fp16: whether a step at scale 2^16 overflows, and is skipped, depends on how the batch is split)
             if world == 1 and not plan_name.startswith("fp16"):  # the whole batch on one rank: as the 2 ranks' halves
                 assert loaded[0][plan_name]["next"] == pytest.approx(
@@ -540,32 +540,7 @@ def test_a_part_without_its_layout_is_refused_on_another_number_of_ranks():
 
 def _gathered(model, opt, mp) -> dict:
     """Model, optimizer and session state with every DTensor whole (the rounding noise left out)."""
-
-    def whole(obj):
-        if isinstance(obj, torch.Tensor):  # (a copy: the optimizer steps its counters in place)
-            return (obj.full_tensor() if hasattr(obj, "full_tensor") else obj).detach().clone()
-        if isinstance(obj, dict):
-            return {k: whole(v) for k, v in obj.items() if k != "generators"}
-        if isinstance(obj, list | tuple):
-            return [whole(v) for v in obj]
-        return obj
-
     return {"model": whole(model.state_dict()), "optimizer": whole(opt.state_dict()), "mp": whole(mp.state_dict())}
-
-
-def _assert_same(got, want, where: str) -> None:
-    if isinstance(want, torch.Tensor):
-        assert isinstance(got, torch.Tensor) and got.dtype == want.dtype and torch.equal(got, want), where
-    elif isinstance(want, dict):
-        assert isinstance(got, dict) and sorted(map(str, got)) == sorted(map(str, want)), (where, list(got), list(want))
-        for key, value in want.items():
-            _assert_same(got[key], value, f"{where}/{key}")
-    elif isinstance(want, list):
-        assert isinstance(got, list) and len(got) == len(want), where
-        for i, (a, b) in enumerate(zip(got, want, strict=True)):
-            _assert_same(a, b, f"{where}/{i}")
-    else:
-        assert got == want or (got != got and want != want), (where, got, want)
 
 
 def _reshard_load_worker(rank: int, world: int, out: str, plans: tuple[str, ...], mesh: tuple[int, ...] | None) -> None:
@@ -688,7 +663,7 @@ def test_hsdp_two_replicas_of_two_shards_train_like_one_process(tmp_path):
     # its checkpoint on 2 ranks and one mesh dimension: the state is put together from one replica, exactly
     run_ranks(_hsdp_reshard_worker, 2, str(tmp_path))
     for r in range(2):
-        _assert_same(torch.load(tmp_path / f"hsdp-loaded{r}.pt", weights_only=True), ranks[0]["bf16-kahan"]["saved"],
+        assert_same(torch.load(tmp_path / f"hsdp-loaded{r}.pt", weights_only=True), ranks[0]["bf16-kahan"]["saved"],
                      f"HSDP -> 2 ranks, rank {r}")
 
 

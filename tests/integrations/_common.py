@@ -140,3 +140,15 @@ def torchrun(script: Path, args: list[str], out: Path, after: list[str] | None =
     if not all(f.exists() for f in files):
         pytest.fail(f"torchrun exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return [torch.load(f, weights_only=True) for f in files]
+
+
+def run_fsdp(acc: Any, plugin: Any) -> None:
+    """Set Accelerator ``acc``'s state to FSDP with ``plugin``, as Accelerate sets it on GPUs (on a
+    CPU it sets the plugin aside and runs DDP): its FSDP2 code paths then run here."""
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    # (each AcceleratorState() copies the process state's distributed type: set both)
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    acc.state.distributed_type = DistributedType.FSDP
+    acc.state.fsdp_plugin = plugin

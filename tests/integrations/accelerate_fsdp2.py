@@ -24,11 +24,12 @@ import torch
 warnings.filterwarnings("ignore")
 
 from accelerate import Accelerator  # noqa: E402
-from accelerate.state import AcceleratorState, GradientState, PartialState  # noqa: E402
-from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin  # noqa: E402
+from accelerate.state import AcceleratorState, GradientState  # noqa: E402
+from accelerate.utils import FullyShardedDataParallelPlugin  # noqa: E402
 
 from mixprec import MixedPrecision  # noqa: E402
 from mixprec.integrations.accelerate import attach, prepare  # noqa: E402
+from tests.integrations._common import run_fsdp  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from lightning_model_parallel import MICRO, STEPS, data, net  # noqa: E402
@@ -43,11 +44,9 @@ def accelerator(**plugin_kwargs) -> Accelerator:
     GradientState._reset_state()
     plugin = FullyShardedDataParallelPlugin(**{"fsdp_version": 2, **plugin_kwargs})
     acc = Accelerator(cpu=True, fsdp_plugin=plugin)
-    # (each AcceleratorState() copies the process state's distributed type: set both)
-    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
-    acc.state.distributed_type = DistributedType.FSDP
-    acc.state.fsdp_plugin = plugin
+    run_fsdp(acc, plugin)
     return acc
+
 
 
 class WithRows(torch.nn.Sequential):

@@ -27,17 +27,9 @@ from mixprec.integrations.lightning import MixprecPrecision, setup, setup_optimi
 sys.path.insert(0, os.path.dirname(__file__))
 from lightning_model_parallel import MICRO, data, net  # noqa: E402
 
+from tests._dist import whole  # noqa: E402
+
 PLANS = ("bf16-kahan", "bf16-sr", "bf16-master")
-
-
-def whole(obj):
-    if isinstance(obj, torch.Tensor):  # (a copy: the optimizer steps its counters in place)
-        return (obj.full_tensor() if hasattr(obj, "full_tensor") else obj).detach().clone()
-    if isinstance(obj, dict):
-        return {k: whole(v) for k, v in obj.items() if k != "generators"}
-    if isinstance(obj, list | tuple):
-        return [whole(v) for v in obj]
-    return obj
 
 
 def one(plan: str, mode: str, ckpts: str, world: int) -> dict:

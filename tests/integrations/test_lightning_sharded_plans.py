@@ -13,6 +13,7 @@ import torch
 
 pytest.importorskip("lightning")
 
+from tests._dist import assert_same
 from tests.integrations.lightning_sharded_plans import FABRIC_INF_STEP, INF_STEP
 from tests.integrations.test_lightning_model_parallel import _one_process, _torchrun
 
@@ -176,21 +177,6 @@ def test_a_model_compiled_in_fabrics_parallelize_fn_trains_as_the_eager_one(cell
             assert torch.equal(compiled["resumed_weights"][name], compiled["after"][name]), name
 
 
-def _assert_same(got, want, where: str) -> None:
-    if isinstance(want, torch.Tensor):
-        assert isinstance(got, torch.Tensor) and got.dtype == want.dtype and torch.equal(got, want), where
-    elif isinstance(want, dict):
-        assert sorted(map(str, got)) == sorted(map(str, want)), (where, list(got), list(want))
-        for key, value in want.items():
-            _assert_same(got[key], value, f"{where}/{key}")
-    elif isinstance(want, list):
-        assert len(got) == len(want), where
-        for i, (a, b) in enumerate(zip(got, want, strict=True)):
-            _assert_same(a, b, f"{where}/{i}")
-    else:
-        assert got == want, (where, got, want)
-
-
 def test_fabrics_sharded_checkpoint_loads_on_another_number_of_ranks(tmp_path):
     """fabric.save on 2 ranks, fabric.load on 1 (torch.distributed.checkpoint reshards the DTensors,
     the Kahan compensation among them): the weights, SGD momentum, compensation and loss scaler
@@ -200,6 +186,6 @@ def test_fabrics_sharded_checkpoint_loads_on_another_number_of_ranks(tmp_path):
     (loaded,) = _torchrun(script, ["load", str(tmp_path)], tmp_path / "load", ranks=1)
     for plan, want in saved.items():
         got = loaded[plan]
-        _assert_same({k: got[k] for k in want}, want, plan)
+        assert_same({k: got[k] for k in want}, want, plan)
         assert len(got["next"]) == 3 and all(loss == loss for loss in got["next"]), plan
     assert "compensation" in str(saved["bf16-kahan"]["optimizer"]), "the Kahan compensation was compared"

@@ -20,11 +20,10 @@ import torch
 warnings.filterwarnings("ignore")
 
 import accelerate  # noqa: E402
-from accelerate.state import PartialState  # noqa: E402
-from accelerate.utils import DistributedType  # noqa: E402
 from transformers import GPT2LMHeadModel, TrainingArguments  # noqa: E402
 
 from mixprec.integrations.transformers import MixprecTrainer  # noqa: E402
+from tests.integrations._common import run_fsdp  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from transformers_load_sharded import rows  # noqa: E402
@@ -43,10 +42,8 @@ def _run_fsdp_as_on_gpus() -> None:
     def as_on_gpus(self, *args, **kwargs) -> None:
         init(self, *args, **kwargs)
         plugin = kwargs.get("fsdp_plugin")
-        if plugin is not None:  # (each AcceleratorState() copies the process state's distributed type: set both)
-            PartialState._shared_state["distributed_type"] = DistributedType.FSDP
-            self.state.distributed_type = DistributedType.FSDP
-            self.state.fsdp_plugin = plugin
+        if plugin is not None:
+            run_fsdp(self, plugin)
 
     accelerate.Accelerator.__init__ = as_on_gpus
 

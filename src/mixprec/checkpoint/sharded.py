@@ -132,6 +132,14 @@ def _extent(layout: dict[str, Any]) -> list[tuple[int, int]] | str:
     return extent
 
 
+def _lengths(extent: list[tuple[int, int]]) -> tuple[int, ...]:
+    return tuple(length for _, length in extent)
+
+
+def _slices(extent: list[tuple[int, int]]) -> tuple[slice, ...]:
+    return tuple(slice(begin, begin + length) for begin, length in extent)
+
+
 def _get(obj: Any, path: Sequence[Any]) -> Any:
     for key in path:
         obj = obj[key]
@@ -235,9 +243,9 @@ def reshard(path: str, parts: Sequence[dict[str, Any]], module: torch.nn.Module,
             if local.numel() == 0 and math.prod(layout["shape"]) == 0:
                 pieces.append(([(0, 0)] * local.dim(), local))
                 continue
-            if isinstance(extent, str) or tuple(length for _, length in extent) != tuple(local.shape):
-                why = extent if isinstance(extent, str) else f"shape {tuple(local.shape)} where its split gives " \
-                    f"{tuple(length for _, length in extent)}"
+            if isinstance(extent, str) or _lengths(extent) != tuple(local.shape):
+                why = extent if isinstance(extent, str) else \
+                    f"shape {tuple(local.shape)} where its split gives {_lengths(extent)}"
                 raise ValueError(f"checkpoint {path!r}: rank {k}'s shard of {'/'.join(map(str, entry))} cannot be "
                                  f"placed ({why}). {refuse}")
             pieces.append((extent, local))
@@ -249,7 +257,7 @@ def reshard(path: str, parts: Sequence[dict[str, Any]], module: torch.nn.Module,
                              f"{tuple(shape)} once. {refuse}")
         out = torch.empty(shape, dtype=pieces[0][1].dtype, device=pieces[0][1].device)
         for extent, local in pieces:
-            out[tuple(slice(begin, begin + length) for begin, length in extent)] = local
+            out[_slices(extent)] = local
         return out
 
     def mine(full: torch.Tensor, like: torch.Tensor, what: str) -> torch.Tensor:
@@ -260,10 +268,10 @@ def reshard(path: str, parts: Sequence[dict[str, Any]], module: torch.nn.Module,
         local_shape = tuple(local_of(like).shape)
         if full.numel() == 0:
             return wrap_like(full.new_empty(local_shape), like)
-        if isinstance(extent, str) or tuple(length for _, length in extent) != local_shape:
+        if isinstance(extent, str) or _lengths(extent) != local_shape:
             raise ValueError(f"checkpoint {path!r}: {what} is sharded in this run in a way it cannot be cut for "
                              f"({extent if isinstance(extent, str) else local_shape}). {refuse}")
-        local = full[tuple(slice(begin, begin + length) for begin, length in extent)].clone()
+        local = full[_slices(extent)].clone()
         return wrap_like(local, like)
 
     current = module.state_dict()
@@ -273,7 +281,6 @@ def reshard(path: str, parts: Sequence[dict[str, Any]], module: torch.nn.Module,
         if like is None or not is_dtensor(like):
             raise ValueError(f"checkpoint {path!r}: {key_path[0]!r} was sharded when saved but is not sharded in this model")
         _set(model, key_path, mine(whole("model", None, n, key_path), like, repr(key_path[0])))
-    states = []
     for i, (opt, opt_places) in enumerate(zip(optimizers, places[0]["optimizers"], strict=True)):
         params = _params(opt)
         state = payload["optimizers"][i]
@@ -290,8 +297,6 @@ def reshard(path: str, parts: Sequence[dict[str, Any]], module: torch.nn.Module,
                 if isinstance(value, torch.Tensor) and value.numel() > 1 and [*("state", index, name)] not in opt_places:
                     raise ValueError(f"checkpoint {path!r}: optimizer {i}'s state/{index}/{name} is a plain tensor "
                                      f"of one rank's shard, which cannot be put together. {refuse}")
-        states.append(state)
-    payload["optimizers"] = states
     return payload
 
 

@@ -61,6 +61,7 @@ from accelerate import Accelerator  # noqa: E402
 from accelerate.optimizer import AcceleratedOptimizer  # noqa: E402
 
 from mixprec.integrations.forward import AutocastForward  # noqa: E402
+from mixprec.optim.shards import is_zero_step  # noqa: E402
 from mixprec.session import MixedPrecision, StepResult  # noqa: E402
 
 __all__ = ["MixprecAcceleratedOptimizer", "SessionCheckpoint", "attach", "fsdp2_plugin", "prepare"]
@@ -298,7 +299,7 @@ class MixprecAcceleratedOptimizer(AcceleratedOptimizer):
                 "optimizer.step(closure) is not supported under mixprec: compute the loss, call "
                 "accelerator.backward(loss), then optimizer.step()"
             )
-        if not self._link.pending and _state_init_step(self.optimizer):
+        if not self._link.pending and not self.optimizer.state and is_zero_step(self.optimizer.param_groups):
             # torch.distributed.checkpoint's zero step (Accelerate's FSDP2 load_state): it gives an
             # optimizer without state the tensors to load into; the plan's optimizer creates them
             self.optimizer.step()
@@ -313,19 +314,6 @@ class MixprecAcceleratedOptimizer(AcceleratedOptimizer):
     def last_result(self) -> StepResult | None:
         """The StepResult of the last mixprec step (None before the first)."""
         return self._link.mp.last_result
-
-
-def _state_init_step(optimizer: torch.optim.Optimizer) -> bool:
-    """True for the step ``torch.distributed.checkpoint`` takes to create an optimizer's state:
-    no state yet, every learning rate 0, every gradient zero."""
-    if optimizer.state:
-        return False
-    groups = optimizer.param_groups
-    if not groups or any(float(g.get("lr", 0.0)) != 0.0 for g in groups):  # (an optimizer without lr: its zero step too)
-        return False
-    grads = [p.grad for g in groups for p in g["params"] if p.grad is not None]
-    local = [getattr(grad, "_local_tensor", grad) for grad in grads]
-    return bool(grads) and not any(bool(t.any()) for t in local)
 
 
 class _MixprecAcceleratorMixin:

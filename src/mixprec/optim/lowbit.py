@@ -223,12 +223,10 @@ class LowPrecisionOptimizer(WrappedOptimizer):
         tensors to save or load into, every time. A real step would round weight + compensation
         again, draw rounding noise or change the moments of the weights just loaded."""
         groups = self.optimizer.param_groups
-        if any(scalar_value(g.get("lr", 1.0)) != 0.0 for g in groups):
-            return False  # (every real step: decided from the groups alone)
+        if "lr" in groups[0] and scalar_value(groups[0]["lr"]) != 0.0:
+            return False  # (every real step: decided from the first group alone)
         low = [p for p in self._low_params() if p.grad is not None]
-        if not low or not any(shards.is_dtensor(p) for p in low):
-            return False
-        if any(bool(shards.local_of(p.grad).any()) for p in self.params() if p.grad is not None):  # type: ignore[union-attr]
+        if not low or not any(shards.is_dtensor(p) for p in low) or not shards.is_zero_step(groups):
             return False
         dtype = torch.float32 if self.state_dtype is None else self.state_dtype
         generic: list[torch.Tensor] = []  # stepped on the generic path (fused, other optimizers): its own zero step

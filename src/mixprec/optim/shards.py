@@ -29,8 +29,8 @@ import torch
 
 from mixprec.nested import shard_local
 
-__all__ = ["ELEMENTWISE", "ShardViews", "check_shardable", "is_dtensor", "local_of", "owner_of", "shard_index",
-           "wrap_like"]
+__all__ = ["ELEMENTWISE", "ShardViews", "check_shardable", "is_dtensor", "is_zero_step", "local_of", "owner_of",
+           "shard_index", "wrap_like"]
 
 #: torch optimizers whose update of an element reads only that element's weight, gradient and state
 ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
@@ -42,6 +42,21 @@ ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
 def is_dtensor(t: Any) -> bool:
     """True for a DTensor (a sharded or replicated tensor of torch.distributed)."""
     return isinstance(getattr(t, "_local_tensor", None), torch.Tensor) and hasattr(t, "device_mesh")
+
+
+def is_zero_step(param_groups: Sequence[dict[str, Any]]) -> bool:
+    """True for the step ``torch.distributed.checkpoint`` takes to give an optimizer the state
+    tensors to save or load into: every learning rate 0 (a group without one counts as 0) and
+    every gradient present zero, at least one present. The learning rates are read first, so a
+    real step is told apart without touching a gradient."""
+    if not param_groups or any(_scalar(g.get("lr", 0.0)) != 0.0 for g in param_groups):
+        return False
+    grads = [p.grad for g in param_groups for p in g["params"] if p.grad is not None]
+    return bool(grads) and not any(bool(local_of(grad).any()) for grad in grads)
+
+
+def _scalar(value: Any) -> float:
+    return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
 
 
 def local_of(t: torch.Tensor) -> torch.Tensor:
