@@ -95,7 +95,7 @@ CASES = [
     pytest.param(LowPrecisionOptimizer, "8bit", {"dtype": torch.float16, "amsgrad": True}, id="pure-fp16-weights-8bit"),
     pytest.param(RemainderOptimizer, "8bit", {}, id="remainder-8bit"),
     pytest.param(RemainderOptimizer, "bf16", {}, id="remainder-bf16"),
-    pytest.param(RemainderOptimizer, "fp16", {"amsgrad": True}, id="remainder-fp16-amsgrad"),
+    pytest.param(RemainderOptimizer, "bf16", {"amsgrad": True}, id="remainder-bf16-amsgrad"),
 ]
 
 

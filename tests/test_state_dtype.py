@@ -170,7 +170,7 @@ def test_state_dtype_is_a_plan_dimension() -> None:
         assert plan.optimizer_state_dtype == torch.uint8
         assert "8-bit blockwise" in plan.explain()
     assert get_plan("bf16-kahan", state_dtype="int8").optimizer_state_dtype == torch.uint8  # DESIGN.md's name
-    with pytest.raises(ValueError, match="state_dtype must be 'fp32', 'bf16', 'fp16' or '8bit'"):
+    with pytest.raises(ValueError, match="state_dtype must be 'fp32', 'bf16' or '8bit'"):
         get_plan("bf16-kahan", state_dtype="4bit")
     with pytest.raises(ValueError, match=r"Use get_plan\(.bf16-master., remainders=True, state_dtype=\.\.\.\)"):
         get_plan("bf16-master", state_dtype="bf16")
@@ -219,6 +219,65 @@ def test_state_made_before_wrapping_is_brought_to_8bit() -> None:
         if p.dtype == torch.bfloat16:
             assert opt.state[p]["exp_avg"].dtype == torch.uint8
     assert all(torch.isfinite(p).all() and p.abs().max() < 10 for p in model.parameters())
+
+
+@pytest.mark.parametrize("route", ["eager", "auto"])
+@pytest.mark.parametrize("kind", list(WRAPPERS))
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", None])
+def test_state_made_before_wrapping_is_brought_to_a_floating_state_dtype(dtype, kind: str, route: str) -> None:
+    # a torch optimizer that stepped on the bf16 weights holds bf16 moments; wrapped with fp32
+    # state they must become fp32 (and bf16 stays bf16), on every route ("auto": native/compiled)
+    target = qstates.parse_state_dtype(dtype) or torch.float32
+    for numel in (64, 5000):
+        torch.manual_seed(0)
+        w = torch.nn.Parameter(torch.randn(numel).bfloat16())
+        inner = torch.optim.AdamW([w], lr=1e-3)
+        w.grad = torch.randn(numel).bfloat16()
+        inner.step()
+        assert inner.state[w]["exp_avg"].dtype == torch.bfloat16
+        opt = WRAPPERS[kind](inner, state_dtype=dtype, compile=False if route == "eager" else "auto")
+        for _ in range(2):
+            w.grad = torch.randn(numel).bfloat16()
+            opt.step()
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert inner.state[w][key].dtype == target, (numel, key)
+
+
+@pytest.mark.parametrize("spelling", ["fp16", "float16", torch.float16])
+def test_fp16_state_is_refused_with_the_reason_and_the_ways_that_work(spelling) -> None:
+    # fp16 cannot hold Adam's state: a first moment of 1e5 is inf (NaN weights next), a second
+    # moment under 6e-8 is zero (updates 6x too large on gradients of 1e-4)
+    for name, kw in (("bf16-kahan", {}), ("bf16-sr", {}), ("bf16-pure", {}), ("bf16-master", {"remainders": True})):
+        with pytest.raises(ValueError, match=r"state_dtype='fp16' cannot hold optimizer state.*'bf16'.*'8bit'") as err:
+            get_plan(name, state_dtype=spelling, **kw)
+        assert name in str(err.value)
+    w = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    for wrapper in WRAPPERS.values():
+        with pytest.raises(ValueError, match="flushes to zero below 6e-8"):
+            wrapper(torch.optim.AdamW([w]), state_dtype=spelling)
+
+
+def test_a_state_dict_saved_with_fp16_state_loads_into_bf16_state_converted() -> None:
+    # checkpoints written while fp16 state was accepted still load, into a state dtype that holds them
+    model = _model()
+    opt = KahanOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), state_dtype="bf16", compile=False)
+    for step in range(3):
+        _step(model, opt, step)
+    sd = copy.deepcopy(opt.state_dict())
+    for entry in sd["state"].values():
+        for key in ("exp_avg", "exp_avg_sq"):
+            if entry[key].dtype == torch.bfloat16:
+                entry[key] = entry[key].to(torch.float16)
+    model2 = copy.deepcopy(model)
+    opt2 = KahanOptimizer(torch.optim.AdamW(model2.parameters(), lr=1e-3), state_dtype="bf16", compile=False)
+    opt2.load_state_dict(sd)
+    for index, q in enumerate(model2.parameters()):
+        if q.dtype == torch.bfloat16:
+            for key in ("exp_avg", "exp_avg_sq"):
+                held = opt2.state[q][key]
+                assert held.dtype == torch.bfloat16
+                assert torch.equal(held, sd["state"][index][key].to(torch.bfloat16))
+    _step(model2, opt2, 3)
 
 
 def test_8bit_codes_without_their_scales_are_refused() -> None:

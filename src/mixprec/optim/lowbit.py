@@ -109,7 +109,7 @@ class LowPrecisionOptimizer(WrappedOptimizer):
             :func:`~mixprec.optim.compiled.use_compiled_route`). Even with ``True`` a group
             steps eagerly when its parameters have different step counts (the compiled
             update takes one) or once the process has compiled 48 layouts. On the CPU,
-            ``"auto"`` steps 8-bit moments (and remainder masters with bf16/fp16 moments)
+            ``"auto"`` steps 8-bit moments (and remainder masters with bf16 moments)
             on the native route instead (:mod:`mixprec.optim.native`: a C loop per weight,
             the eager path's bits, no compilation per layout), where it is available.
 

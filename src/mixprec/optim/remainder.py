@@ -27,6 +27,7 @@ Training-state bytes for AdamW: 2 (weight) + 2 (gradient) + 2 (remainder) + 8 (f
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -36,7 +37,7 @@ from mixprec.nested import by_device_dtype
 from mixprec.optim import shards
 from mixprec.optim.compiled import SCREEN, CompileSetting, RemainderIO, screened_nonzero
 from mixprec.optim.fast import Piece, prefer_fast_update
-from mixprec.optim.follow import WriteWatch, master_value, register
+from mixprec.optim.follow import Seeds, WriteWatch, master_value, register
 from mixprec.optim.kinds import StateKind
 from mixprec.optim.lowbit import LowPrecisionOptimizer
 from mixprec.optim.quant import join_master, split_master
@@ -75,7 +76,7 @@ class RemainderOptimizer(LowPrecisionOptimizer):
         compile: ``"auto"`` (the default) steps Adam/AdamW natively on the CPU when the state is
             kept in bf16, fp16 or 8 bits (:mod:`mixprec.optim.native`: one C loop per weight, the
             eager path's bits); elsewhere it runs groups of 2**20+ elements through
-            ``torch.compile`` when the state is kept in bf16 or fp16 (8-bit: measured no faster): the
+            ``torch.compile`` when the state is kept in bf16 (8-bit: measured no faster): the
             master is rebuilt, updated, split and the state expanded and stored in one loop
             per parameter (the eager path's arithmetic up to fp32 rounding, which the state's own
             rounding can carry to a unit of the state's dtype). With fp32 state it keeps
@@ -119,13 +120,49 @@ class RemainderOptimizer(LowPrecisionOptimizer):
                     "of its fp32 master. Use MasterWeightOptimizer (get_plan('fp16-master'))"
                 )
         self._watch = WriteWatch()  # the weights as this wrapper last wrote them
+        # prepare()'s seeds of the parameters no optimizer holds yet, for groups added later
+        self._seeds = weakref.ref(master_values) if isinstance(master_values, Seeds) else None
         held = {id(q) for q in self._low_params()}
         with torch.no_grad():
             for param, value in (master_values or {}).items():
                 if _bf16(param) and id(param) in held:
-                    seed = value.detach().to(device=param.device, dtype=torch.float32)
-                    self._set_master(param, master_value(param, seed))
+                    self._seed(param, value)
+        self._held = held
         self._follow_loads()
+
+    def _seed(self, param: torch.Tensor, value: torch.Tensor) -> None:
+        seed = value.detach().to(device=param.device, dtype=torch.float32)
+        self._set_master(param, master_value(param, seed))
+
+    def _adopt_added(self) -> None:
+        """Masters for the bf16 parameters put into the groups since the last look (``add_param_group``
+        on this wrapper or on the inner optimizer): from prepare()'s exact fp32 seed where it kept one
+        (each used once), as the fp32-master wrapper seeds its masters, else from the weight. While
+        the groups hold the same parameters, this is a set of ``id`` reads."""
+        low = self._low_params()
+        if len(low) == len(self._held) and all(id(p) in self._held for p in low):
+            return
+        seeds = self._seeds() if self._seeds is not None else None
+        for p in low:
+            if id(p) in self._held:
+                continue
+            self._held.add(id(p))
+            seed = seeds.pop(p, None) if seeds is not None else None
+            if seed is not None and _bf16(p) and self.kinds.get(REMAINDER.name, p) is None:
+                self._seed(p, seed)
+        self._follow_loads()
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        self._adopt_added()
+
+    def step(self, closure: Callable[[], float] | None = None) -> Any:  # type: ignore[override]
+        self._adopt_added()  # a group added to the inner optimizer since: seeded before it steps
+        return super().step(closure)
+
+    def step_selected(self, selected: set[torch.Tensor] | None) -> Any:
+        self._adopt_added()
+        return super().step_selected(selected)
 
     def _follow_loads(self) -> None:
         low = self._low_params()
@@ -139,6 +176,16 @@ class RemainderOptimizer(LowPrecisionOptimizer):
         if rem is None:
             return param.detach().float()
         return join_master(param.detach(), rem, self._ties(param))
+
+    def master_of(self, param: torch.Tensor) -> torch.Tensor | None:
+        """The fp32 master of a bf16 model parameter this wrapper steps, rebuilt exactly (a new
+        tensor; a weight written since the last step first becomes its own master, as the next step
+        would take it); None for parameters it holds no master for (fp32 ones, others')."""
+        self._adopt_added()
+        if not _bf16(param) or id(param) not in {id(q) for q in self._low_params()}:
+            return None
+        self.follow_writes([param])
+        return self.master(param)
 
     @torch.no_grad()
     def _set_master(self, param: torch.Tensor, master: torch.Tensor) -> None:
@@ -222,14 +269,20 @@ class RemainderOptimizer(LowPrecisionOptimizer):
 
     def prepare_grads(self) -> None:
         self._grad_scales = []  # a new step: a skipped one's clip is not carried over
+        self._adopt_added()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._grad_scales = []
         super().zero_grad(set_to_none=set_to_none)
 
+    def __getstate__(self) -> dict[str, Any]:
+        return {**super().__getstate__(), "_seeds": None}  # a weak reference to prepare()'s seeds
+
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        self._follow_loads()  # a copy holds new parameters
+        self._seeds = state.get("_seeds")
+        self._held = {id(q) for q in self._low_params()}  # a copy holds new parameters
+        self._follow_loads()
 
     def _fast_kind(self, group: dict[str, Any]) -> str | None:
         """The fast path only where the fp32-master wrapper would pick torch's fused kernel or

@@ -1,4 +1,4 @@
-"""Optimizer state precision between steps: fp32, bf16/fp16, or 8-bit blockwise.
+"""Optimizer state precision between steps: fp32, bf16, or 8-bit blockwise (fp16 is refused).
 
 The low-precision wrappers keep each per-element state tensor of a low-precision parameter
 (Adam's moments, SGD's momentum) in ``state_dtype`` between steps and expand it to fp32 for
@@ -33,6 +33,7 @@ from mixprec.optim.quant import dequantize_blockwise, quantize_flat
 __all__ = [
     "ABSMAX",
     "BLOCK",
+    "FP16_REFUSAL",
     "Q8",
     "describe",
     "element_bytes",
@@ -56,8 +57,9 @@ _UNSIGNED = ("exp_avg_sq", "max_exp_avg_sq", "square_avg", "sum", "exp_inf", "ac
 
 
 def parse_state_dtype(value: Any) -> torch.dtype | None:
-    """``None`` / ``"fp32"`` / ``"bf16"`` / ``"fp16"`` / ``"8bit"`` (or a torch dtype) as the dtype the
-    state is kept in: None for fp32 kept as the inner optimizer makes it, :data:`Q8` for 8-bit."""
+    """``None`` / ``"fp32"`` / ``"bf16"`` / ``"8bit"`` (or a torch dtype) as the dtype the state is kept
+    in: None for fp32 kept as the inner optimizer makes it, :data:`Q8` for 8-bit. ``"fp16"`` is refused
+    (:data:`FP16_REFUSAL`: it holds neither a small second moment nor a large first one)."""
     if value is None:
         return None
     if isinstance(value, str) and value.strip().lower() in ("8bit", "8-bit", "int8", "q8", "uint8"):
@@ -66,13 +68,25 @@ def parse_state_dtype(value: Any) -> torch.dtype | None:
         dtype = parse_dtype(value)
     except (TypeError, ValueError) as exc:
         raise ValueError(
-            f"state_dtype must be 'fp32', 'bf16', 'fp16' or '8bit' (8-bit blockwise), got {value!r}"
+            f"state_dtype must be 'fp32', 'bf16' or '8bit' (8-bit blockwise), got {value!r}"
         ) from exc
     if dtype == Q8:
         return Q8
-    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"state_dtype must be 'fp32', 'bf16', 'fp16' or '8bit' (8-bit blockwise), got {value!r}")
+    if dtype == torch.float16:
+        raise ValueError(FP16_REFUSAL)
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"state_dtype must be 'fp32', 'bf16' or '8bit' (8-bit blockwise), got {value!r}")
     return dtype
+
+
+#: why ``state_dtype="fp16"`` is refused, and the ways that work
+FP16_REFUSAL = (
+    "state_dtype='fp16' cannot hold optimizer state: Adam's second moment (the squared gradient) flushes to zero "
+    "below 6e-8, so gradients under about 2.4e-4 get updates several times too large, and a first moment or "
+    "momentum above 65504 (a gradient of 1e5 or more) becomes inf and then NaN in the weights. Use "
+    "state_dtype='bf16' (the same 2 bytes, with fp32's range) or '8bit' (1 byte, a scale per 256-element block); "
+    "a checkpoint saved with fp16 state loads into either, converted"
+)
 
 
 def describe(dtype: torch.dtype | None) -> str:
@@ -104,8 +118,10 @@ def chunk_numel(numel: int, dtype: torch.dtype | None) -> int:
 
 @torch.no_grad()
 def conform(state: dict[Any, Any], param: torch.Tensor, dtype: torch.dtype | None) -> None:
-    """Bring ``param``'s per-element state to ``dtype`` (8-bit codes and scales, or floating) where
-    it is kept otherwise (an optimizer wrapped after it already held state): one check per key."""
+    """Bring ``param``'s per-element state to ``dtype`` (8-bit codes and scales, or floating; None
+    is fp32) where it is kept otherwise (an optimizer wrapped after it already held state, say bf16
+    moments of a torch optimizer that stepped on the bf16 weights): one check per key."""
+    target = dtype or torch.float32
     for key in [k for k in state if not is_scale_key(k)]:
         held = state[key]
         if not isinstance(held, torch.Tensor) or held.shape != param.shape or key == "step":
@@ -113,8 +129,10 @@ def conform(state: dict[Any, Any], param: torch.Tensor, dtype: torch.dtype | Non
         if dtype == Q8 and held.dtype != Q8 and held.is_floating_point():
             put(state, key, held.float(), Q8)
         elif dtype != Q8 and held.dtype == Q8 and f"{key}{ABSMAX}" in state:
-            state[key] = value(state, key).to(dtype or torch.float32)
+            state[key] = value(state, key).to(target)
             del state[f"{key}{ABSMAX}"]
+        elif dtype != Q8 and held.is_floating_point() and held.dtype != target:
+            state[key] = held.to(target)
 
 
 def signed_key(key: Any) -> bool:

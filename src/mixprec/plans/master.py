@@ -33,8 +33,8 @@ class MasterPlan(Plan):
     for bit, 14 bytes of training state per parameter with AdamW instead of 16 (12 with
     ``optimizer_in_backward=True``). Micro-batches then add up in the weights' bf16 ``.grad``.
     ``optimizer_compile`` chooses its update route (:class:`~mixprec.optim.RemainderOptimizer`'s
-    ``compile``): ``"auto"`` compiles Adam/AdamW for large groups when ``state_dtype`` is bf16
-    or fp16, and keeps torch's fused kernel, bit for bit ``bf16-master``, with fp32 state.
+    ``compile``): ``"auto"`` compiles Adam/AdamW for large groups when ``state_dtype`` is bf16,
+    and keeps torch's fused kernel, bit for bit ``bf16-master``, with fp32 state.
 
     ``accumulate_grads_in_fp32_hooks`` is kept for compatibility and must stay False:
     moving gradients out of the model as autograd produced them hid them from
