@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from mixprec import MixedPrecision, load_checkpoint, save_checkpoint
+from mixprec import MixedPrecision, get_plan, load_checkpoint, save_checkpoint
 from mixprec.checkpoint.integrity import checksums
 from mixprec.optim import KahanOptimizer, MasterWeightOptimizer
 from mixprec.resume import fp32_state_dict, load_plain_optimizer_state
@@ -116,12 +116,101 @@ def test_kahan_compensation_is_not_dropped_by_a_plan_that_cannot_keep_it(tmp_pat
     model2, opt2, mp2 = _run("bf16-pure", seed=1)
     before = _snapshot(model2, opt2, mp2)
     message = (
-        f"checkpoint {str(path)!r}: optimizers[0]: this optimizer state_dict holds Kahan compensation for 4 "
-        "low-precision weights (the bits rounding dropped from them), which a LowPrecisionOptimizer (rounding "
-        "'nearest') cannot keep: loading it would drop them silently. Resume it under the plan that saved it "
-        "('bf16-kahan'), or, to change plans on purpose, load only the model weights and start the optimizer fresh"
+        f"checkpoint {str(path)!r}: optimizers[0] holds Kahan compensation (the bits rounding dropped from the "
+        "weights), saved under plan 'bf16-kahan'; this run's LowPrecisionOptimizer keeps the weights alone, rounded: "
+        "loading would round them away. To go on, resume under the plan that saved it, or one that keeps them "
+        "exactly"
     )
     with pytest.raises(ValueError, match=re.escape(message)):
+        load_checkpoint(path, model=model2, optimizers=[opt2], mp=mp2, allow_plan_change=True)
+    assert _unchanged(before, _snapshot(model2, opt2, mp2))
+
+
+_REMAINDERS = get_plan("bf16-master", remainders=True)
+
+
+@pytest.mark.parametrize("where", ["export", "resume"])
+def test_remainder_masters_are_exported_exactly(where):
+    """export_fp32_state_dict() / resume.fp32_state_dict give the remainder plan's fp32 masters,
+    bit for bit those of bf16-master, not the bf16 weights upcast."""
+    model, opt, mp = _run(_REMAINDERS)
+    ref_model, ref_opt, ref_mp = _run("bf16-master")
+    sd = mp.export_fp32_state_dict() if where == "export" else fp32_state_dict(model, [opt])
+    expected = ref_mp.export_fp32_state_dict()
+    assert any(not torch.equal(expected[k], v.float()) for k, v in model.state_dict().items())  # masters matter
+    assert sd.keys() == expected.keys()
+    for key, value in expected.items():
+        assert sd[key].dtype == torch.float32
+        assert torch.equal(sd[key], value), key
+
+
+@pytest.mark.parametrize("target", ["bf16-mixed", "fp8-mixed", "fp32", "plain"])
+def test_a_remainder_checkpoint_loads_its_masters_into_fp32_weights_exactly(tmp_path, target):
+    model, opt, mp = _run(_REMAINDERS)
+    expected = _run("bf16-master")[2].export_fp32_state_dict()
+    path = tmp_path / "c.pt"
+    save_checkpoint(path, model=model, optimizers=[opt], mp=mp)
+    if target == "plain":
+        model2 = _model(1)
+        opt2, mp2 = torch.optim.AdamW(model2.parameters(), lr=1e-2), None
+    else:
+        model2, opt2, mp2 = _run(target, seed=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_checkpoint(path, model=model2, optimizers=[opt2], mp=mp2, allow_plan_change=True)
+    notes = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    assert len(notes) == 1 and "(optimizers[0]: 4 weight(s) loaded from their fp32 masters (bf16 weight + remainder))" in notes[0]
+    loaded = model2.state_dict()
+    for key, value in expected.items():
+        assert torch.equal(loaded[key], value), key
+
+
+@pytest.mark.parametrize(("source", "target"), [
+    ("bf16-master", _REMAINDERS), (_REMAINDERS, "bf16-master"),
+])
+def test_fp32_masters_and_remainders_convert_into_each_other_and_train_on_bit_for_bit(tmp_path, source, target):
+    """bf16-master and its remainder form are the same numbers: a checkpoint of one, loaded into the
+    other with allow_plan_change, goes on exactly as the saving plan would have."""
+    model, opt, mp = _run(source)
+    path = tmp_path / "c.pt"
+    save_checkpoint(path, model=model, optimizers=[opt], mp=mp)
+    _train(model, mp, 3, seed=7)  # the saving plan, uninterrupted
+    model2, opt2, mp2 = _run(target, seed=1)
+    with pytest.warns(UserWarning, match=r"converted, exactly \(optimizers\[0\]: the fp32 master weights.* of 4 weight"):
+        load_checkpoint(path, model=model2, optimizers=[opt2], mp=mp2, allow_plan_change=True)
+    _train(model2, mp2, 3, seed=7)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), model2.state_dict().values(), strict=True))
+    ours, theirs = mp.export_fp32_state_dict(), mp2.export_fp32_state_dict()
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+@pytest.mark.parametrize("target", ["bf16-master", _REMAINDERS])
+def test_a_kahan_checkpoint_becomes_masters_as_weight_plus_compensation(tmp_path, target):
+    model, opt, mp = _run("bf16-kahan")
+    expected = {name: p.detach().float() + opt.compensation(p).float() for name, p in model.named_parameters()
+                if opt.compensation(p) is not None}
+    path = tmp_path / "c.pt"
+    save_checkpoint(path, model=model, optimizers=[opt], mp=mp)
+    model2, opt2, mp2 = _run(target, seed=1)
+    with pytest.warns(UserWarning, match="Kahan compensation"):
+        load_checkpoint(path, model=model2, optimizers=[opt2], mp=mp2, allow_plan_change=True)
+    exported = mp2.export_fp32_state_dict()
+    assert len(expected) == 4
+    for key, value in expected.items():
+        assert torch.equal(exported[key], value), key
+    _train(model2, mp2, 2)
+
+
+@pytest.mark.parametrize("source", ["bf16-master", _REMAINDERS])
+@pytest.mark.parametrize("target", ["bf16-pure", "bf16-sr", "bf16-kahan"])
+def test_masters_are_refused_by_a_plan_that_would_round_them_with_why_and_the_way(tmp_path, source, target):
+    model, opt, mp = _run(source)
+    path = tmp_path / "c.pt"
+    save_checkpoint(path, model=model, optimizers=[opt], mp=mp)
+    model2, opt2, mp2 = _run(target, seed=1)
+    before = _snapshot(model2, opt2, mp2)
+    with pytest.raises(ValueError, match=r"optimizers\[0\] holds fp32 master weights.*loading would round them "
+                       r"away.*get_plan\('bf16-master', remainders=True\).*'bf16-mixed'.*model.load_state_dict"):
         load_checkpoint(path, model=model2, optimizers=[opt2], mp=mp2, allow_plan_change=True)
     assert _unchanged(before, _snapshot(model2, opt2, mp2))
 
@@ -328,3 +417,35 @@ def test_keys_a_scheduler_adds_to_the_groups_are_not_required():
     torch.optim.lr_scheduler.StepLR(opt2, 1)  # adds 'initial_lr' to opt2's groups, not to the saved ones
     opt2.load_state_dict(sd)
     assert opt2.param_groups[0]["betas"] == (0.9, 0.999)
+
+
+# ------------------------------------------- the MixedPrecision state is never dropped silently
+def test_a_checkpoint_saved_with_mp_is_refused_without_it_and_changes_nothing(tmp_path):
+    model, opt, mp = _run("fp16-mixed")
+    mp.scaler.update(1024.0)
+    path = tmp_path / "c.pt"
+    save_checkpoint(path, model=model, optimizers=[opt], mp=mp)
+    model2, opt2, mp2 = _run("fp16-mixed", seed=1)
+    before = _snapshot(model2, opt2, mp2)
+    with pytest.raises(ValueError, match=r"holds the MixedPrecision state it was saved with \(plan 'fp16-mixed', "
+                       rf"loss scale 1024, {mp.state_dict()['optimizer_steps']} optimizer steps.*no mp= was given.*mp=mp\).*allow_plan_change=True"):
+        load_checkpoint(path, model=model2, optimizers=[opt2])
+    assert _unchanged(before, _snapshot(model2, opt2, mp2))
+    load_checkpoint(path, model=model2, optimizers=[opt2], mp=mp2)  # the way that works
+    assert mp2.scaler.get_scale() == 1024.0 and mp2.state_dict()["optimizer_steps"] == mp.state_dict()["optimizer_steps"]
+
+
+def test_leaving_mixprec_on_purpose_says_what_the_load_does_not_restore(tmp_path):
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    mp = MixedPrecision("bf16-mixed")
+    model, opt, sched = mp.prepare(model, opt, scheduler=sched)
+    _train(model, mp, 2)
+    path = tmp_path / "c.pt"
+    save_checkpoint(path, model=model, optimizers=[opt], mp=mp)
+    plain = _model(1)
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    with pytest.warns(UserWarning, match=r"LR scheduler's state .* does not restore; load it yourself"):
+        load_checkpoint(path, model=plain, optimizers=[plain_opt], allow_plan_change=True)
+    assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), model.state_dict().values(), strict=True))

@@ -85,6 +85,31 @@ def test_param_group_added_after_prepare_trains_as_if_given_at_prepare(plan, whe
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("where", ["inner", "wrapper"])
+def test_param_group_added_after_prepare_under_remainders_is_seeded_exactly(where):
+    """Remainder masters of a group added after prepare start from the exact fp32 values the
+    conversion cast down, as bf16-master's masters do: the run stays bit-identical to it."""
+    ref_model = _two_layers()
+    ref_opt = torch.optim.AdamW(
+        [{"params": ref_model[0].parameters()}, {"params": ref_model[2].parameters(), "lr": 3e-4}], lr=1e-3
+    )
+    ref_mp = MixedPrecision("bf16-master")
+    ref_model, ref_opt = ref_mp.prepare(ref_model, ref_opt)
+    ref_stepped = _train(ref_mp, ref_model, _batches())
+
+    model = _two_layers()
+    mp = MixedPrecision(get_plan("bf16-master", remainders=True))
+    model, opt = mp.prepare(model, torch.optim.AdamW(model[0].parameters(), lr=1e-3))
+    target = _inner(opt) if where == "inner" else opt
+    target.add_param_group({"params": list(model[2].parameters()), "lr": 3e-4})
+    assert _train(mp, model, _batches()) == ref_stepped
+    for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
+        assert torch.equal(p, q)
+        assert torch.equal(opt.master(p), ref_opt.master_of(q))
+    copied = copy.deepcopy(opt)  # the seeds are prepare()'s: a copy neither keeps nor needs them
+    assert copied._seeds is None
+
+
 @pytest.mark.parametrize("plan", _MASTER)
 def test_inner_add_param_group_small_updates_are_not_rounded_away(plan):
     """The symptom of the bug: without a master a low-precision weight never moves when each

@@ -22,7 +22,12 @@ from typing import Any
 import torch
 
 from mixprec.dtypes import LOW_PRECISION_DTYPES
-from mixprec.optim import LowPrecisionOptimizer, MasterWeightOptimizer, WrappedOptimizer
+from mixprec.optim import (
+    LowPrecisionOptimizer,
+    MasterWeightOptimizer,
+    RemainderOptimizer,
+    WrappedOptimizer,
+)
 from mixprec.optim.checks import MASTER_INDEX_KEY, check_inner_state_dict, lift_wrapper_state
 from mixprec.optim.follow import master_value
 from mixprec.optim.loads import load_inner
@@ -181,7 +186,8 @@ def fp32_state_dict(model: torch.nn.Module, optimizers: Sequence[torch.optim.Opt
     """``model.state_dict()`` (of the module inside DDP / ``torch.compile``) in fp32.
 
     Each low-precision parameter is replaced by its fp32 master where one of
-    ``optimizers`` keeps one (:meth:`~mixprec.optim.MasterWeightOptimizer.master_of`), and
+    ``optimizers`` keeps one (:meth:`~mixprec.optim.MasterWeightOptimizer.master_of`; remainder
+    masters rebuilt exactly, :meth:`~mixprec.optim.RemainderOptimizer.master_of`), and
     upcast to fp32 otherwise (pure, Kahan and stochastic-rounding plans, frozen weights:
     exactly the weight the model computes with). Elements of a weight written after the
     last optimizer step whose master no longer rounds to them are taken from the weight.
@@ -201,7 +207,8 @@ def fp32_state_dict(model: torch.nn.Module, optimizers: Sequence[torch.optim.Opt
     (torch.bfloat16, torch.float32, True)
     """
     module = _plain_module(model)
-    masters = [opt for opt in optimizers if isinstance(opt, MasterWeightOptimizer)]
+    # fp32 masters, whole (MasterWeightOptimizer) or as bf16 weight + remainder (RemainderOptimizer)
+    masters = [opt for opt in optimizers if isinstance(opt, MasterWeightOptimizer | RemainderOptimizer)]
     out: dict[str, Any] = {}
     converted: dict[int, torch.Tensor] = {}  # id(tensor) -> its fp32 value (tied weights share it)
     for key, value in module.state_dict(keep_vars=True).items():

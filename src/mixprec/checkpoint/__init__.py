@@ -36,10 +36,13 @@ changes, and if applying still fails, what was already applied is restored.
   another class (Adam into AdamW, SGD into AdamW) is refused, as is an optimizer state
   whose parameter groups lack a hyper-parameter this optimizer's step reads.
 - Master weights are never dropped: with ``allow_plan_change=True``, the fp32 masters of a
-  ``*-master`` checkpoint (or weight + compensation of a ``bf16-kahan`` one) become the
-  weights of a plan with fp32 weights and no masters (``bf16-mixed``, ``fp8-mixed``,
-  ``fp32``) exactly, with one ``UserWarning`` saying so; a plan that could keep them only
-  rounded (``bf16-pure`` for a Kahan checkpoint) is refused.
+  ``*-master`` checkpoint (remainders included, or weight + compensation of a ``bf16-kahan``
+  one) become the weights of a plan with fp32 weights and no masters (``bf16-mixed``,
+  ``fp8-mixed``, ``fp32``) exactly, or the masters of another master form (fp32 masters,
+  remainders), with one ``UserWarning`` saying so; a plan that could keep them only
+  rounded (``bf16-pure``, ``bf16-sr``; ``bf16-kahan`` for masters) is refused with why.
+- The MixedPrecision state is never dropped: a checkpoint saved with ``mp=`` is refused
+  without it, unless ``allow_plan_change=True`` (a plain loop on purpose).
 
 >>> import tempfile, os, torch
 >>> from mixprec import MixedPrecision, save_checkpoint, load_checkpoint
@@ -73,7 +76,7 @@ from mixprec.checkpoint.checks import (
     check_rng,
     optimizer_class,
 )
-from mixprec.checkpoint.convert import ROUNDING_KEY, fp32_weights
+from mixprec.checkpoint.convert import ROUNDING_KEY, carry_between_plans, fp32_weights
 from mixprec.checkpoint.files import FORMAT, stale_temp_files
 from mixprec.checkpoint.integrity import checksums, verify_checksums
 from mixprec.optim.checks import lift_wrapper_state
@@ -353,13 +356,13 @@ def load_checkpoint(
                 raise ValueError(f"checkpoint {str(path)!r} was saved by an unsharded run; this model holds FSDP2 shards. "
                                  "Load it into the unsharded model, then shard")
             payload = _read_part(str(path), pointer, module, optimizers, group)
-            _check_payload(str(path), payload, module, optimizers, mp, allow_plan_change, rng)
+            carried = _check_payload(str(path), payload, module, optimizers, mp, allow_plan_change, rng)
         except BaseException as exc:
             error = exc
         sharded.agree(error is None, f"loading checkpoint {str(path)!r}", group)
         if error is not None:
             raise error
-        return _apply(path, payload, module, optimizers, mp, allow_plan_change, rng,
+        return _apply(path, payload, module, optimizers, mp, allow_plan_change, rng, carried,
                       agree=lambda ok: sharded.agree(ok, f"loading checkpoint {str(path)!r}", group))
     payload = files.read(str(path))
     verify_checksums(path, payload, payload.get("checksum"))
@@ -367,8 +370,8 @@ def load_checkpoint(
     if "sharded" in payload and "model" not in payload:
         raise ValueError(f"checkpoint {str(path)!r} holds FSDP2 shards (one part per rank); load it into the model "
                          "sharded as when saving, on every rank")
-    _check_payload(path, payload, module, optimizers, mp, allow_plan_change, rng)
-    return _apply(path, payload, module, optimizers, mp, allow_plan_change, rng)
+    carried = _check_payload(path, payload, module, optimizers, mp, allow_plan_change, rng)
+    return _apply(path, payload, module, optimizers, mp, allow_plan_change, rng, carried)
 
 
 def _read_part(path: str, pointer: dict[str, Any], module: torch.nn.Module,
@@ -431,12 +434,17 @@ def _lift_wrapper_entries(payload: dict[str, Any]) -> None:
 
 
 def _check_payload(path: str, payload: dict[str, Any], module: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer],
-                   mp: MixedPrecision | None, allow_plan_change: bool, rng: bool) -> None:
-    """Step 1 of a load: validate every part, changing nothing."""
+                   mp: MixedPrecision | None, allow_plan_change: bool, rng: bool) -> list[str]:
+    """Step 1 of a load: validate every part, changing nothing but ``payload`` (with
+    ``allow_plan_change``, exact masters rewritten into the form this run's optimizers keep them
+    in); returns one line per optimizer so converted."""
     # the plan first: a checkpoint of another plan explains every other mismatch
     if mp is not None:
         check_mp(path, mp, payload["mixed_precision"], allow_plan_change)
+    elif payload.get("mixed_precision") is not None:
+        _check_without_mp(path, payload["mixed_precision"], allow_plan_change)
     check_model(path, module, payload["model"])
+    carried = carry_between_plans(path, module, optimizers, payload) if allow_plan_change else []
     if len(payload["optimizers"]) != len(optimizers):
         raise ValueError(
             f"the checkpoint holds {len(payload['optimizers'])} optimizer states but {len(optimizers)} "
@@ -451,10 +459,40 @@ def _check_payload(path: str, payload: dict[str, Any], module: torch.nn.Module, 
         check_optimizer(path, i, opt, state, None if classes is None else classes[i])
     if rng and "rng" in payload:
         check_rng(path, payload["rng"])
+    return carried
+
+
+def _check_without_mp(path: str, saved: Any, allow_plan_change: bool) -> None:
+    """A checkpoint saved with ``mp=`` loaded without one: refused (its loss scale, counters and
+    scheduler would be dropped silently) unless the run leaves mixprec on purpose
+    (``allow_plan_change``), which is then told what it does not get."""
+    state = saved if isinstance(saved, Mapping) else {}
+    held_scaler = state.get("scaler")
+    scaler: Mapping[str, Any] = held_scaler if isinstance(held_scaler, Mapping) else {}
+    held = [f"plan {state.get('plan')!r}"]
+    if isinstance(scaler.get("scale"), int | float):
+        held.append(f"loss scale {float(scaler['scale']):g}")
+    held.append(f"{state.get('optimizer_steps', 0)} optimizer steps, {state.get('consecutive_skips', 0)} consecutive skips")
+    if "scheduler" in state:
+        held.append("the LR scheduler")
+    if not allow_plan_change:
+        raise ValueError(
+            f"checkpoint {path!r} holds the MixedPrecision state it was saved with ({', '.join(held)}), but no mp= "
+            "was given: loading would drop it silently (the loss scale would restart from its initial value, the "
+            "counters from zero). Pass the run's MixedPrecision: load_checkpoint(path, model=model, "
+            "optimizers=[...], mp=mp); to leave mixprec on purpose (a plain torch loop), pass allow_plan_change=True"
+        )
+    if "scheduler" in state:
+        warnings.warn(
+            f"checkpoint {path!r} holds the LR scheduler's state inside its MixedPrecision state, which this load "
+            "without mp= does not restore; load it yourself: scheduler.load_state_dict(torch.load(path, "
+            "weights_only=True)['mixed_precision']['scheduler'])",
+            UserWarning, stacklevel=4,
+        )
 
 
 def _apply(path: str, payload: dict[str, Any], module: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer],
-           mp: MixedPrecision | None, allow_plan_change: bool, rng: bool,
+           mp: MixedPrecision | None, allow_plan_change: bool, rng: bool, carried: Sequence[str] = (),
            agree: Callable[[bool], None] | None = None) -> dict[str, Any]:
     """Step 2 of a load: apply, restoring what was applied if a later part still fails (or, with
     ``agree``, an FSDP2 run's collective decision, if another rank's load failed)."""
@@ -508,12 +546,20 @@ def _apply(path: str, payload: dict[str, Any], module: torch.nn.Module, optimize
         if not isinstance(exc, Exception) or isinstance(exc, ValueError | TypeError | OSError | sharded.PeerFailed):
             raise
         raise ValueError(f"checkpoint {path!r} could not be applied ({exc}); nothing was changed") from exc
+    saved_plan = (payload.get("mixed_precision") or {}).get("plan", "a master or Kahan plan")
     if converted[1]:
-        saved_plan = (payload["mixed_precision"] or {}).get("plan", "a master or Kahan plan")
         warnings.warn(
             f"checkpoint {path!r} was saved under plan {saved_plan!r}, whose optimizer kept the true values of its "
             f"low-precision weights beside them; this run's optimizer keeps none, and its weights are fp32, so "
             f"they were loaded from those values, exactly, not from the rounded weights ({'; '.join(converted[1])})",
+            UserWarning,
+            stacklevel=2,
+        )
+    if carried:
+        warnings.warn(
+            f"checkpoint {path!r} was saved under plan {saved_plan!r}, whose optimizer kept the true values of its "
+            f"low-precision weights in another form than this run's optimizer keeps them; they were converted, "
+            f"exactly ({'; '.join(carried)})",
             UserWarning,
             stacklevel=2,
         )
