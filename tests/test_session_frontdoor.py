@@ -715,6 +715,65 @@ def test_a_step_interrupted_while_unscaling_finishes_exactly(monkeypatch):
     assert mp.step() == ref_mp.step() and _same(model, ref)
 
 
+def _scheduled_run(plan: str, where: str | None, steps: int = 4):
+    """AdamW under a LambdaLR; with ``where``, step 1's scheduler step is interrupted once by a Ctrl-C
+    ("inside": in the lambda, after torch moved ``last_epoch``; "after": once its step returned),
+    and ``step()`` is called again. Returns the learning rates every update used, the weights and
+    the MixedPrecision state."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    armed = [False]
+
+    def lam(epoch: int) -> float:
+        if armed[0] and where == "inside":
+            armed[0] = False
+            raise KeyboardInterrupt
+        return 0.9 ** epoch
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lam)
+    mp = MixedPrecision(plan)
+    model, opt, sched = mp.prepare(model, opt, scheduler=sched)
+    if where == "after":
+        real = sched.step
+
+        def step_then_interrupt(*args, **kwargs):
+            real(*args, **kwargs)
+            if armed[0]:
+                armed[0] = False
+                raise KeyboardInterrupt
+
+        sched.step = step_then_interrupt  # type: ignore[method-assign]
+    used = []
+    gen = torch.Generator().manual_seed(1)
+    for i in range(steps):
+        with mp.autocast():
+            loss = model(torch.randn(4, 6, generator=gen)).float().pow(2).mean()
+        mp.backward(loss)
+        used.append(opt.param_groups[0]["lr"])
+        if where is not None and i == 1:
+            armed[0] = True
+            with pytest.raises(KeyboardInterrupt):
+                mp.step()
+            assert not armed[0]  # the interruption happened
+        mp.step()
+    state = mp.state_dict()
+    state["scheduler"].pop("step", None)  # (the test's own wrapper of sched.step, an instance attribute)
+    return used, [p.detach().clone() for p in model.parameters()], state
+
+
+@pytest.mark.parametrize("where", ["inside", "after"])
+@pytest.mark.parametrize("plan", ALL_PLANS)
+def test_a_ctrl_c_in_the_scheduler_is_finished_exactly_by_step_again(plan, where):
+    """Before: a lambda interrupted after torch moved last_epoch left the next update at the old
+    lr (0.00059 instead of 0.000531 in the report), and every later step and a resume differed."""
+    ref_lrs, ref_weights, ref_state = _scheduled_run(plan, None)
+    lrs, weights, state = _scheduled_run(plan, where)
+    assert lrs == ref_lrs
+    assert all(torch.equal(a, b) for a, b in zip(weights, ref_weights, strict=True))
+    assert state == ref_state  # the scheduler's state a resume takes included
+
+
 @pytest.mark.parametrize("plan", ["bf16-mixed", "fp16-master"])
 def test_an_exception_inside_backward_discards_the_step_and_a_retry_is_exact(plan):
     """The gradients of a backward stopped halfway are partial: the step starts again.

@@ -82,12 +82,15 @@ class StepPhases:
         outcome: ``(reason, norm)`` once every optimizer stepped (or none was to).
         result: the :class:`~mixprec.step.StepResult`, once the ledger counted the step.
         scheduled: the scheduler was stepped for it.
+        schedule_undo: the scheduler's state and its optimizer's group settings from just before
+            its step, kept while that step runs: an interruption inside it is undone, and the
+            scheduler stepped once more, by ``step()`` again.
         interrupted: an exception left ``step()`` before it finished.
     """
 
     __slots__ = (
         "clipped", "decision", "explicit", "interrupted", "loose", "micro", "outcome", "pending", "phase",
-        "published", "result", "scheduled", "unscale_started", "updated",
+        "published", "result", "schedule_undo", "scheduled", "unscale_started", "updated",
     )
 
     def __init__(self) -> None:
@@ -107,6 +110,7 @@ class StepPhases:
         self.outcome: tuple[str | None, float | None] | None = None
         self.result: Any = None
         self.scheduled = False
+        self.schedule_undo: Any = None
         self.interrupted = False
 
     # -------------------------------------------------------------- backward

@@ -11,7 +11,10 @@ or scheduled twice. The state it reads is set up by ``MixedPrecision.__init__`` 
 
 from __future__ import annotations
 
+import copy
 from typing import Any
+
+import torch
 
 from mixprec.buffers import BufferGuard
 from mixprec.composable import ComposableSteps
@@ -123,13 +126,30 @@ class StepRunner(ComposableSteps):
                 raise
         result = phases.result
         if reason is None and self.scheduler is not None and not phases.scheduled:
-            phases.scheduled = True  # (first: a scheduler that raises is not stepped twice)
-            self.scheduler.step()
+            self._step_scheduler()
         self.last_result = result
         self._reset_step(stepped=reason is None)
         if zero_grad:
             self._clear_grads()
         return result
+
+    def _step_scheduler(self) -> None:
+        """Step the scheduler exactly once for this step, wherever an interruption lands: its state
+        (and its optimizer's group settings: lr, momentum) is kept before it steps, and a second
+        ``step()`` after an interruption inside it puts that state back and steps it again. A
+        scheduler without ``state_dict``/``load_state_dict`` is stepped at most once (an
+        interruption inside it then leaves whatever it had changed)."""
+        phases, scheduler = self._phases, self.scheduler
+        if not callable(getattr(scheduler, "state_dict", None)) or not callable(getattr(scheduler, "load_state_dict", None)):
+            phases.scheduled = True  # (first: a scheduler that raises is not stepped twice)
+            scheduler.step()
+            return
+        if phases.schedule_undo is None:
+            phases.schedule_undo = _scheduler_state(scheduler)
+        else:  # its step was interrupted: undo what it did, then take the step again
+            _restore_scheduler(scheduler, phases.schedule_undo)
+        scheduler.step()
+        phases.scheduled = True
 
     def _reset_step(self, stepped: bool | None = None) -> None:
         """End the step (``stepped``: how it ended; None: a load or a failed backward dropped it)."""
@@ -158,3 +178,27 @@ class StepRunner(ComposableSteps):
     def optimizer_steps(self) -> int:
         """Real optimizer steps taken so far (skipped steps not counted)."""
         return self._ledger.optimizer_steps
+
+
+def _scheduler_state(scheduler: Any) -> tuple[Any, list[dict[str, Any]]]:
+    """A copy of ``scheduler``'s state and of its optimizer's group settings (all but the parameters)."""
+    optimizer = getattr(scheduler, "optimizer", None)
+    groups = getattr(optimizer, "param_groups", None) or []
+    return (
+        copy.deepcopy(scheduler.state_dict()),
+        [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in groups],
+    )
+
+
+def _restore_scheduler(scheduler: Any, saved: tuple[Any, list[dict[str, Any]]]) -> None:
+    state, settings = saved
+    scheduler.load_state_dict(copy.deepcopy(state))
+    optimizer = getattr(scheduler, "optimizer", None)
+    for group, kept in zip(getattr(optimizer, "param_groups", None) or [], settings, strict=False):
+        for key, value in kept.items():
+            held = group.get(key)
+            if isinstance(held, torch.Tensor) and isinstance(value, torch.Tensor) and held.shape == value.shape:
+                with torch.no_grad():
+                    held.copy_(value)  # a tensor lr (capturable optimizers) stays the same tensor
+            else:
+                group[key] = copy.deepcopy(value)
