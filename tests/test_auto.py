@@ -101,6 +101,41 @@ def test_get_plan_auto_takes_overrides_and_refuses_device_for_named_plans(monkey
         get_plan("auto", model="gpt2")
 
 
+@pytest.mark.parametrize(("hardware", "override", "error"), [
+    ("cpu-avx2", {"lower_ops": ["softmax"]}, ValueError),  # fp32: no autocast for op lists to act on
+    ("cpu-avx512-bf16", {"init_scale": 1024}, ValueError),
+    ("cpu-avx512-bf16", {"state_dtype": "8bit"}, ValueError),
+    ("cpu-avx512-bf16", {"convert_frozen": "often"}, TypeError),
+])
+def test_an_override_auto_cannot_take_names_the_plan_auto_chose_and_the_way(monkeypatch, hardware, override, error):
+    """Before: 'plan fp32 ...' without a word that auto chose fp32, nor of naming the plan."""
+    facts, chosen = HARDWARE[hardware]
+    _inject(monkeypatch, facts)
+    key = next(iter(override))
+    with pytest.raises(error, match=re.escape(f"get_plan('auto', {key}=...): auto chose {chosen} on this device, and "
+                                              "there: ") + r".*Name the plan the overrides are for instead of 'auto'"):
+        get_plan("auto", **override)
+
+
+def test_auto_on_a_meta_model_names_get_plan_with_the_device(monkeypatch) -> None:
+    """Before: MixedPrecision('auto') said 'pass the device', and with device= it said 'drop device='."""
+    _inject(monkeypatch, HARDWARE["cpu-avx512-bf16"][0])
+    with torch.device("meta"):
+        model = torch.nn.Linear(4, 4)
+    for kwargs in ({}, {"device": "cpu"}):
+        mp = MixedPrecision("auto", **kwargs)
+        with pytest.raises(ValueError, match=re.escape(
+            "the model's parameters are on 'meta' (not materialized yet). Choose the plan for that device first and "
+            "prepare the meta model with it: MixedPrecision(get_plan('auto', device='cpu', model=model))"
+        )):
+            mp.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    mp = MixedPrecision(get_plan("auto", device="cpu", model=model))  # the way named works
+    model, _ = mp.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert mp.plan.name == "bf16-mixed" and model.weight.device.type == "meta"
+    with pytest.raises(ValueError, match=re.escape("Prepare the meta model without device=")):
+        MixedPrecision("bf16-mixed", device="cpu").prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
 def test_auto_cannot_be_registered_as_a_plan_name() -> None:
     from mixprec.plans import register_plan
 

@@ -179,6 +179,12 @@ def _model_device(model: torch.nn.Module, device: torch.device | None) -> torch.
     first = next(iter(model.parameters()), None)
     if device is None:
         return first.device if first is not None else torch.device("cpu")
+    if first is not None and first.device.type == "meta" and device.type != "meta":
+        raise ValueError(
+            f"MixedPrecision(device={str(device)!r}) but the model's parameters are on 'meta' (not materialized "
+            f"yet). Prepare the meta model without device= (it is converted as it is; materialize it later with "
+            f"model.to_empty(device={str(device)!r}) and initialise it), or materialize it first"
+        )
     if first is not None and first.device.type != device.type:
         raise ValueError(
             f"MixedPrecision(device={str(device)!r}) but the model's parameters are on "

@@ -238,6 +238,14 @@ class MixedPrecision(StepRunner):
     def _choose_for(self, model: torch.nn.Module) -> None:
         """``"auto"`` again, now on the model's own device and with its Linear widths."""
         first = next(iter(model.parameters()), None)
+        if first is not None and first.device.type == "meta":
+            where = repr(str(self._device) if self._device is not None else "cuda" if torch.cuda.is_available() else "cpu")
+            raise ValueError(
+                "MixedPrecision('auto') chooses from the device the model trains on and the model's widths, but "
+                "the model's parameters are on 'meta' (not materialized yet). Choose the plan for that device "
+                f"first and prepare the meta model with it: MixedPrecision(get_plan('auto', device={where}, "
+                "model=model))"
+            )
         device = self._device or (first.device if first is not None else None)
         plan = self._rank0_choice(get_plan("auto", device=device, model=model), self.process_group)
         if plan.scaling.kind != self.plan.scaling.kind and self._scaler_from_plan:

@@ -179,6 +179,22 @@ def get_plan(name: str | Plan, **overrides: Any) -> Plan:
         raise TypeError(f"the factory registered for plan {name!r} returned {type(plan).__name__}, not a Plan")
     if not overrides:
         return plan
+    if is_auto(name):
+        given = ", ".join(f"{k}=..." for k in overrides)
+        try:
+            return _overridden(plan, overrides)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(
+                f"get_plan('auto', {given}): {(plan.auto_reason or 'auto chose ' + plan.name).split(':')[0]} on this "
+                f"device, and there: {exc}. Name the plan the overrides are for instead of 'auto' "
+                "(get_plan('bf16-kahan', state_dtype='8bit'), get_plan('fp16-mixed', init_scale=1024), ...), or "
+                "drop them"
+            ) from None
+    return _overridden(plan, overrides)
+
+
+def _overridden(plan: Plan, overrides: dict[str, Any]) -> Plan:
+    """``plan`` with ``overrides`` applied, each checked (see :func:`get_plan`)."""
     changes: dict[str, Any] = {}
     scaling_changes = {k: overrides.pop(k) for k in list(overrides) if k in _SCALING_KEYS}
     has_loss_scale = "loss_scale" in overrides
