@@ -144,3 +144,48 @@ def test_bad_arguments_are_named():
     with pytest.raises(TypeError, match="scaler must be"):
         audit(model, None, scaler=object())
     assert mixprec.audit is audit
+
+
+@pytest.mark.parametrize("plan", ["fp16-mixed", "fp16-master", "fp16-pure"])
+def test_a_loop_mixprec_prepared_is_recognised_without_its_scaler(plan):
+    """A loop mixprec prepared, audited without ``scaler=mp.scaler``: the session's own loss scaling
+    counts (fp16-mixed leaves the optimizer a plain torch one: the prepared model is what tells),
+    and the proposal is the plan it already runs."""
+    model = _mlp()
+    mp = MixedPrecision(plan)
+    model, opt = mp.prepare(model, torch.optim.AdamW(model.parameters()))
+    report = audit(model, opt, None, (torch.randn(4, 8), torch.tensor([0, 1, 0, 1])), autocast="fp16",
+                   criterion=nn.CrossEntropyLoss())
+    assert report.ok, (plan, str(report))
+    assert report.effective_plan == plan
+    assert report.proposed_plan.name == plan
+    assert f"get_plan({plan!r})" in report.switch
+
+
+def test_a_wrapper_without_its_session_decides_and_unscaled_fp16_loops_stay_flagged():
+    import copy
+    import gc
+
+    # an fp16-master wrapper whose session is gone (a pickled / unpickled loop): the wrapper names the plan
+    model = _mlp()
+    mp = MixedPrecision("fp16-master")
+    model, opt = mp.prepare(model, torch.optim.AdamW(model.parameters()))
+    del mp
+    gc.collect()
+    report = audit(model, opt, autocast="fp16")
+    assert report.ok, str(report)
+    assert report.proposed_plan.name == "fp16-master"
+
+    # a prepared fp16-mixed model is part of its session; a copy of it, or the model stepped by another
+    # optimizer than the session's, is not: nothing scales those losses
+    model = _mlp()
+    mp = MixedPrecision("fp16-mixed")
+    model, opt = mp.prepare(model, torch.optim.AdamW(model.parameters()))
+    shadow = copy.deepcopy(model)
+    for m, o in ((shadow, torch.optim.AdamW(shadow.parameters())), (model, torch.optim.SGD(model.parameters()))):
+        report = audit(m, o, autocast="fp16")
+        assert [r.code for r in report.risks] == ["fp16_without_scaler"], str(report)
+        assert report.proposed_plan.name == "fp16-mixed"
+    # an explicit scaler still wins over the session's
+    assert audit(model, opt, torch.amp.GradScaler("cpu", enabled=False), autocast="fp16").risks[0].code == (
+        "fp16_without_scaler")

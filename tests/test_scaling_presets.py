@@ -453,6 +453,74 @@ def test_paddle_defaults_and_other_forms():
     assert isinstance(DynamicLossScaler.from_paddle(enable=False), NoOpScaler)
 
 
+
+def _fp32(x: float) -> float:
+    """``x`` rounded to fp32, in pure Python (what a C++ ``float`` holds)."""
+    import struct
+
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def _paddle_kernel(init, incr_ratio, decr_ratio, incr_every_n_steps, decr_every_n_nan_or_inf, pattern):
+    """The scale after each step of Paddle's update_loss_scaling kernel (paddle/phi/kernels/impl/
+    amp_kernel_impl.h, Update), in pure Python: fp32 products, a backoff below 1 gives 1, a growth
+    to inf is dropped, and the good / bad step counters as the kernel keeps them."""
+    scale, good, bad, out = _fp32(init), 0, 0, []
+    incr, decr = _fp32(incr_ratio), _fp32(decr_ratio)
+    for found_inf in pattern:
+        if found_inf:
+            good, bad = 0, bad + 1
+            if bad == decr_every_n_nan_or_inf:
+                new = _fp32(scale * decr)
+                scale = 1.0 if new < 1.0 else new
+                bad = 0
+        else:
+            bad, good = 0, good + 1
+            if good == incr_every_n_steps:
+                new = _fp32(scale * incr)
+                scale = new if math.isfinite(new) else scale
+                good = 0
+        out.append(scale)
+    return out
+
+
+def test_paddle_static_scale_floors_at_1_keeps_skipping_and_training():
+    """From a small init scale, overflows back the static preset's scale off to exactly 1.0 and no
+    further; at 1 an overflow still skips its step (no raise) and a clean one still trains, as Paddle's
+    kernel keeps running at 1. The whole sequence is the kernel's, over generated overflow patterns."""
+    import random
+
+    rng = random.Random(0)
+    patterns = ["o" * 12 + "c" * 5 + "o" * 6 + "c" + "o" * 3]  # long overflow streaks at the floor
+    for _ in range(12):  # overflow bursts (p=0.7) between clean runs (p=0.2)
+        patterns.append("".join("o" if rng.random() < (0.7 if i // 6 % 2 == 0 else 0.2) else "c" for i in range(40)))
+    for init, incr, decr, n_incr, n_decr in [(4.0, 2.0, 0.5, 3, 1), (2.0, 2.0, 0.8, 2, 2), (3.0, 1.5, 0.3, 1, 1),
+                                             (1.0, 2.0, 0.5, 4, 3), (8.0, 3.0, 0.9, 2, 1)]:
+        for pattern in patterns:
+            scaler = DynamicLossScaler.from_paddle(init_loss_scaling=init, incr_ratio=incr, decr_ratio=decr,
+                                                   incr_every_n_steps=n_incr, decr_every_n_nan_or_inf=n_decr,
+                                                   api="static")
+            assert scaler.min_scale == 1.0 and not scaler.state_dict()["raise_at_min_scale"]
+            w = torch.nn.Parameter(torch.ones(2))
+            opt = torch.optim.SGD([w], lr=0.125)
+            scales = []
+            for ch in pattern:
+                before = w.detach().clone()
+                scaler.scale((w * (INF if ch == "o" else 1.0)).sum()).backward()
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad()
+                assert scaler.last_step_skipped == (ch == "o")
+                assert torch.equal(w.detach(), before) == (ch == "o")  # skipped, else trained (at 1 too)
+                scales.append(scaler.get_scale())
+            expected = _paddle_kernel(init, incr, decr, n_incr, n_decr, [ch == "o" for ch in pattern])
+            assert scales == expected, (init, incr, decr, n_incr, n_decr, pattern)
+            assert min(scales) >= 1.0
+    # the first pattern's streak reaches the floor and stays at exactly 1.0
+    streak = _scales(DynamicLossScaler.from_paddle(init_loss_scaling=4.0, decr_ratio=0.5, api="static"), "o" * 12)
+    assert streak[-1] == 1.0 and streak.count(1.0) >= 8
+
+
 # ------------------------------------------------------------------ Megatron-LM
 def test_megatron_exact_sequence():
     # hysteresis 2: overflow tolerated once, then each overflow backs off (x0.5) down to min_scale;

@@ -61,6 +61,33 @@ from mixprec.stepping import StepRunner
 
 __all__ = ["MixedPrecision", "StepResult"]
 
+# The session that prepared each module (by id: the module the loop calls, its DDP wrapper, the model
+# inside), weak on both sides: it keeps neither alive, and a copy or an unpickled model is no session's.
+_PREPARED_BY: dict[int, tuple[weakref.ref[torch.nn.Module], weakref.ref[MixedPrecision]]] = {}
+
+
+def session_of(model: torch.nn.Module) -> MixedPrecision | None:
+    """The :class:`MixedPrecision` whose ``prepare`` / ``prepare_model`` prepared ``model`` (the module
+    it returned, its DDP wrapper or the model inside), while both are alive; None for any other module
+    (a copy of a prepared model included). :func:`mixprec.diagnostics.audit` reads it: a loop mixprec
+    runs scales its fp16 losses with the session's own scaler."""
+    entry = _PREPARED_BY.get(id(model))
+    if entry is None or entry[0]() is not model:
+        return None
+    return entry[1]()
+
+
+def _remember(session: MixedPrecision, *modules: torch.nn.Module) -> None:
+    """Record ``session`` as the one that prepared ``modules`` (:func:`session_of`)."""
+    for module in {id(m): m for m in modules}.values():
+        key = id(module)
+
+        def forget(ref: weakref.ref[torch.nn.Module], key: int = key) -> None:
+            if _PREPARED_BY.get(key, (None,))[0] is ref:  # (not a later module's entry under a reused id)
+                del _PREPARED_BY[key]
+
+        _PREPARED_BY[key] = (weakref.ref(module, forget), weakref.ref(session))
+
 
 class MixedPrecision(StepRunner):
     """Run any model and any torch optimizer under a precision plan.
@@ -233,6 +260,7 @@ class MixedPrecision(StepRunner):
         weakref.finalize(self, self._explainer.remove)  # no hooks left on the model after this session
         # A skipped step must not keep what its forward wrote into buffers (BatchNorm statistics).
         self._buffers.install(prepared.module, prepared.model)
+        _remember(self, prepared.module, prepared.model, inner)  # (session_of: the audit finds the session)
         return prepared.module
 
     def _choose_for(self, model: torch.nn.Module) -> None:

@@ -14,7 +14,11 @@ optimizer and its state, the loss scaler, the autocast dtype the loop uses) and 
 - the mixprec plan (with fp32 islands for the modules near fp16's range) that removes
   them, and the one line to switch.
 
-A loop with no risk gets an empty :attr:`AuditReport.risks`.
+A loop with no risk gets an empty :attr:`AuditReport.risks`. A loop mixprec already runs is
+recognised: a model a :class:`~mixprec.MixedPrecision` prepared (:func:`mixprec.session.session_of`,
+while the session lives and steps the optimizer audited) is judged with the session's own loss
+scaler when no ``scaler`` is given, and its plan is the proposal; without its session, a mixprec
+optimizer wrapper names the plan, whose own loss scaling a MixedPrecision applies.
 
 >>> import torch
 >>> from mixprec.diagnostics import audit
@@ -112,6 +116,24 @@ def _wrapped(optimizer: Any) -> bool:
     return isinstance(optimizer, WrappedOptimizer)
 
 
+def _session(model: nn.Module, optimizer: Any) -> Any:
+    """The MixedPrecision that prepared ``model`` and steps ``optimizer`` (None: not found, or the
+    loop steps another optimizer than the session's, so the session does not scale its losses)."""
+    from mixprec.session import session_of
+
+    session = session_of(model)
+    if session is None or optimizer is None:
+        return session
+    held = {id(x) for o in session.optimizers for x in (o, getattr(o, "optimizer", None)) if x is not None}
+    for _ in range(4):  # the optimizer audited, or a framework's wrapper around the session's (its .optimizer)
+        if id(optimizer) in held:
+            return session
+        optimizer = getattr(optimizer, "optimizer", None)
+        if optimizer is None:
+            break
+    return None
+
+
 def _scale(scaler: Any) -> float | None:
     """The loss scale a scaler applies now; None when there is none (or it is disabled)."""
     if scaler is None:
@@ -168,12 +190,14 @@ def audit(
         compute = torch.float64  # refused below, by name
     if compute is not None and compute not in (*LOW_PRECISION_DTYPES, torch.float32):
         raise ValueError(f"audit(): autocast must be 'bf16', 'fp16' or None (the loop's torch.autocast dtype), got {autocast!r}")
-    scale = _scale(scaler)
+    session = _session(model, optimizer)
+    scale = _scale(scaler if scaler is not None or session is None else session.scaler)
     floating = [p for p in model.parameters() if p.is_floating_point()]
     trainable = [p for p in floating if p.requires_grad]
     low = [p for p in trainable if p.dtype in LOW_PRECISION_DTYPES]
     wrapped = _wrapped(optimizer)
     risks: list[Risk] = []
+    plan: Plan | None = None  # the mixprec plan the loop already runs: its session's, or the one its wrapper names
 
     # the weights' dtype as the forward computes with them: frozen ones too (a LoRA base in fp16)
     weights = {p.dtype for p in floating}
@@ -212,15 +236,23 @@ def audit(
                  "LowPrecisionOptimizer": f"{dtype_name(weight_dtype)}-pure"}.get(type(optimizer).__name__, closest)
         closest = named if named in plan_names() else closest  # (a wrapper over fp32 weights: no such plan)
         effective = f"{dtype_name(weight_dtype)} weights with mixprec's {type(optimizer).__name__}"
-    if fp16_compute and scale is None:
+        if named in plan_names():
+            plan = get_plan(named)
+    if session is not None:
+        plan = session.plan
+        closest = plan.name
+        effective += f", run by mixprec.MixedPrecision({plan.name!r})"
+    # Without its session, a wrapper's plan scales fp16 losses as a MixedPrecision stepping it does.
+    scaled_by_plan = session is None and scaler is None and plan is not None and plan.scaling.kind != "none"
+    if fp16_compute and scale is None and not scaled_by_plan:
         risks.append(Risk("fp16_without_scaler", (
             "fp16 compute without a loss scaler: gradients below 2**-24 (6e-8) flush to zero and those below "
             "2**-14 lose precision; a dynamic loss scale keeps them in range")))
 
     islands: tuple[str, ...] = ()
-    # measured on a copy; not for a loop whose optimizer mixprec wraps (it explains overflows itself,
-    # and its prepared model casts inputs the copy would not), nor a model with nothing to train
-    if batch is not None and fp16_compute and trainable and not wrapped:
+    # measured on a copy; not for a loop mixprec runs (it explains overflows itself, and its prepared
+    # model may cast inputs the copy would not), nor a model with nothing to train
+    if batch is not None and fp16_compute and trainable and not wrapped and session is None:
         devices = sorted({p.device.index or 0 for p in floating if p.device.type == "cuda"})
         with torch.random.fork_rng(devices=devices):  # the copy's forward (dropout) leaves the loop's RNG alone
             report = headroom(model, batch, criterion=criterion, loss_scale=scale if scale is not None else 1.0)
@@ -238,7 +270,14 @@ def audit(
                 f"at loss scale {scale if scale is not None else 1.0:g}, up to {worst:.0%} of the output gradients of "
                 f"{', '.join(map(display_name, under[:5]))} flush to zero in fp16"), under))
 
-    proposal = _proposal(weight_dtype, compute, risks, islands) if risks else get_plan(closest)
+    if session is not None:  # its plan, with its islands (its own scaler, the plan's, fixes an unscaled one)
+        proposal = session.plan
+        islands = tuple(r for r in (proposal.policy.fp32_modules if proposal.policy is not None else ())
+                        if isinstance(r, str))
+    elif plan is not None and not risks:
+        proposal = plan
+    else:
+        proposal = _proposal(weight_dtype, compute, risks, islands) if risks else get_plan(closest)
     switch = (f"mp = mixprec.MixedPrecision(mixprec.get_plan({proposal.name!r}"
               + (f", fp32_modules={list(islands)}" if islands else "") + ")); model, optimizer = mp.prepare(model, "
               "optimizer)  # then: with mp.autocast(): loss = ...; mp.backward(loss); mp.step()")

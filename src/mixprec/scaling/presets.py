@@ -122,11 +122,16 @@ class ScalerPresets:
         ``api="dygraph"``: ``paddle.amp.GradScaler``'s arguments and defaults (``enable``,
         ``init_loss_scaling=2**16``, ``incr_ratio=2.0``, ``decr_ratio=0.5``,
         ``incr_every_n_steps=2000``, ``decr_every_n_nan_or_inf=1``,
-        ``use_dynamic_loss_scaling``); its ``_update`` multiplies the fp32 scale tensor, with
-        no lower bound. ``api="static"``: ``paddle.static.amp.decorate`` and Fleet's
-        ``strategy.amp_configs`` (defaults 2**15, 2.0, 0.8, 1000, 2); its
-        ``update_loss_scaling`` kernel (``paddle/phi/kernels/impl/amp_kernel_impl.h``) never
-        backs off below 1, so ``min_scale=1.0``. Both back off after
+        ``use_dynamic_loss_scaling``); its ``_update`` (eager mode, in Python) multiplies the
+        fp32 scale tensor, with no lower bound: the scale can go below 1 there, and does here.
+        ``api="static"``: ``paddle.static.amp.decorate`` and Fleet's ``strategy.amp_configs``
+        (defaults 2**15, 2.0, 0.8, 1000, 2); its ``update_loss_scaling`` kernel
+        (``paddle/phi/kernels/impl/amp_kernel_impl.h``) floors a backoff at 1
+        (``new_scale < 1 ? 1 : new_scale``), so ``min_scale=1.0``: the scale never goes below
+        1.0, a backoff that would gives exactly 1.0, and an overflow at 1.0 skips its step
+        without an error (``raise_at_min_scale`` stays False) while clean steps train on, as
+        Paddle keeps running at 1 (an ``init_loss_scaling`` below 1, which the kernel only
+        raises to 1 at the first backoff, is refused). Both back off after
         ``decr_every_n_nan_or_inf`` consecutive overflows (``hysteresis_mode="consecutive"``)
         and grow on the ``incr_every_n_steps``-th clean step; the ratios are rounded to fp32,
         as Paddle multiplies in fp32. ``use_dynamic_loss_scaling=False`` gives
