@@ -8,8 +8,12 @@ environment turns every automatic compilation off (an optimizer's explicit
 ``compile=True`` still compiles).
 
 torch's compiler is imported on first use, not with mixprec: importing it makes its disk
-cache (``TORCHINDUCTOR_CACHE_DIR``), and where that directory is unusable (a file, a
-read-only folder) ``import mixprec`` still works and mixprec's kernels run eagerly.
+cache (``TORCHINDUCTOR_CACHE_DIR``), and where that directory is unusable (a file, a path
+inside a file, a read-only folder) ``import mixprec`` still works and mixprec's kernels run
+eagerly. The probe checks the cache folder (creatable, writable) before each answer, so a
+folder that becomes unusable later (the variable changed mid-run) also falls back, with one
+warning naming the variable, its value and the fix; an explicit ``compile=True`` raises that
+message instead (:func:`check_compiler`).
 
 >>> compile_works("meta")
 False
@@ -18,6 +22,7 @@ False
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import os
 import warnings
@@ -27,8 +32,10 @@ from typing import Any, TypeVar
 import torch
 
 __all__ = [
+    "CACHE_ENV",
     "MAX_SPECIALISATIONS",
     "call_compiled",
+    "check_compiler",
     "check_environment",
     "compile_errors",
     "compile_works",
@@ -46,31 +53,96 @@ R = TypeVar("R")
 #: past which it would run the function uncompiled and slower than the eager code.
 MAX_SPECIALISATIONS = 16
 
+#: the environment variable naming torch's compiler cache folder (inductor's, dynamo's)
+CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+
+
+def _cache_message(reason: object, value: str | None) -> str:
+    """What is wrong with the cache folder ``value`` (``reason``: the OSError), and the fix."""
+    if value is None:  # torch's default folder in the temp directory
+        return (f"{reason} (torch's compiler cache folder, {CACHE_ENV}, must be a writable folder: it is unset "
+                f"and torch's default one is not; point {CACHE_ENV} at a writable directory)")
+    return (f"{reason} (torch's compiler cache folder, {CACHE_ENV}, must be a writable folder: {CACHE_ENV}={value!r} "
+            f"is not; point {CACHE_ENV} at a writable directory, or unset it)")
+
 
 @functools.cache
 def _compiler_error() -> Exception | None:
     """Import torch's compiler (once); what prevents it, or None. Its import makes the
     inductor cache directory, so an unusable ``TORCHINDUCTOR_CACHE_DIR`` fails here."""
+    value = os.environ.get(CACHE_ENV)
     try:
         import torch._dynamo
         import torch._dynamo.exc
         import torch._inductor.exc  # noqa: F401
     except OSError as exc:  # the cache folder cannot be made
-        return OSError(f"{exc} (torch's compiler cache folder, TORCHINDUCTOR_CACHE_DIR, must be a writable folder)")
+        return OSError(_cache_message(exc, value))
     except Exception as exc:  # e.g. a second try after that: torch's half-imported compiler
         return exc
     return None
 
 
+_USABLE_CACHE_DIRS: set[str] = set()  # values of TORCHINDUCTOR_CACHE_DIR found usable in this process
+
+
+def _cache_dir_problem(value: str | None) -> str | None:
+    """Why torch's compiler cannot use the cache folder ``value`` (``TORCHINDUCTOR_CACHE_DIR``;
+    None: unset, torch's default, which its first use sets the variable to), or None. The
+    folder is made as torch would make it (``os.makedirs``), then must be a folder this
+    process can write into. A value found usable is not checked again (torch makes
+    it again where it was removed); one that fails is checked again at the next call (an
+    automatic compile remembers the failure: :func:`mark_compile_failed`)."""
+    if value is None or value in _USABLE_CACHE_DIRS:
+        return None  # None: torch's default folder in the temp directory, which the probe's compilation tries
+    path = os.path.abspath(value)
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:  # a file, a path inside a file, a folder in a read-only one
+        return _cache_message(exc, value)
+    if not os.access(path, os.W_OK | os.X_OK):  # a read-only folder (or read-only file system)
+        return _cache_message(f"[Errno {errno.EACCES}] Permission denied: {path!r}", value)
+    _USABLE_CACHE_DIRS.add(value)
+    return None
+
+
+def _compiler_problem() -> Exception | None:
+    """What keeps torch's compiler from running here now, or None: it cannot be imported, or
+    its cache folder (as ``TORCHINDUCTOR_CACHE_DIR`` names it now) is unusable."""
+    error = _compiler_error()
+    if error is not None:
+        return error
+    problem = _cache_dir_problem(os.environ.get(CACHE_ENV))
+    return None if problem is None else OSError(problem)
+
+
+def check_compiler() -> None:
+    """Raise what keeps torch's compiler from running here (an unusable
+    ``TORCHINDUCTOR_CACHE_DIR``: an OSError naming it, its value and the fix), where an
+    explicit ``compile=True`` asks for it; nothing when it can run.
+
+    >>> check_compiler()
+    """
+    error = _compiler_problem()
+    if error is None:
+        return
+    if isinstance(error, OSError):
+        raise OSError(str(error))  # a fresh exception each time (the remembered one keeps no traceback)
+    raise RuntimeError(f"torch's compiler cannot be imported here ({type(error).__name__}: {error})") from error
+
+
 def compile_errors() -> tuple[type[Exception], ...]:
     """What a failed compilation raises (torch before 2.7 has no InductorError: its inductor
-    failures reach the caller as dynamo's BackendCompilerFailed); empty where torch's
-    compiler cannot be imported (nothing of it runs then)."""
+    failures reach the caller as dynamo's BackendCompilerFailed). OSError too: torch makes
+    its cache folder also outside those wrappers (``torch.compile`` itself does), and
+    mixprec's compiled kernels do no I/O of their own. Only OSError where torch's compiler
+    cannot be imported (nothing of it runs then)."""
     if _compiler_error() is not None:
-        return ()
+        return (OSError,)
     return tuple(
         e
-        for e in (torch._dynamo.exc.TorchDynamoException, getattr(torch._inductor.exc, "InductorError", None))
+        for e in (
+            torch._dynamo.exc.TorchDynamoException, getattr(torch._inductor.exc, "InductorError", None), OSError,
+        )
         if e is not None
     )
 
@@ -142,7 +214,9 @@ def mark_compile_failed(device: torch.device | str, exc: BaseException) -> None:
     if device_type in _FAILED:
         return
     _FAILED.add(device_type)
-    first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+    first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    if CACHE_ENV not in first_line:  # a cache folder's message is kept whole: it ends with the fix
+        first_line = first_line[:200]
     warnings.warn(
         f"torch.compile is unavailable on {device_type} ({type(exc).__name__}: {first_line}); mixprec runs "
         "its compiled kernels eagerly from now on: the fp8 emulation gives identical results, slower; "
@@ -159,7 +233,9 @@ def compile_works(device: torch.device | str, *, probe: bool = True) -> bool:
     The first call per device type compiles a two-op function (a second or two; CUDA also
     needs triton); a failure warns once and is remembered. False while torch.compile is
     tracing (the caller's code is then compiled as part of the user's graph), when
-    dynamo is disabled, and with ``MIXPREC_COMPILE=0``. ``probe=False`` answers without
+    dynamo is disabled, and with ``MIXPREC_COMPILE=0``; False, with that one warning naming
+    it, where torch's cache folder (``TORCHINDUCTOR_CACHE_DIR`` as it is at the call: checked
+    once per value) cannot be made or written into. ``probe=False`` answers without
     compiling anything (an untried device counts as working): for estimates.
     """
     if torch.compiler.is_compiling():
@@ -172,6 +248,10 @@ def compile_works(device: torch.device | str, *, probe: bool = True) -> bool:
         mark_compile_failed(device_type, error)
         return False
     if torch._dynamo.config.disable or not _enabled_by_environment():
+        return False
+    error = _compiler_problem()  # the cache folder again (per value of the variable: it may change mid-run)
+    if error is not None:
+        mark_compile_failed(device_type, error)
         return False
     return _probe_compiles(device_type) if probe else True
 
@@ -212,6 +292,8 @@ def compiled(fn: Callable[..., R], *, dynamic: bool, options: dict[str, Any] | N
     """``torch.compile(fn, dynamic=dynamic, options=options)``, made once per process.
 
     A function has one compilation: asking for it again with other settings is an error.
+    Where torch's compiler cannot run (:func:`check_compiler`: an unusable
+    ``TORCHINDUCTOR_CACHE_DIR``, checked at each call) that error is raised instead.
     """
     settings = (dynamic, options or None)  # dicts compare by content, in any order
     if _SETTINGS.setdefault(fn, settings) != settings:
@@ -219,6 +301,7 @@ def compiled(fn: Callable[..., R], *, dynamic: bool, options: dict[str, Any] | N
             f"{fn.__qualname__} is compiled with (dynamic, options) = {_SETTINGS[fn]}, not {settings}: "
             "compile a separate function for other settings"
         )
+    check_compiler()  # an unusable cache folder: its message, not an OSError deep inside torch
     out = _CACHE.get(fn)
     if out is None:
         out = _CACHE[fn] = torch.compile(fn, dynamic=dynamic, options=options)

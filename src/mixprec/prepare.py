@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from mixprec.compiling import check_compiler
 from mixprec.distributed.ddp import is_ddp, wrap_ddp
 from mixprec.distributed.frontdoor import ddp_arguments, plan_for_model
 from mixprec.dtypes import cast_floating
@@ -240,6 +241,8 @@ def prepare_model(
     prepared.ddp = ddp_kwargs is not None or is_ddp(model)
     if ddp_kwargs is not None:  # after the conversion: DDP must see the final dtypes
         model = prepared.model = wrap_ddp(model, plan, **ddp_kwargs)
+    if compile:
+        check_compiler()  # an unusable TORCHINDUCTOR_CACHE_DIR: an error that names it and the fix
     prepared.module = torch.compile(model) if compile else model
     return prepared
 

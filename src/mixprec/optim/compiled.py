@@ -385,8 +385,7 @@ def compiled_adam_step(
     # emulate_precision_casts: keep the bf16/fp16 rounding of the stored weight when the
     # Kahan residual reads it back (inductor otherwise folds to(bf16).float() into a no-op);
     # the 8-bit tables' indices are in range by construction (a code, 16 bits, a block)
-    fn = compiled(_adam_lists, dynamic=False,
-                  options={"emulate_precision_casts": True, "assert_indirect_indexing": False})
+    options = {"emulate_precision_casts": True, "assert_indirect_indexing": False}
     device = active[0].device
     hyper = torch.tensor(
         [lr, beta1, beta2, eps, weight_decay, lr / (1 - beta1**step), (1 - beta2**step) ** 0.5],
@@ -416,6 +415,8 @@ def compiled_adam_step(
         flags = [[torch.empty(p.shape, dtype=dtype, device=device) for p in active]
                  for dtype in (torch.uint8, torch.uint8, torch.int8)]
     try:
+        # (an unusable TORCHINDUCTOR_CACHE_DIR raises here: an OSError naming it, a compilation failure)
+        fn = compiled(_adam_lists, dynamic=False, options=options)
         for p in active:  # a tie rounded down joins one unit low: raise its weight first
             if remainder is not None and (t := remainder.ties(p)).numel():
                 p.detach().view(torch.int16).view(-1)[t] += 1

@@ -3,8 +3,11 @@
 On the CPU, ``torch.compile`` cannot make the 8-bit moments' table lookups or the remainder
 master's bit casts fast (inductor runs them element by element), so those steps come from
 :file:`native_adam.c`: built once per machine with the system's C compiler (``cc -O3
--march=native``, about a second, cached under ``$XDG_CACHE_HOME/mixprec/native``) and called
-through ``ctypes``. Each weight is stepped 256 elements (one 8-bit block) at a time: the master
+-march=native``, about a second, cached under ``$XDG_CACHE_HOME/mixprec/native``; where that
+folder is unusable, in ``mixprec-native-<uid>`` in the temporary directory, a folder only its
+user can write to; where even that one is not, in a folder of the process's own, removed
+once the kernel is loaded) and called through ``ctypes``. Each weight is stepped 256
+elements (one 8-bit block) at a time: the master
 (bf16 weight + remainder or + Kahan compensation), the gradient and the moments (fp32, bf16,
 fp16 or 8-bit) are expanded into fp32 arrays on the stack, updated with torch's Adam/AdamW
 arithmetic (the operations of torch's foreach kernels in their order, with the fused
@@ -46,6 +49,7 @@ import os
 import platform
 import shlex
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
@@ -112,17 +116,48 @@ def _cache_dir() -> Path:
     return Path(base) / "mixprec" / "native"
 
 
-def _private_dir(path: Path) -> Path | None:
+#: the per-user folder in the temporary directory the kernel is cached in where the user's cache
+#: folder is unusable: ``mixprec-native-<uid>``
+TEMP_PREFIX = "mixprec-native-"
+
+
+def _temp_cache_dir() -> Path | None:
+    """The per-user cache folder in the temporary directory (None without user ids: Windows)."""
+    if not hasattr(os, "getuid"):
+        return None
+    return Path(tempfile.gettempdir()) / f"{TEMP_PREFIX}{os.getuid()}"
+
+
+def _private_dir(path: Path, *, shared_parent: bool = False) -> Path | None:
     """``path``, created if missing, when it is this user's and nobody else can write into it (a
-    library loaded from a directory others can write to would run their code); else None."""
+    library loaded from a directory others can write to would run their code); else None.
+    ``shared_parent``: ``path`` lies in a folder others write to (the temporary directory),
+    where it must be a folder itself, not a link another user could point elsewhere."""
     try:
-        path.mkdir(parents=True, exist_ok=True, mode=0o700)
-        st = path.stat()
+        path.mkdir(parents=not shared_parent, exist_ok=True, mode=0o700)
+        st = path.lstat() if shared_parent else path.stat()
     except OSError:
+        return None
+    if not stat.S_ISDIR(st.st_mode):
         return None
     if hasattr(os, "getuid") and (st.st_uid != os.getuid() or st.st_mode & 0o022):
         return None
     return path if os.access(path, os.W_OK | os.X_OK) else None
+
+
+def _build_dir() -> tuple[Path, bool]:
+    """(where the kernel is built and cached, whether that folder is this process's own, to be
+    removed once the kernel is loaded): the user's cache folder (``$XDG_CACHE_HOME/mixprec/native``),
+    else the per-user one in the temporary directory (reused by the user's later processes),
+    else, where neither is usable (another user's folder of that name, say), a fresh one."""
+    where = _private_dir(_cache_dir())
+    if where is not None:
+        return where, False
+    temp = _temp_cache_dir()
+    where = None if temp is None else _private_dir(temp, shared_parent=True)
+    if where is not None:
+        return where, False
+    return Path(tempfile.mkdtemp(prefix=TEMP_PREFIX)), True
 
 
 def _own_file(path: Path) -> bool:
@@ -176,9 +211,19 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     key = hashlib.sha256(
         source + version + _cpu_flags().encode() + platform.machine().encode() + " ".join(target_flags).encode()
     ).hexdigest()[:20]
-    where = _private_dir(_cache_dir())
-    if where is None:  # not writable, or others can write into it: a directory of this process's own
-        where = Path(tempfile.mkdtemp(prefix="mixprec-native-"))
+    try:
+        where, own = _build_dir()
+    except OSError as exc:  # not even a folder of its own in the temporary directory
+        return None, f"no folder to build the kernel in: {exc}"
+    try:
+        return _build_in(where, cc, source, target_flags, key)
+    finally:
+        if own:  # loaded (a loaded library may be unlinked) or failed: nothing is left behind
+            shutil.rmtree(where, ignore_errors=True)
+
+
+def _build_in(where: Path, cc: list[str], source: bytes, target_flags: list[str], key: str) -> tuple[ctypes.CDLL | None, str]:
+    """The library built in (or found in) the private folder ``where``, loaded."""
     target = where / f"native_adam_{key}.so"
     if not _own_file(target):
         try:
