@@ -1,9 +1,11 @@
 """mixprec.autocast on CUDA, op by op, for fp16 and bf16.
 
-For every op of mixprec's pinned CUDA table (``mixprec.policy.default_table("cuda")``):
+For every op of mixprec's default CUDA table (``mixprec.policy.default_table("cuda", dtype)``:
+the pinned table corrected by what this torch's CUDA autocast does, found by running
+each op on the GPU once CUDA is initialized, which this module does first):
 
-1. ``torch.autocast("cuda")`` equals explicit casts to the op's pinned class (so the
-   pinned class is what the installed torch does on the GPU);
+1. ``torch.autocast("cuda")`` equals explicit casts to the op's class in that table (so
+   the derived class is what the installed torch does on the GPU);
 2. ``mixprec.autocast`` without custom ops equals ``torch.autocast`` bitwise;
 3. mixprec's engine forced to run the op itself equals ``torch.autocast``;
 4. the op moved to the other class through an ``OpPolicy`` equals explicit casts with
@@ -15,6 +17,7 @@ moved to the GPU; the CUDA-only ops get cases here.
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -26,7 +29,16 @@ from torch import nn
 
 from mixprec.amp import autocast
 from mixprec.amp.mode import PolicyMode
-from mixprec.policy import OpPolicy, Precision, compare_with_torch, default_table
+from mixprec.policy import (
+    OpPolicy,
+    OpTable,
+    Precision,
+    compare_with_torch,
+    default_table,
+    table_changes,
+    torch_autocast_ops,
+    torch_table,
+)
 from mixprec.policy.tables import TABLES_TORCH_VERSION
 from tests.test_policy import CPU_CASES, Case, _case, _flat, _map, _r, assert_bitwise
 
@@ -37,7 +49,16 @@ pytestmark = [
 
 FP16, BF16, FP32 = torch.float16, torch.bfloat16, torch.float32
 DTYPES = [pytest.param(FP16, id="fp16"), pytest.param(BF16, id="bf16")]
-CUDA_TABLE = default_table("cuda", FP16)  # one list for both dtypes, as in PyTorch
+if torch.cuda.is_available():
+    torch.cuda.init()  # the probe runs the CUDA ops only in a process that uses CUDA already
+
+
+def _table(dtype: torch.dtype) -> OpTable:
+    """This torch's default CUDA table for ``dtype`` (derived once per process)."""
+    return default_table("cuda", dtype)
+
+
+TABLE_OPS = frozenset().union(*(_table(d).ops - _table(d).banned for d in (FP16, BF16)))
 
 # torch reaches fp32 for these through their dtype argument (the kernel reads the low
 # precision input and computes in fp32) instead of casting the input first; both give
@@ -50,19 +71,12 @@ VIA_DTYPE_ARGUMENT = frozenset({
 
 
 # What an older torch's CUDA autocast registers differently from the pinned table, as seen
-# on a GPU (torch 2.11.0+cu130, H200): (only in mixprec's table, only in torch's).
+# on a GPU (torch 2.11.0+cu130, H200): (only in mixprec's table, only in torch's). The
+# default tables absorb them (test_the_default_cuda_table_absorbs_the_recorded_differences).
 KNOWN_TORCH_DELTAS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     "2.11": (frozenset({"rms_norm"}), frozenset({"_cudnn_rnn"})),
 }
 TORCH_MINOR = ".".join(torch.__version__.split("+")[0].split(".")[:2])
-
-
-def _skip_if_class_differs_here(op: str) -> None:
-    """An op whose class this (older) torch's autocast does not share with the pinned table."""
-    only_mixprec, only_torch = KNOWN_TORCH_DELTAS.get(TORCH_MINOR, (frozenset(), frozenset()))
-    if op in only_mixprec | only_torch:
-        pytest.skip(f"torch {TORCH_MINOR}'s CUDA autocast lists {op!r} otherwise than the table pinned to torch "
-                    f"{TABLES_TORCH_VERSION} (a recorded difference, checked by test_pinned_cuda_table_matches_this_torch)")
 
 
 def _pos(*shape: int, seed: int = 0) -> torch.Tensor:
@@ -80,6 +94,11 @@ def _cuda_only_cases() -> dict[str, list[Case]]:
     h = 4
     aten = torch.ops.aten
     # --- low
+    t, n, i = 3, 2, 5  # one LSTM layer (mode 2) with unflattened weights; outputs: y, hy, cy (then workspace)
+    c["_cudnn_rnn"] = [
+        _case(lambda *a: torch.ops.aten._cudnn_rnn(*a)[:3], _r(t, n, i), [_r(4 * h, i, seed=1), _r(4 * h, h, seed=2), _r(4 * h, seed=3), _r(4 * h, seed=4)],
+              4, None, _r(1, n, h, seed=5), _r(1, n, h, seed=6), 2, h, 0, 1, False, 0.0, False, False, [], None)
+    ]  # autocast by torch 2.11 (and reflattened), not by 2.13
     c["_scaled_dot_product_flash_attention"] = [
         _case(lambda *a: aten._scaled_dot_product_flash_attention(*a)[:2], _r(1, 2, 16, 16), _r(1, 2, 16, 16, seed=1), _r(1, 2, 16, 16, seed=2))
     ]  # output and logsumexp; the rest are RNG state and workspace
@@ -159,7 +178,7 @@ def _cuda_only_cases() -> dict[str, list[Case]]:
 
 
 def _all_cases() -> dict[str, list[Case]]:
-    shared = {op: cases for op, cases in CPU_CASES.items() if op in CUDA_TABLE.ops - CUDA_TABLE.banned}
+    shared = {op: cases for op, cases in CPU_CASES.items() if op in TABLE_OPS}
     return {**shared, **_cuda_only_cases()}
 
 
@@ -169,7 +188,40 @@ with warnings.catch_warnings():
 
 
 def test_every_cuda_table_op_has_a_case() -> None:
-    assert set(CUDA_CASES) == set(CUDA_TABLE.ops - CUDA_TABLE.banned)
+    assert not TABLE_OPS - set(CUDA_CASES), "a default-table op without a case"
+    if TORCH_MINOR == TABLES_TORCH_VERSION:
+        assert set(CUDA_CASES) - {"_cudnn_rnn"} == TABLE_OPS
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_cuda_tables_were_run_on_the_gpu(dtype: torch.dtype) -> None:
+    from mixprec.amp.probe import probe_table
+
+    registered = torch_autocast_ops("cuda") or frozenset()
+    start = time.perf_counter()
+    again = probe_table("cuda", dtype, registered)  # what the first use costs, the libraries loaded
+    took = time.perf_counter() - start
+    running = torch_table("cuda", dtype)
+    print(f"torch {torch.__version__}, {dtype}: {len(registered)} ops probed in {took * 1e3:.0f} ms; unresolved "
+          f"{sorted(running.unresolved)}; changes from the pinned tables: {table_changes('cuda', dtype)}")
+    assert again == running  # deterministic
+    assert running.source == "each op run under its autocast on cuda", running.source
+    if TORCH_MINOR == TABLES_TORCH_VERSION:
+        assert table_changes("cuda", dtype) == {}
+
+
+def test_the_default_cuda_table_absorbs_the_recorded_differences() -> None:
+    """The ops an older torch registers otherwise (KNOWN_TORCH_DELTAS) change class in the
+    default table: out of it where torch no longer autocasts them, in it (or unresolved)
+    where it newly does."""
+    only_mixprec, only_torch = KNOWN_TORCH_DELTAS.get(TORCH_MINOR, (frozenset(), frozenset()))
+    if not only_mixprec | only_torch:
+        pytest.skip(f"no recorded differences for torch {TORCH_MINOR}")
+    changes = table_changes("cuda", FP16)
+    for op in only_mixprec:
+        assert changes.get(op, ("", ""))[1] == "none", (op, changes.get(op))
+    for op in only_torch:
+        assert changes.get(op, ("", ""))[0] == "none", (op, changes.get(op))
 
 
 def test_pinned_cuda_table_matches_this_torch() -> None:
@@ -215,7 +267,7 @@ def _staged(case: Case, transform: Callable[[torch.Tensor], torch.Tensor] | None
 
 def _variants(op: str, low: torch.dtype) -> list[tuple[str, Callable[[torch.Tensor], torch.Tensor] | None]]:
     """Input dtypes that make the op's class visible; both operand orders for promote ops."""
-    precision = CUDA_TABLE.precision_of(op)
+    precision = _table(low).precision_of(op)
     if precision is Precision.LOW:
         return [("fp32 inputs", None)]
     if precision is Precision.FP32:
@@ -235,7 +287,7 @@ def _variants(op: str, low: torch.dtype) -> list[tuple[str, Callable[[torch.Tens
 
 
 def _oracle_dtype(op: str, case: Case, low: torch.dtype) -> torch.dtype:
-    precision = CUDA_TABLE.precision_of(op)
+    precision = _table(low).precision_of(op)
     if precision is Precision.LOW:
         return low
     if precision is Precision.FP32:
@@ -271,7 +323,16 @@ def _needs(dtype: torch.dtype) -> None:
 
 
 def _case_params() -> list[Any]:
-    return [pytest.param(op, i, id=f"{op}-{i}") for op in sorted(CUDA_CASES) for i in range(len(CUDA_CASES[op]))]
+    ops = sorted(set(CUDA_CASES) & TABLE_OPS)
+    return [pytest.param(op, i, id=f"{op}-{i}") for op in ops for i in range(len(CUDA_CASES[op]))]
+
+
+def _class_here(op: str, dtype: torch.dtype) -> Precision:
+    """The op's class in this torch's default table for ``dtype`` (a skip if it has none for it)."""
+    precision = _table(dtype).precision_of(op)
+    if precision is None:
+        pytest.skip(f"{op} has no {dtype} class in this torch's default CUDA table ({_table(dtype).source})")
+    return precision
 
 
 # --------------------------------------------------------------------------- tests
@@ -279,9 +340,7 @@ def _case_params() -> list[Any]:
 @pytest.mark.parametrize(("op", "index"), _case_params())
 def test_cuda_op_class_engine_and_torch_agree(op: str, index: int, dtype: torch.dtype) -> None:
     _needs(dtype)
-    _skip_if_class_differs_here(op)
-    precision = CUDA_TABLE.precision_of(op)
-    assert precision is not None
+    precision = _class_here(op, dtype)
     for label, transform in _variants(op, dtype):
         staged = _staged(CUDA_CASES[op][index], transform)
         target = _oracle_dtype(op, staged, dtype)
@@ -307,7 +366,7 @@ def test_cuda_op_class_engine_and_torch_agree(op: str, index: int, dtype: torch.
 @pytest.mark.parametrize(("op", "index"), _case_params())
 def test_cuda_op_moved_to_the_other_class_matches_explicit_casts(op: str, index: int, dtype: torch.dtype) -> None:
     _needs(dtype)
-    precision = CUDA_TABLE.precision_of(op)
+    precision = _class_here(op, dtype)
     transform: Callable[[torch.Tensor], torch.Tensor] | None
     if precision is Precision.LOW:
         policy, target, transform = OpPolicy(dtype, fp32_ops=[op]), FP32, None
@@ -329,7 +388,7 @@ def test_cuda_op_moved_to_the_other_class_matches_explicit_casts(op: str, index:
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_refused_op_is_refused_by_both_and_runs_once_listed(dtype: torch.dtype) -> None:
     _needs(dtype)
-    assert CUDA_TABLE.banned == frozenset({"binary_cross_entropy"})
+    assert _table(dtype).banned == frozenset({"binary_cross_entropy"})
     p = torch.rand(4, 4, generator=torch.Generator().manual_seed(0)).mul(0.9).add(0.05).cuda()
     t = torch.rand(4, 4, generator=torch.Generator().manual_seed(1)).cuda()
     for ctx in (lambda: torch.autocast("cuda", dtype=dtype), lambda: autocast(dtype, device_type="cuda")):

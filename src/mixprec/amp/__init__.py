@@ -29,8 +29,11 @@ How the rest of autocast's machinery sees custom ops:
 The package, by responsibility: :mod:`~mixprec.amp.casting` (how one op's inputs
 are cast), :mod:`~mixprec.amp.mode` (the ``TorchFunctionMode`` that applies a
 policy), :mod:`~mixprec.amp.backward` (re-entering autograd with the mode on the
-stack), :mod:`~mixprec.amp.context` (:class:`autocast`, :class:`autocast_backward`)
-and :mod:`~mixprec.amp.ops` (:func:`register_op` for user ops).
+stack), :mod:`~mixprec.amp.context` (:class:`autocast`, :class:`autocast_backward`),
+:mod:`~mixprec.amp.ops` (:func:`register_op` for user ops), and
+:mod:`~mixprec.amp.probe` with :mod:`~mixprec.amp.samples` (what the running torch's
+autocast does with each table op, found by running it: the classes of
+:func:`mixprec.policy.default_table`).
 
 >>> import torch
 >>> from mixprec.amp import autocast
@@ -49,7 +52,11 @@ torch.bfloat16
 
 from mixprec.amp.context import autocast, autocast_backward
 from mixprec.amp.ops import custom_op_precision, register_op, unregister_op
-from mixprec.policy import registered_ops
+from mixprec.amp.probe import probe_table
+from mixprec.policy import registered_ops, set_torch_table_source, torch_table_source
+
+if torch_table_source() is None:  # the default tables' classes come from running each op (on first use)
+    set_torch_table_source(probe_table)
 
 __all__ = [
     "autocast",

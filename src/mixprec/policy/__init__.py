@@ -2,9 +2,12 @@
 
 PyTorch's autocast keeps its op lists in C++; they cannot be edited, are the same
 for fp16 and bf16, and change between releases. mixprec keeps them here as data,
-pinned to one PyTorch release (:data:`TABLES_TORCH_VERSION`, :data:`TABLES_VERSION`),
-so an upgrade cannot change what mixprec documents and tests without a test
-noticing (:func:`compare_with_torch` reports the differences).
+pinned to one PyTorch release (:data:`TABLES_TORCH_VERSION`, :data:`TABLES_VERSION`:
+:func:`pinned_table`), and corrects them by what the running torch does
+(:func:`default_table`, :func:`torch_table`): the running torch's autocast ops are read
+from its dispatcher and their classes found by running each op (:mod:`mixprec.amp`
+installs that probe). :func:`table_changes` names the ops where the running torch
+differs from the pinned tables, :func:`compare_with_torch` the membership differences.
 
 Each op name is an aten op name without overload ("linear", "softmax", "mm") and
 falls in one of three classes, as in PyTorch:
@@ -21,11 +24,12 @@ effective low = (default ∪ lower_ops) − fp32_ops and effective fp32 =
 (default − lower_ops) ∪ fp32_ops.
 
 The package, by responsibility: :mod:`~mixprec.policy.tables` (the pinned tables,
-:class:`Precision`), :mod:`~mixprec.policy.names` (validating op names and module
-rules), :mod:`~mixprec.policy.op_policy` (:class:`OpPolicy`),
+:class:`Precision`), :mod:`~mixprec.policy.derived` (the default tables: the pinned
+ones corrected by the running torch), :mod:`~mixprec.policy.names` (validating op
+names and module rules), :mod:`~mixprec.policy.op_policy` (:class:`OpPolicy`),
 :mod:`~mixprec.policy.registered` (the record of user ops declared with
-:func:`mixprec.register_op`) and :mod:`~mixprec.policy.compare` (the tables against
-the installed torch).
+:func:`mixprec.register_op`) and :mod:`~mixprec.policy.compare` (the pinned tables'
+membership against the installed torch's registrations).
 
 >>> import torch
 >>> from mixprec.policy import OpPolicy, default_table
@@ -39,6 +43,16 @@ the installed torch).
 """
 
 from mixprec.policy.compare import TableDiff, compare_with_torch, torch_autocast_ops
+from mixprec.policy.derived import (
+    TableSource,
+    clear_torch_tables,
+    corrected_table,
+    default_table,
+    set_torch_table_source,
+    table_changes,
+    torch_table,
+    torch_table_source,
+)
 from mixprec.policy.names import (
     ModuleRule,
     as_module_rules,
@@ -55,7 +69,7 @@ from mixprec.policy.tables import (
     TABLES_VERSION,
     OpTable,
     Precision,
-    default_table,
+    pinned_table,
 )
 
 __all__ = [
@@ -68,13 +82,21 @@ __all__ = [
     "OpTable",
     "Precision",
     "TableDiff",
+    "TableSource",
     "as_module_rules",
     "as_op_names",
+    "clear_torch_tables",
     "compare_with_torch",
+    "corrected_table",
     "default_table",
     "known_op_names",
     "normalize_op_name",
+    "pinned_table",
     "record_registered_op",
     "registered_ops",
+    "set_torch_table_source",
+    "table_changes",
     "torch_autocast_ops",
+    "torch_table",
+    "torch_table_source",
 ]

@@ -1,5 +1,8 @@
 """The pinned tables against the installed PyTorch: which ops each side autocasts.
 
+This compares op membership only, read from the dispatcher; the classes of the running
+torch come from running the ops (:func:`mixprec.policy.torch_table`).
+
 >>> from mixprec.policy import compare_with_torch
 >>> diff = compare_with_torch("cpu")
 >>> diff is None or diff.device_type == "cpu"
@@ -12,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mixprec.policy.tables import TABLES_TORCH_VERSION, check_device_type, default_table
+from mixprec.policy.tables import TABLES_TORCH_VERSION, check_device_type, pinned_table
 
 __all__ = ["TableDiff", "compare_with_torch", "torch_autocast_ops"]
 
@@ -71,15 +74,15 @@ def compare_with_torch(device_type: str) -> TableDiff | None:
     """Which ops differ between the pinned table and the installed torch's autocast kernels.
 
     This compares op membership (the dispatcher does not say which class an op is
-    in); tests check the classes by running the ops. None when the registrations
-    cannot be read.
+    in; :func:`mixprec.policy.table_changes` has the classes, found by running the
+    ops). None when the registrations cannot be read.
 
     >>> from mixprec.policy import compare_with_torch
     >>> diff = compare_with_torch("cpu")
     >>> diff is None or isinstance(str(diff), str)
     True
     """
-    pinned = default_table(device_type, torch.bfloat16).ops  # refuses a device type without tables
+    pinned = pinned_table(device_type, torch.bfloat16).ops  # refuses a device type without tables
     registered = torch_autocast_ops(device_type)
     if registered is None:
         return None

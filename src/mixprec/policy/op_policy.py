@@ -16,15 +16,10 @@ import torch
 
 from mixprec.dtypes import LOW_PRECISION_DTYPES, dtype_name, parse_dtype
 from mixprec.formatting import Text
+from mixprec.policy.derived import default_table, table_changes
 from mixprec.policy.names import ModuleRule, as_module_rules, as_op_name, as_op_names
 from mixprec.policy.registered import registered_ops
-from mixprec.policy.tables import (
-    TABLES_TORCH_VERSION,
-    TABLES_VERSION,
-    OpTable,
-    Precision,
-    default_table,
-)
+from mixprec.policy.tables import TABLES_TORCH_VERSION, OpTable, Precision
 
 __all__ = ["OpPolicy"]
 
@@ -53,7 +48,7 @@ class OpPolicy:
     ...
     ValueError: unknown op name 'softmx' in lower_ops: neither mixprec's autocast tables nor torch.ops.aten know it; did you mean 'softmax', ...
     >>> print(OpPolicy(fp32_ops=["linear"]).explain("cpu").splitlines()[0])
-    OpPolicy(dtype=bf16) on cpu: default tables pinned to torch 2.13 (v1)
+    OpPolicy(dtype=bf16) on cpu: default tables of torch ... (each op run under its autocast on cpu; fallback: pinned to torch 2.13 (v1))
     """
 
     dtype: torch.dtype = torch.bfloat16
@@ -88,7 +83,8 @@ class OpPolicy:
 
     # -------------------------------------------------------------- queries
     def table(self, device_type: str) -> OpTable:
-        """The pinned default table this policy edits on ``device_type``."""
+        """The default table this policy edits on ``device_type``: the pinned one corrected
+        by what the running torch's autocast does (:func:`mixprec.policy.default_table`)."""
         return default_table(device_type, self.dtype)
 
     def precision_of(self, op: str, device_type: str = "cpu") -> Precision | None:
@@ -158,9 +154,12 @@ class OpPolicy:
                 rows.append((label, "default", ", ".join(default)))
             if custom:
                 rows.append((label, "custom", ", ".join(custom)))
-        lifted = sorted(table.banned & (frozenset(self.lower_ops) | frozenset(self.fp32_ops)))
+        listed = frozenset(self.lower_ops) | frozenset(self.fp32_ops)
+        lifted = sorted(table.banned & listed)
         if table.banned - set(lifted):
             rows.append(("refused", "default", ", ".join(sorted(table.banned - set(lifted)))))
+        if table.unresolved - listed:
+            rows.append(("left to torch", "default", ", ".join(sorted(table.unresolved - listed))))
         if self.fp32_modules:
             rules = ", ".join(_rule_name(r) for r in self.fp32_modules)
             rows.append(("fp32 modules", "custom", rules))
@@ -171,8 +170,7 @@ class OpPolicy:
         w0 = max(len("precision"), *(len(r[0]) for r in rows))
         w1 = len("default")
         lines = [
-            f"OpPolicy(dtype={dtype_name(self.dtype)}) on {device}: default tables pinned to "
-            f"torch {TABLES_TORCH_VERSION} (v{TABLES_VERSION})",
+            f"OpPolicy(dtype={dtype_name(self.dtype)}) on {device}: default tables {table.source}",
             f"{'precision'.ljust(w0)} | {'source'.ljust(w1)} | ops",
             f"{'-' * w0}-+-{'-' * w1}-+-----",
         ]
@@ -182,6 +180,14 @@ class OpPolicy:
             lines.append(f"{a.ljust(w0)} | {b.ljust(w1)} | {wrapped[0]}")
             lines += [indent + more for more in wrapped[1:]]
         lines.append("other ops run in the dtype of their inputs")
+        changes = table_changes(device, self.dtype)
+        moved = ", ".join(f"{op} ({a} -> {b})" for op, (a, b) in changes.items()) or "none"
+        lines += textwrap.wrap(
+            f"differences from the pinned torch {TABLES_TORCH_VERSION} tables on torch "
+            f"{torch.__version__}: {moved}",
+            width=100,
+            subsequent_indent="  ",
+        )
         return Text("\n".join(lines))
 
 

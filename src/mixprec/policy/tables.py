@@ -10,9 +10,14 @@ falls in one of three classes, as in PyTorch:
 Ops in no table run in whatever dtype their inputs have. float64 and non-floating
 tensors are never cast.
 
+These are the pinned tables: what PyTorch :data:`TABLES_TORCH_VERSION` does. The
+default tables that :class:`~mixprec.policy.OpPolicy` edits are these corrected by
+what the running torch does (:mod:`mixprec.policy.derived`); the pinned ones stay the
+fallback and the record.
+
 >>> import torch
->>> from mixprec.policy.tables import default_table
->>> default_table("cpu", torch.bfloat16).precision_of("linear")
+>>> from mixprec.policy.tables import pinned_table
+>>> pinned_table("cpu", torch.bfloat16).precision_of("linear")
 <Precision.LOW: 'low'>
 """
 
@@ -21,7 +26,7 @@ from __future__ import annotations
 import enum
 import functools
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,16 +35,18 @@ from mixprec.dtypes import dtype_name, parse_dtype
 __all__ = [
     "DEVICE_TYPES",
     "OP_ALIASES",
+    "PINNED_SOURCE",
     "TABLES_TORCH_VERSION",
     "TABLES_VERSION",
     "OpTable",
     "Precision",
     "all_table_ops",
     "check_device_type",
-    "default_table",
+    "class_name",
+    "pinned_table",
 ]
 
-#: The PyTorch release the default tables were taken from (major.minor).
+#: The PyTorch release the pinned tables were taken from (major.minor).
 TABLES_TORCH_VERSION = "2.13"
 #: Bumped whenever the tables below change.
 TABLES_VERSION = 1
@@ -170,7 +177,12 @@ OP_ALIASES: Mapping[str, str] = {
 
 @dataclass(frozen=True)
 class OpTable:
-    """The default autocast op classes of one device type and dtype (plain data)."""
+    """The autocast op classes of one device type and dtype (plain data).
+
+    ``banned``: ops autocast refuses to run (unsafe to autocast); ``unresolved``: ops
+    torch autocasts whose class could not be found (mixprec leaves them to torch);
+    ``source``: where the table comes from, in words (not compared).
+    """
 
     device_type: str
     dtype: torch.dtype
@@ -178,6 +190,8 @@ class OpTable:
     fp32: frozenset[str]
     promote: frozenset[str]
     banned: frozenset[str] = frozenset()
+    unresolved: frozenset[str] = frozenset()
+    source: str = field(default="", compare=False)
 
     def precision_of(self, op: str) -> Precision | None:
         """The op's class, or None when autocast leaves it alone."""
@@ -191,8 +205,23 @@ class OpTable:
 
     @property
     def ops(self) -> frozenset[str]:
-        """Every op the table names (banned ones included)."""
+        """Every op the table gives a class (banned ones included, unresolved ones not)."""
         return self.low | self.fp32 | self.promote | self.banned
+
+
+def class_name(table: OpTable, op: str) -> str:
+    """The op's entry in ``table`` in one word: "low", "fp32", "promote", "refused",
+    "unknown" (unresolved) or "none" (autocast leaves it alone)."""
+    precision = table.precision_of(op)
+    if precision is not None:
+        return precision.value
+    if op in table.banned:
+        return "refused"
+    return "unknown" if op in table.unresolved else "none"
+
+
+#: How the pinned tables describe themselves (``OpTable.source``).
+PINNED_SOURCE = f"pinned to torch {TABLES_TORCH_VERSION} (v{TABLES_VERSION})"
 
 
 def _table(
@@ -204,7 +233,13 @@ def _table(
     banned: Iterable[str] = (),
 ) -> OpTable:
     return OpTable(
-        device, dtype, frozenset(low), frozenset(fp32), frozenset(promote), frozenset(banned)
+        device,
+        dtype,
+        frozenset(low),
+        frozenset(fp32),
+        frozenset(promote),
+        frozenset(banned),
+        source=PINNED_SOURCE,
     )
 
 
@@ -232,14 +267,15 @@ def check_device_type(device_type: object) -> str:
     return device_type
 
 
-def default_table(device_type: str, dtype: torch.dtype | str = torch.bfloat16) -> OpTable:
-    """The pinned default table for ``device_type`` ("cpu" / "cuda") and ``dtype``.
+def pinned_table(device_type: str, dtype: torch.dtype | str = torch.bfloat16) -> OpTable:
+    """The pinned table for ``device_type`` ("cpu" / "cuda") and ``dtype``: PyTorch
+    :data:`TABLES_TORCH_VERSION`'s classes, whatever torch runs.
 
     >>> import torch
-    >>> from mixprec.policy import default_table
-    >>> "softmax" in default_table("cuda", torch.float16).fp32
+    >>> from mixprec.policy import pinned_table
+    >>> "softmax" in pinned_table("cuda", torch.float16).fp32
     True
-    >>> "softmax" in default_table("cpu", torch.bfloat16).fp32
+    >>> "softmax" in pinned_table("cpu", torch.bfloat16).fp32
     False
     """
     check_device_type(device_type)
