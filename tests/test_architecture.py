@@ -20,7 +20,7 @@ SRC = pathlib.Path(__file__).resolve().parents[1] / "src"
 # Bottom to top. Components on one level are peers: they must not import each other.
 LEVELS: list[tuple[str, tuple[str, ...]]] = [
     ("foundation", ("mixprec.nested", "mixprec.formatting", "mixprec.process_groups", "mixprec.compiling",
-                    "mixprec.startup")),
+                    "mixprec.startup", "mixprec.lagged")),
     ("dtypes", ("mixprec.dtypes",)),
     ("hardware", ("mixprec.hardware",)),
     ("formats", ("mixprec.fp8.formats",)),

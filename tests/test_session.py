@@ -212,8 +212,11 @@ def test_nonfinite_loss_never_shrinks_the_scale_and_errors_after_limit():
         assert result.skipped and result.skip_reason == "nonfinite_loss"
         assert result.scale == 2.0**16, i
     mp.backward(model(torch.ones(1, 3)).float().sum() * float("nan"))
+    mp.step()  # decided on the device: the host counts it, and raises, at the next step
+    mp.backward(model(torch.ones(1, 3)).float().sum())
     with pytest.raises(RuntimeError, match=re.escape("3 consecutive steps were skipped because the loss itself was inf/NaN")):
         mp.step()
+    assert torch.equal(opt.state_dict()["state"].get(0, {}).get("momentum_buffer", torch.zeros(1)), torch.zeros(1))
 
 
 def test_overflow_loop_error_names_the_cause():
@@ -225,8 +228,10 @@ def test_overflow_loop_error_names_the_cause():
     mp.step()
     mp.backward(model(torch.ones(1, 3)).sum())
     model.weight.grad.fill_(float("inf"))
+    mp.step()
+    mp.backward(model(torch.ones(1, 3)).sum())
     with pytest.raises(RuntimeError, match=re.escape("2 consecutive steps were skipped because the gradients were inf/NaN")):
-        mp.step()
+        mp.step()  # the next step raises it, before its update
 
 
 def _resumable_run(plan: str, steps: range, state=None, tmp=None):
@@ -495,7 +500,7 @@ def test_a_collapsed_loss_scale_raises_instead_of_training_on_zero_gradients():
             for session, result in _overflow_every_tenth_step(1800):
                 mp = session
                 zero_steps += result.stepped and result.grad_norm == 0.0
-    assert zero_steps == 19  # the 20th raised: at most max_zero_grad_steps steps ran on nothing
+    assert zero_steps == 20  # the step after the 20th raised, before its update: max_zero_grad_steps ran on nothing
     assert "MixedPrecision(on_scale_collapse='reset') restarts the scale at 65536" in str(caught.value)
     assert mp is not None and mp.state_dict()["optimizer_steps"] == mp.optimizer_steps  # the step was finished
 

@@ -293,20 +293,24 @@ class _StepMachine(RuleBasedStateMachine):
         expected = self.ref_mp.step()
         if interrupt and not self.IN_BACKWARD and expected.stepped:
             opt = self.mp.optimizers[0]
-            own = vars(opt).get("step")  # torch may keep a patched step on the instance
+            # the update's entry: step(), or step_skipping() where a wrapper skips on the device
+            names = ("step", "step_skipping") if hasattr(opt, "step_skipping") else ("step",)
+            own = {name: vars(opt).get(name) for name in names}  # torch may keep a patched step on the instance
 
             def interrupted(*args, **kwargs):
                 raise KeyboardInterrupt
 
-            opt.step = interrupted  # type: ignore[method-assign]
+            for name in names:
+                setattr(opt, name, interrupted)
             try:
                 with pytest.raises(KeyboardInterrupt):
                     self.mp.step()
             finally:
-                if own is None:
-                    del opt.step
-                else:
-                    opt.step = own  # type: ignore[method-assign]
+                for name in names:
+                    if own[name] is None:
+                        delattr(opt, name)
+                    else:
+                        setattr(opt, name, own[name])
             assert _same_state(self.mp.state_dict(), self.ref_state)  # a Ctrl-C handler saves the last step
         result = self.mp.step()
         assert (result.stepped, result.skipped, result.skip_reason, result.optimizer_steps, result.scale) == (

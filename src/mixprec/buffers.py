@@ -75,6 +75,15 @@ class BufferGuard:
         with torch.no_grad():
             torch._foreach_copy_(self._buffers(), self._saved)
 
+    def restore_where(self, skip: torch.Tensor) -> None:
+        """:meth:`restore` where ``skip`` (a 0-dim 0/1 tensor on the device) is 1, without reading it."""
+        if not self._taken:
+            return
+        with torch.no_grad():
+            keep = skip.to(torch.bool)
+            for buffer, saved in zip(self._buffers(), self._saved, strict=True):
+                buffer.copy_(torch.where(keep.to(buffer.device), saved, buffer))
+
     def commit(self) -> None:
         self._taken = False
 

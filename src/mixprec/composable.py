@@ -151,7 +151,10 @@ class ComposableSteps:
     def phase(self) -> Phase:
         """Where the current step stands (:class:`mixprec.phases.Phase`): ``IDLE``,
         ``ACCUMULATING``, ``BACKWARD_DONE``, ``UNSCALED``, ``CLIPPED``, then ``STEPPED`` or
-        ``SKIPPED``. A call out of order raises an error naming the order."""
+        ``SKIPPED``. A call out of order raises an error naming the order. Right after a step
+        decided on the device, telling ``STEPPED`` from ``SKIPPED`` reads its outcome."""
+        if self._phases.undecided:
+            self.settle_outcome()
         return self._phases.phase
 
     def is_accumulating(self) -> bool:
@@ -352,5 +355,9 @@ class ComposableSteps:
 
     @property
     def last_step_skipped(self) -> bool:
-        """Whether the last :meth:`step` at an accumulation boundary skipped the update."""
+        """Whether the last :meth:`step` at an accumulation boundary skipped the update (right
+        after that step it waits for the device: the decision is made there)."""
         return self.last_result is not None and self.last_result.skipped
+
+    def settle_outcome(self) -> None:
+        """The host bookkeeping of the last decided step (see :class:`mixprec.stepping.StepRunner`)."""

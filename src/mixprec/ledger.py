@@ -12,8 +12,9 @@ scale that collapsed until the gradients underflow (see :class:`StepLedger`).
 
 from __future__ import annotations
 
+import math
 import warnings
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -23,7 +24,9 @@ from mixprec.scaling import LossScaler
 __all__ = ["StepLedger", "StepResult", "collapse_message", "skip_error", "warn_zero_grads"]
 
 
-@dataclass(frozen=True)
+_FIELDS = ("stepped", "skipped", "scale", "grad_norm", "skip_reason", "accumulating", "optimizer_steps", "overflow")
+
+
 class StepResult:
     """What :meth:`MixedPrecision.step` did.
 
@@ -41,16 +44,78 @@ class StepResult:
         accumulating: not an accumulation boundary; nothing was done.
         optimizer_steps: real optimizer steps taken so far.
         overflow: diagnostics of the first non-finite module when overflow tracing is on.
+
+    The step is decided on the device, so a result is read lazily: reading any attribute of
+    it as soon as ``step()`` returned waits for the device (one synchronisation); read at the
+    next step (or later) it is free, the values having been copied to the host meanwhile.
+    Results compare equal when every attribute does.
     """
 
-    stepped: bool
-    skipped: bool
-    scale: float
-    grad_norm: float | None
-    skip_reason: str | None = None
-    accumulating: bool = False
-    optimizer_steps: int = 0
-    overflow: Any = None
+    __slots__ = ("_source", "_values")
+
+    def __init__(
+        self, stepped: bool = False, skipped: bool = False, scale: float = 1.0, grad_norm: float | None = None,
+        skip_reason: str | None = None, accumulating: bool = False, optimizer_steps: int = 0, overflow: Any = None,
+        *, source: Callable[[], dict[str, Any]] | None = None,
+    ) -> None:
+        self._values: dict[str, Any] = {
+            "stepped": stepped, "skipped": skipped, "scale": scale, "grad_norm": grad_norm,
+            "skip_reason": skip_reason, "accumulating": accumulating, "optimizer_steps": optimizer_steps,
+            "overflow": overflow,
+        }
+        self._source = source
+
+    @classmethod
+    def lazy(cls, source: Callable[[], dict[str, Any]]) -> StepResult:
+        """A result whose values ``source`` gives on the first read (it may wait for the device)."""
+        return cls(source=source)
+
+    @property
+    def resolved(self) -> bool:
+        """Whether the values are on the host already (reading them waits for nothing)."""
+        return self._source is None
+
+    def _get(self, name: str) -> Any:
+        if self._source is not None:
+            source, self._source = self._source, None
+            try:
+                self._values.update(source())
+            except BaseException:
+                self._source = source
+                raise
+        return self._values[name]
+
+    stepped = property(lambda self: self._get("stepped"), doc="the optimizers updated the parameters")
+    skipped = property(lambda self: self._get("skipped"), doc="the update was skipped (see skip_reason)")
+    scale = property(lambda self: self._get("scale"), doc="the loss scale after this step")
+    grad_norm = property(lambda self: self._get("grad_norm"), doc="the true gradient norm before clipping")
+    skip_reason = property(lambda self: self._get("skip_reason"), doc="why the update was skipped")
+    accumulating = property(lambda self: self._get("accumulating"), doc="not an accumulation boundary")
+    optimizer_steps = property(lambda self: self._get("optimizer_steps"), doc="real optimizer steps so far")
+    overflow = property(lambda self: self._get("overflow"), doc="the first non-finite module, when traced")
+
+    def as_dict(self) -> dict[str, Any]:
+        """Every attribute by name (reads them all)."""
+        return {name: self._get(name) for name in _FIELDS}
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, StepResult):
+            return NotImplemented
+        mine, theirs = self.as_dict(), other.as_dict()
+        return all(_same(mine[k], theirs[k]) for k in _FIELDS)
+
+    def __hash__(self) -> int:
+        return hash(tuple(repr(v) for v in self.as_dict().values()))
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in self.as_dict().items())
+        return f"StepResult({fields})"
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return bool(a == b)
 
 
 # ------------------------------------------------------------------ accounting
@@ -80,19 +145,31 @@ class StepLedger:
         self._warned_zero_grads = False
 
     def record(self, reason: str | None, grad_norm: float | None, scaler: LossScaler, overflow: Any = None) -> StepResult:
-        """Count a decided step (the scaler updates); :meth:`check` raises what it implies."""
+        """Count a step the host decided: the scaler updates on the host's word (``update()`` or
+        ``skip()``), then :meth:`count`."""
         enabled = scaler.is_enabled()
         if reason is None or (reason == "overflow" and enabled):
             if enabled:
                 scaler.update()  # an overflow backs the scale off
         else:
             scaler.skip()  # scaling cannot fix a forward overflow: keep the scale
+        return self.count(reason, grad_norm, scaler, scaler.get_scale(), overflow, counted=True)
+
+    def count(
+        self, reason: str | None, grad_norm: float | None, scaler: LossScaler, scale: float, overflow: Any = None,
+        *, counted: bool = False,
+    ) -> StepResult:
+        """Count a decided step whose scale the scaler already settled on the device (``scale``:
+        the scale after it, as the host read it); :meth:`check` raises what it implies.
+        ``counted``: the scaler's own counters were kept already (:meth:`record`)."""
+        enabled = scaler.is_enabled()
+        if not counted:
+            scaler.counted(reason)
         if reason is None:
             self.optimizer_steps += 1
             self.consecutive_skips = 0
         else:
             self.consecutive_skips += 1
-        scale = scaler.get_scale()
         if reason is None and enabled:
             self.zero_grad_steps = self.zero_grad_steps + 1 if grad_norm == 0.0 and scale < 1.0 else 0
             limit = self.max_zero_grad_steps

@@ -76,25 +76,22 @@ class StepPhases:
             wide accumulators (the next backward moves them there).
         published: the unscaled gradients were copied back into the model's ``.grad``.
         unscale_started: the plan's ``before_unscale`` ran for this step.
-        decision: ``(reason, norm, norm tensor)`` of this step's skip decision, once made.
+        decision: this step's skip decision (:class:`mixprec.step.Decision`), once made.
         clipped: ``step()`` applied the session's ``clip_grad_norm``.
         updated: optimizers whose ``step()`` returned in this step.
-        outcome: ``(reason, norm)`` once every optimizer stepped (or none was to).
+        outcome: the decision once every optimizer stepped (or none was to).
         result: the :class:`~mixprec.step.StepResult`, once the ledger counted the step.
-        scheduled: the scheduler was stepped for it.
-        schedule_undo: the scheduler's state and its optimizer's group settings from just before
-            its step, kept while that step runs: an interruption inside it is undone, and the
-            scheduler stepped once more, by ``step()`` again.
         interrupted: an exception left ``step()`` before it finished.
     """
 
     __slots__ = (
         "clipped", "decision", "explicit", "interrupted", "loose", "micro", "outcome", "pending", "phase",
-        "published", "result", "schedule_undo", "scheduled", "unscale_started", "updated",
+        "published", "result", "undecided", "unscale_started", "updated",
     )
 
     def __init__(self) -> None:
         self.phase = Phase.IDLE
+        self.undecided = False
         self._clear()
 
     def _clear(self) -> None:
@@ -104,13 +101,11 @@ class StepPhases:
         self.loose = False
         self.published = False
         self.unscale_started = False
-        self.decision: tuple[str | None, float | None, Any] | None = None
+        self.decision: Any = None
         self.clipped = False
         self.updated = 0
-        self.outcome: tuple[str | None, float | None] | None = None
+        self.outcome: Any = None
         self.result: Any = None
-        self.scheduled = False
-        self.schedule_undo: Any = None
         self.interrupted = False
 
     # -------------------------------------------------------------- backward
@@ -235,12 +230,22 @@ class StepPhases:
             "are ahead of the counters and the loss scale. Call step() again to finish that step, then save"
         )
 
-    def finished(self, *, stepped: bool) -> None:
-        """The step is over: the next backward starts a new one."""
-        self.phase = Phase.STEPPED if stepped else Phase.SKIPPED
+    def finished(self, *, stepped: bool | None) -> None:
+        """The step is over: the next backward starts a new one. ``stepped=None``: decided on the
+        device, not read yet; :attr:`phase` says ``STEPPED`` until :meth:`learned` says otherwise
+        (:attr:`undecided` is True meanwhile)."""
+        self.phase = Phase.SKIPPED if stepped is False else Phase.STEPPED
+        self.undecided = stepped is None
         self._clear()
+
+    def learned(self, stepped: bool) -> None:
+        """The host read the outcome of a step that ended :attr:`undecided`."""
+        if self.undecided and self.phase in (Phase.STEPPED, Phase.SKIPPED):
+            self.phase = Phase.STEPPED if stepped else Phase.SKIPPED
+        self.undecided = False
 
     def reset(self) -> None:
         """Forget the step in progress (a load replaced the state it belonged to)."""
         self.phase = Phase.IDLE
+        self.undecided = False
         self._clear()

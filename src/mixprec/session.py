@@ -381,6 +381,7 @@ class MixedPrecision(StepRunner):
         phases = self._phases
         if (unfinished := phases.mid_update()) is not None:
             raise RuntimeError(f"state_dict(): {unfinished}")
+        self.settle_outcome()  # the last step counted and its scheduler step taken (a read of its outcome)
         if (phases.micro or phases.pending) and not mid_accumulation and not phases.interrupted:
             done = phases.micro + phases.pending
             raise RuntimeError(
@@ -399,6 +400,7 @@ class MixedPrecision(StepRunner):
         kind matches, and this run's scaler settings win over the saved ones.
         """
         scaler_state = validated_scaler_state(state_dict, self.plan, self.scaler, self.scheduler, allow_plan_change)
+        self._lagged = None  # the bookkeeping of a step decided before the load belongs to the replaced state
         if scaler_state is not None:
             self.scaler.load_state_dict(scaler_state)
         self._ledger.load(state_dict)

@@ -1,16 +1,19 @@
 """The phases of one optimizer step: gradient norm and clipping, the skip decision, the update.
 
 :class:`mixprec.MixedPrecision.step` runs them in order. :class:`SkipDecision` is the one
-owner of the decision to skip: whatever the number of optimizers, it decides with one
-host read, after one all-reduce when several ranks run (a plan whose update can refuse a
-non-finite low-precision weight checks once more, after the update).
+owner of the decision to skip: whatever the number of optimizers, it decides on the device
+(:class:`Decision`), after one all-reduce when several ranks run, and no host read; the
+update is masked on the device for optimizers that skip from a device flag (torch's fused
+ones, mixprec's wrappers that can), and reads the decision once for any other. A plan whose
+update can refuse a non-finite low-precision weight decides once more, after the update.
 
 >>> import torch
 >>> from mixprec.step import SkipDecision, total_norm
->>> decision = SkipDecision()
->>> decision.record_loss(torch.tensor(float("inf")))
->>> decision.decide(total_norm([torch.ones(3)], torch.device("cpu")))
-'nonfinite_loss'
+>>> decider = SkipDecision()
+>>> decider.record_loss(torch.tensor(float("inf")))
+>>> decision = decider.decide(total_norm([torch.ones(3)], torch.device("cpu")))
+>>> decision.code, decision.read()
+(tensor(1.), ('nonfinite_loss', 1.7320507764816284))
 """
 
 from __future__ import annotations
@@ -25,13 +28,15 @@ import torch
 from mixprec.distributed.fsdp import has_dtensor, total_grad_norm
 from mixprec.ledger import StepLedger, StepResult, skip_error, warn_zero_grads
 from mixprec.nested import by_device_dtype, shard_local
+from mixprec.optim.fast import fused_everywhere
 from mixprec.plans import Plan
 from mixprec.process_groups import all_reduce_max, resolve_group
 from mixprec.scaling import LossScaler
 
 __all__ = [
-    "NormMemo", "SkipDecision", "StepLedger", "StepResult", "apply_update", "call_hook", "check_loss", "clip_",
-    "skip_error", "total_norm", "unscale_all", "warn_zero_grads",
+    "NONFINITE_LOSS", "NONFINITE_PLAN", "NONFINITE_WEIGHTS", "OVERFLOW", "REASONS", "STEP",
+    "Decision", "NormMemo", "SkipDecision", "StepLedger", "StepResult", "apply_update", "call_hook", "check_loss",
+    "clip_", "skip_error", "skips_on_device", "step_masked", "total_norm", "unscale_all", "warn_zero_grads",
 ]
 
 
@@ -209,19 +214,73 @@ def clip_(
 
 
 # ------------------------------------------------------------------ decision
+#: the skip decision as a number on the device (first match wins; 0: the update happens)
+STEP, NONFINITE_LOSS, OVERFLOW, NONFINITE_PLAN, NONFINITE_WEIGHTS = 0, 1, 2, 3, 4
+#: ``StepResult.skip_reason`` of each code
+REASONS: tuple[str | None, ...] = (None, "nonfinite_loss", "overflow", "nonfinite_plan", "nonfinite_weights")
+
+
+class Decision:
+    """One step's skip decision, as device tensors: nothing here waits for the device.
+
+    Attributes:
+        code: a 0-dim fp32 tensor, one of :data:`STEP`, :data:`NONFINITE_LOSS`,
+            :data:`OVERFLOW`, :data:`NONFINITE_PLAN`, :data:`NONFINITE_WEIGHTS` (the same on
+            every rank: decided after one MAX all-reduce).
+        norm: this rank's total gradient norm (fp32; over the mesh for sharded gradients).
+        found: the loss scaler's found-inf flag every rank agreed on (None without scaling).
+        host: ``(reason, norm)`` once read on the host (:meth:`read`), else None.
+    """
+
+    __slots__ = ("code", "found", "host", "measured", "norm")
+
+    def __init__(self, code: torch.Tensor, norm: torch.Tensor, found: torch.Tensor | None = None) -> None:
+        self.code, self.norm, self.found = code, norm, found
+        self.host: tuple[str | None, float] | None = None
+        self.measured = True  # the norm was measured (not under the optimizer in backward)
+
+    @classmethod
+    def known(cls, reason: str | None, norm: float | None, device: torch.device | None = None) -> Decision:
+        """A decision the host already made (the optimizer in backward)."""
+        out = cls(torch.tensor(float(REASONS.index(reason)), device=device),
+                  torch.tensor(math.nan if norm is None else norm, device=device))
+        out.host = (reason, math.nan if norm is None else norm)
+        out.measured = norm is not None
+        return out
+
+    def skip_flag(self) -> torch.Tensor:
+        """1.0 where the update is skipped, else 0.0 (fp32, as torch's fused optimizers take ``found_inf``)."""
+        return (self.code > 0).to(torch.float32)
+
+    def read(self) -> tuple[str | None, float]:
+        """``(reason, norm)`` on the host: one host read (it waits for the device), once."""
+        if self.host is None:
+            code, norm = torch.stack([self.code, self.norm.to(self.code.device)]).tolist()
+            self.host = (REASONS[int(code)], norm)
+        return self.host
+
+    def refused(self, flag: torch.Tensor) -> None:
+        """An update already made wrote a non-finite low-precision weight (``flag``: every rank's,
+        agreed): the step becomes a :data:`NONFINITE_WEIGHTS` skip where it was one to take."""
+        self.code = torch.where((self.code == STEP) & flag.to(self.code.device, torch.bool),
+                                torch.full_like(self.code, NONFINITE_WEIGHTS), self.code)
+        self.host = None
+
+
 class SkipDecision:
     """Decides, once per step and for every optimizer and rank, whether the update happens.
 
     Reasons, first match wins: ``"nonfinite_loss"`` (the forward overflowed; the scale is
     kept), ``"overflow"`` (inf/NaN gradients; a dynamic scale backs off),
     ``"nonfinite_plan"`` (the plan saw a non-finite value the gradients do not show, e.g.
-    an inf input or output gradient of an fp8 layer; the scale is kept).
+    an inf input or output gradient of an fp8 layer; the scale is kept). The decision is
+    made on the device (:class:`Decision`): one stack of the flags, one MAX all-reduce when
+    several ranks run, and no host read.
     """
 
     def __init__(self, process_group: Any = None) -> None:
         self.process_group = process_group
         self._losses: list[torch.Tensor] = []
-        self.norm: float | None = None  # the gradient norm the last decision read
 
     def record_loss(self, loss: torch.Tensor) -> None:
         """Keep a micro-batch's loss value to check it at the decision (an fp32 copy of its one
@@ -238,48 +297,32 @@ class SkipDecision:
         plan_flag: torch.Tensor | None = None,
         scaler: LossScaler | None = None,
         optimizers: Sequence[torch.optim.Optimizer] = (),
-    ) -> str | None:
-        """The skip reason (None: step). ``scaler`` has unscaled ``optimizers`` without syncing;
-        it learns the decision, so its ``update()`` needs no further synchronisation."""
+    ) -> Decision:
+        """The decision on the device. ``scaler`` has unscaled ``optimizers`` without syncing; it
+        learns the agreed found-inf flag, so its update needs no further synchronisation."""
         device = norm.device
         norm = _fp32_scalar(norm.detach() if norm.requires_grad else norm, device)
-        losses = [_fp32_scalar(t, device) for t in self._losses]
-        plan = None if plan_flag is None else _fp32_scalar(plan_flag, device)
         scaling = scaler is not None and scaler.is_enabled()
         found = scaler.sync_found_inf(optimizers).to(device, torch.float32) if scaling else None  # type: ignore[union-attr]
-        single = resolve_group(self.process_group) is None
-        if single:
-            # One process: read the values there are (bf16 and fp32 plans: the losses and the
-            # norm) with one stack and one host read, and judge them on the host.
-            values = torch.stack([*losses, norm, *(f for f in (plan, found) if f is not None)]).tolist()
-            n = len(losses)
-            self.norm, rest = values[n], iter(values[n + 1:])
-            plan_bad = next(rest) if plan is not None else 0.0
-            found_inf = next(rest) if found is not None else 0.0
-            nonfinite_loss = not all(math.isfinite(v) for v in values[:n])
-            grads_bad = found_inf > 0
-            overflow = grads_bad or not math.isfinite(self.norm)
-        else:
-            # Several ranks: one MAX all-reduce of the flags, then one read of them and this rank's norm.
-            zero = torch.zeros((), device=device)
-            flags = torch.stack([
-                (~torch.isfinite(torch.stack(losses or [zero]))).any().float(), (~torch.isfinite(norm)).float(),
-                zero if plan is None else plan, zero if found is None else found,
-            ])
-            all_reduce_max(flags, self.process_group)
-            nonfinite_loss, norm_bad, plan_bad, found_inf, self.norm = torch.cat([flags, norm.reshape(1)]).tolist()
-            grads_bad = found_inf > 0
-            overflow = grads_bad or norm_bad > 0
+        parts = [torch.stack([_fp32_scalar(t, device) for t in self._losses]).isfinite().all().logical_not()
+                 if self._losses else None,
+                 norm.isfinite().logical_not(),
+                 None if plan_flag is None else _fp32_scalar(plan_flag, device) > 0,
+                 None if found is None else found > 0]
+        zero = torch.zeros((), dtype=torch.bool, device=device)
+        flags = torch.stack([zero if f is None else f for f in parts]).to(torch.float32)
+        if resolve_group(self.process_group) is not None:
+            all_reduce_max(flags, self.process_group)  # every rank: the same flags, no host read
+        loss_bad, norm_bad, plan_bad, grads_bad = flags.unbind()
+        code = torch.where(loss_bad > 0, float(NONFINITE_LOSS), torch.where(
+            (grads_bad > 0) | (norm_bad > 0), float(OVERFLOW), torch.where(plan_bad > 0, float(NONFINITE_PLAN), 0.0)))
+        agreed = None
         if found is not None:  # a scaling scaler: it unscaled the optimizers
             # the scaler counts inf/NaN gradients (its backoff); a norm that overflows fp32 on finite
             # gradients skips the step but is not the scale's doing
-            # what every optimizer (one process: the scaler's own combined flag) and rank agreed
-            scaler.decided(optimizers, found if single else flags[3], grads_bad)  # type: ignore[union-attr]
-        if nonfinite_loss:
-            return "nonfinite_loss"
-        if overflow:
-            return "overflow"
-        return "nonfinite_plan" if plan_bad else None
+            agreed = grads_bad
+            scaler.decided(optimizers, agreed, None)  # type: ignore[union-attr]
+        return Decision(code, norm, agreed)
 
     def reset(self) -> None:
         self._losses = []
@@ -297,28 +340,68 @@ def _step_nonfinite(opt: torch.optim.Optimizer) -> torch.Tensor | None:
     return check() if check is not None else None
 
 
-def apply_update(optimizers: Sequence[torch.optim.Optimizer], process_group: Any = None, progress: Any = None) -> str | None:
-    """Step every optimizer; undo them all if one refused a non-finite low-precision weight.
+def skips_on_device(opt: torch.optim.Optimizer) -> bool:
+    """Whether ``opt`` skips a step from a device flag (``found_inf``) without the host reading it:
+    torch's fused optimizers (``fused=True``: Adam, AdamW, SGD) and the mixprec wrappers that say
+    so (``skips_on_device()``); any other optimizer needs the decision on the host."""
+    own = getattr(opt, "skips_on_device", None)
+    if callable(own):
+        return bool(own())
+    return fused_everywhere(opt)
 
-    The decision is made and gradients are unscaled, so each optimizer steps directly.
-    Returns ``"nonfinite_weights"`` when the update was undone, else None. ``progress``
-    (an object with an int ``updated``, e.g. :class:`mixprec.phases.StepPhases`) counts the
-    optimizers whose ``step()`` returned: after an interruption a second call steps only
-    the others.
+
+def step_masked(opt: torch.optim.Optimizer, skip: torch.Tensor) -> None:
+    """``opt.step()`` that changes nothing where ``skip`` (fp32 0/1 on the device) is 1: the flag
+    goes to the optimizer as torch's GradScaler gives it to fused optimizers (``found_inf``; the
+    gradients are unscaled already, so no ``grad_scale``)."""
+    own = getattr(opt, "step_skipping", None)
+    if callable(own):
+        own(skip)
+        return
+    opt.found_inf = skip  # type: ignore[attr-defined]
+    opt.grad_scale = None  # type: ignore[attr-defined]
+    try:
+        opt.step()
+    finally:
+        del opt.found_inf  # type: ignore[attr-defined]
+        del opt.grad_scale  # type: ignore[attr-defined]
+
+
+def apply_update(
+    optimizers: Sequence[torch.optim.Optimizer], decision: Decision, process_group: Any = None, progress: Any = None,
+) -> None:
+    """Step every optimizer as ``decision`` says; undo them all if one refused a non-finite
+    low-precision weight (the decision then says :data:`NONFINITE_WEIGHTS`).
+
+    Optimizers that skip on the device (:func:`skips_on_device`) step with the decision's flag
+    and no host read; for any other the decision is read on the host once (it is then known).
+    The gradients are unscaled and clipped already. ``progress`` (an object with an int
+    ``updated``, e.g. :class:`mixprec.phases.StepPhases`) counts the optimizers whose
+    ``step()`` returned: after an interruption a second call steps only the others.
     """
     start = 0 if progress is None else progress.updated
+    skip: torch.Tensor | None = None
     for opt in optimizers[start:] if start else optimizers:
-        opt.step()
+        if skips_on_device(opt):
+            skip = decision.skip_flag() if skip is None else skip
+            step_masked(opt, skip)
+        elif decision.read()[0] is None:
+            opt.step()
         if progress is not None:
             progress.updated += 1
     refusals = [flag for opt in optimizers if (flag := _step_nonfinite(opt)) is not None]
     if not refusals:
-        return None
+        return
     refused = torch.stack([_fp32_scalar(f, refusals[0].device) for f in refusals]).amax()
-    if not bool(all_reduce_max(refused, process_group)):
-        return None
+    all_reduce_max(refused, process_group)  # every rank undoes, or none
     for opt in optimizers:
-        flag = _step_nonfinite(opt)
-        if flag is None or not bool(flag):
-            opt.undo_step()  # type: ignore[attr-defined]
-    return "nonfinite_weights"
+        undo = getattr(opt, "undo_step_if", None)
+        if callable(undo):
+            undo(refused)
+        elif decision.host is not None and decision.host[0] is not None:
+            continue  # nothing stepped
+        elif bool(refused):  # an optimizer that can undo only on the host's word (one read)
+            flag = _step_nonfinite(opt)
+            if flag is None or not bool(flag):
+                opt.undo_step()  # type: ignore[attr-defined]
+    decision.refused(refused)

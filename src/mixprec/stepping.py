@@ -2,11 +2,18 @@
 
 :class:`StepRunner` is the part of :class:`mixprec.MixedPrecision` that runs a step: the
 skip decision, clipping, the update of every optimizer, then the bookkeeping (buffers,
-the plan's ``after_step``, the ledger, the scheduler, clearing gradients). Each stage is
-recorded in the step's :class:`~mixprec.phases.StepPhases`, so an exception or a Ctrl-C
-anywhere leaves a state from which ``state_dict()`` saves the last finished step and
-``step()`` again finishes this one exactly: nothing is decided, clipped, updated, counted
-or scheduled twice. The state it reads is set up by ``MixedPrecision.__init__`` and ``prepare``.
+the plan's ``after_step``, the loss scale, clearing gradients). Each stage is recorded in
+the step's :class:`~mixprec.phases.StepPhases`, so an exception or a Ctrl-C anywhere leaves
+a state from which ``state_dict()`` saves the last finished step and ``step()`` again
+finishes this one exactly: nothing is decided, clipped, updated, counted or scheduled
+twice. The state it reads is set up by ``MixedPrecision.__init__`` and ``prepare``.
+
+The step is device-first: the decision, the loss scale and the masked update stay on the
+device, and the host learns the outcome one step late (:class:`_Lagged`): the next
+``step()`` reads it before its own update (the LR scheduler of step t is advanced before
+step t+1's update, so every update uses the learning rate it would use if the host had
+waited), as does anything that needs it at once (reading the :class:`StepResult`,
+``last_step_skipped``, ``state_dict()``).
 """
 
 from __future__ import annotations
@@ -19,13 +26,29 @@ import torch
 from mixprec.buffers import BufferGuard
 from mixprec.composable import ComposableSteps
 from mixprec.explainer import OverflowExplainer
+from mixprec.lagged import HostCopy
 from mixprec.ledger import StepLedger, StepResult
 from mixprec.optim import InBackwardOptimizer
 from mixprec.options import check_ready
 from mixprec.prepare import PreparedModel
-from mixprec.step import apply_update
+from mixprec.step import REASONS, Decision, apply_update
 
 __all__ = ["StepRunner"]
+
+
+class _Lagged:
+    """A decided step whose host bookkeeping has not run yet: its values, copied to the host as
+    soon as they were computed, and how far the bookkeeping got (each part runs once, also when
+    an interruption makes it run again)."""
+
+    __slots__ = ("copy", "decision", "result", "schedule_undo", "scheduled", "serial", "values")
+
+    def __init__(self, decision: Decision, copy: HostCopy, serial: int) -> None:
+        self.decision, self.copy, self.serial = decision, copy, serial
+        self.values: dict[str, Any] | None = None  # the counted result
+        self.result: StepResult | None = None
+        self.scheduled = False
+        self.schedule_undo: Any = None
 
 
 class StepRunner(ComposableSteps):
@@ -39,12 +62,15 @@ class StepRunner(ComposableSteps):
     _prepared: PreparedModel | None
     _explainer: OverflowExplainer | None = None  # (class defaults: sessions pickled before they existed)
     _step_serial: int = 0
+    _lagged: _Lagged | None = None
 
     def step(self, *, zero_grad: bool = True) -> StepResult:
         """At an accumulation boundary: unscale, check, clip, step every optimizer (or none), clear grads.
 
-        ``zero_grad=False`` leaves the gradients to a framework that clears them itself
-        (Lightning does, before the next backward; freeing them twice costs page faults).
+        The returned :class:`StepResult` is read lazily: reading it at once waits for the
+        device; at the next step it is free. ``zero_grad=False`` leaves the gradients to a
+        framework that clears them itself (Lightning does, before the next backward; freeing
+        them twice costs page faults).
         """
         if not isinstance(zero_grad, bool):
             raise TypeError(f"zero_grad= must be True or False, got {zero_grad!r}")
@@ -54,106 +80,157 @@ class StepRunner(ComposableSteps):
             self._prepared.check_bound(self.optimizers, "step()")
         phases = self._phases
         if not phases.step_ready(self.grad_accum_steps):
-            return StepResult(
-                stepped=False, skipped=False, scale=self.scaler.get_scale(), grad_norm=None,
-                accumulating=True, optimizer_steps=self._ledger.optimizer_steps,
-            )
+            return self._accumulating()
         try:
+            self.settle_outcome(check=True)  # the last step's bookkeeping (its scheduler step first), before this update
             if phases.outcome is not None:  # an interrupted step() got past its update: finish it
-                reason, norm = phases.outcome
+                decision = phases.outcome
             elif self._in_backward is not None:  # the parameters were updated (or restored) during backward
-                reason, norm = self._in_backward_outcome(self._in_backward), None
+                decision = Decision.known(self._in_backward_outcome(self._in_backward), None, self.device)
             else:
-                reason, norm = self._decide_and_update()
-            phases.outcome = (reason, norm)
-            result = self._finish(reason, norm, zero_grad)
+                decision = self._decide_and_update()
+            phases.outcome = decision
+            result = self._finish(decision, zero_grad)
         except BaseException:
             phases.interrupt()  # where it got to is recorded: state_dict() and step() again work
             raise
-        diagnosis = self._explainer.diagnosis() if self._explainer is not None else None
-        self._ledger.check(result, self.scaler, self.max_consecutive_skips, diagnosis)  # the step is over; raise what it implies
+        if self.tracer is not None or self._in_backward is not None:
+            self.settle_outcome(check=True)  # at once: the tracer's record belongs to this step; in backward it was read
         return result
 
-    def _decide_and_update(self) -> tuple[str | None, float | None]:
+    def _accumulating(self) -> StepResult:
+        """The result of a step() between accumulation boundaries (nothing done)."""
+        scale = self.scaler.scale_tensor().detach().clone() if self.scaler.is_enabled() else None
+        lagged = self._lagged
+
+        def values() -> dict[str, Any]:
+            steps = self.optimizer_steps if lagged is None or lagged.values is None else lagged.values["optimizer_steps"]
+            return {"scale": 1.0 if scale is None else float(scale), "accumulating": True, "optimizer_steps": steps}
+
+        return StepResult.lazy(values) if lagged is not None or scale is not None else StepResult(
+            accumulating=True, optimizer_steps=self._ledger.optimizer_steps)
+
+    def _decide_and_update(self) -> Decision:
         """Unscale, measure, decide once for all optimizers and ranks, then clip and update.
 
         Each stage is recorded in :attr:`_phases`: after an interruption, the next call
-        goes on where this one stopped (no second decision, clip or update)."""
+        goes on where this one stopped (no second decision, clip or update). Nothing is
+        read on the host here unless an optimizer cannot skip on the device."""
         phases = self._phases
         if phases.decision is None:
             self._unscale("step()")
             norm = self._norm(self._grads(), remember=False)
-            reason = self._decision.decide(norm, self.plan.nonfinite_flag(self.model), self.scaler, self.optimizers)  # type: ignore[arg-type]
-            phases.decision = (reason, self._decision.norm, norm)
-        reason, host_norm, norm = phases.decision
-        if reason is None and self.clip_grad_norm is not None and not phases.clipped:
-            self._clip(self._grads(), self.clip_grad_norm, "step()", norm)
+            phases.decision = self._decision.decide(norm, self.plan.nonfinite_flag(self.model), self.scaler, self.optimizers)  # type: ignore[arg-type]
+        decision: Decision = phases.decision
+        if self.clip_grad_norm is not None and not phases.clipped:
+            # whatever the decision: a skipped step's gradients are cleared, and a non-finite norm clips nothing
+            self._clip(self._grads(), self.clip_grad_norm, "step()", decision.norm)
             phases.clipped = True
-        if reason is None:
-            reason = apply_update(self.optimizers, self.process_group, phases)
-        return reason, host_norm
+        apply_update(self.optimizers, decision, self.process_group, phases)
+        return decision
 
     def _in_backward_outcome(self, in_backward: InBackwardOptimizer) -> str | None:
         if in_backward.release():  # a new backward is accepted again
             return None
         return "nonfinite_loss" if self._decision.loss_was_nonfinite() else "overflow"
 
-    def _finish(self, reason: str | None, norm: float | None, zero_grad: bool) -> StepResult:
-        """After the decision: tracer, buffers and plan; count the step; scheduler; reset the step.
+    def _finish(self, decision: Decision, zero_grad: bool) -> StepResult:
+        """After the update: buffers and plan, the loss scale (on the device), the outcome copied
+        to the host for the bookkeeping of the next step; reset the step.
 
         Each part runs once even if an interruption makes ``step()`` call this again."""
         phases = self._phases
         if phases.result is None:
-            overflow = self.tracer.first_overflow() if reason is not None and self.tracer is not None else None
-            if self.tracer is None and self._explainer is not None:  # traces by itself once skips persist
-                decided = self._step_serial  # (the same while an interrupted step is finished again)
-                scale = self.scaler.get_scale() if reason is not None else None  # (no sync on a clean step)
-                overflow = self._explainer.after_step(decided, reason, scale)  # (mixprec.explainer)
-            if reason is None:
-                if self.tracer is not None:
-                    self.tracer.reset()
+            if decision.host is not None:
+                if decision.host[0] is not None:
+                    self._buffers.restore()
             else:
-                self._buffers.restore()
+                self._buffers.restore_where(decision.skip_flag())  # (on the device: no read)
             self.plan.after_step(self.model)  # type: ignore[arg-type]
             self._buffers.commit()
             try:
-                phases.result = self._ledger.record(reason, norm, self.scaler, overflow)
-            except BaseException:
-                if reason is not None:  # a skip the scaler refused to count (raise_at_min_scale): nothing was
-                    self._reset_step(stepped=False)  # updated, so the step ends here; a save and a new backward work
-                    if zero_grad:
-                        self._clear_grads()
+                self.scaler.settle(decision.code)
+            except BaseException:  # a skip the scaler refused to count (raise_at_min_scale): nothing was
+                self._reset_step(stepped=False)  # updated, so the step ends here; a save and a new backward work
+                if zero_grad:
+                    self._clear_grads()
                 raise
-        result = phases.result
-        if reason is None and self.scheduler is not None and not phases.scheduled:
-            self._step_scheduler()
-        self.last_result = result
-        self._reset_step(stepped=reason is None)
+            device = decision.code.device
+            values = torch.stack([decision.code, decision.norm.to(device, torch.float32),
+                                  self.scaler.scale_tensor().to(device, torch.float32)])
+            lagged = _Lagged(decision, HostCopy(values), self._step_serial)
+            lagged.result = StepResult.lazy(lambda: self._settle(lagged))
+            phases.result = lagged
+        lagged = phases.result
+        self._lagged = lagged
+        self.last_result = lagged.result
+        if decision.host is None:
+            self._reset_step(undecided=True)
+        else:
+            self._reset_step(stepped=decision.host[0] is None)
         if zero_grad:
             self._clear_grads()
-        return result
+        return lagged.result  # type: ignore[no-any-return]
 
-    def _step_scheduler(self) -> None:
-        """Step the scheduler exactly once for this step, wherever an interruption lands: its state
-        (and its optimizer's group settings: lr, momentum) is kept before it steps, and a second
-        ``step()`` after an interruption inside it puts that state back and steps it again. A
+    def settle_outcome(self, *, check: bool = False) -> None:
+        """Run the host bookkeeping of the last decided step now, if it has not run: count it,
+        advance the LR scheduler (real steps only), let the overflow explainer see it. It reads
+        the outcome copied to the host when the step was decided: free one step later, a wait
+        for the device right after ``step()``. ``check`` (``step()`` passes it, before its own
+        update): also raise what the counts imply (``max_consecutive_skips``, a collapsed loss
+        scale), once; a read of the result leaves that to the next ``step()``."""
+        lagged = self._lagged
+        if lagged is None:
+            return
+        self._settle(lagged)
+        if check and self._lagged is lagged:
+            self._lagged = None
+            diagnosis = self._explainer.diagnosis() if self._explainer is not None else None
+            self._ledger.check(lagged.result, self.scaler, self.max_consecutive_skips, diagnosis)  # type: ignore[arg-type]
+
+    def _settle(self, lagged: _Lagged) -> dict[str, Any]:
+        if lagged.values is None:
+            code, norm, scale = lagged.copy.values()
+            reason = REASONS[int(code)]
+            lagged.decision.host = (reason, norm)
+            overflow = self.tracer.first_overflow() if reason is not None and self.tracer is not None else None
+            if self.tracer is None and self._explainer is not None:  # traces by itself once skips persist
+                overflow = self._explainer.after_step(lagged.serial, reason, scale if reason is not None else None)
+            if reason is None and self.tracer is not None:
+                self.tracer.reset()
+            counted = self._ledger.count(reason, norm if lagged.decision.measured else None, self.scaler, scale, overflow)
+            lagged.values = counted.as_dict()
+            if self._lagged is lagged:
+                self._phases.learned(stepped=reason is None)
+        values = lagged.values
+        if values["stepped"] and self.scheduler is not None and not lagged.scheduled:
+            self._step_scheduler(lagged)
+        return values
+
+    def _step_scheduler(self, lagged: _Lagged) -> None:
+        """Step the scheduler exactly once for ``lagged``'s step, wherever an interruption lands: its
+        state (and its optimizer's group settings: lr, momentum) is kept before it steps, and the
+        next settling after an interruption inside it puts that state back and steps it again. A
         scheduler without ``state_dict``/``load_state_dict`` is stepped at most once (an
         interruption inside it then leaves whatever it had changed)."""
-        phases, scheduler = self._phases, self.scheduler
+        scheduler = self.scheduler
         if not callable(getattr(scheduler, "state_dict", None)) or not callable(getattr(scheduler, "load_state_dict", None)):
-            phases.scheduled = True  # (first: a scheduler that raises is not stepped twice)
+            lagged.scheduled = True  # (first: a scheduler that raises is not stepped twice)
             scheduler.step()
             return
-        if phases.schedule_undo is None:
-            phases.schedule_undo = _scheduler_state(scheduler)
+        if lagged.schedule_undo is None:
+            lagged.schedule_undo = _scheduler_state(scheduler)
         else:  # its step was interrupted: undo what it did, then take the step again
-            _restore_scheduler(scheduler, phases.schedule_undo)
+            _restore_scheduler(scheduler, lagged.schedule_undo)
         scheduler.step()
-        phases.scheduled = True
+        lagged.scheduled = True
 
-    def _reset_step(self, stepped: bool | None = None) -> None:
-        """End the step (``stepped``: how it ended; None: a load or a failed backward dropped it)."""
-        if stepped is None:
+    def _reset_step(self, stepped: bool | None = None, *, undecided: bool = False) -> None:
+        """End the step (``stepped``: how it ended; None: a load or a failed backward dropped it;
+        ``undecided``: it ended, decided on the device and not read yet)."""
+        if undecided:
+            self._phases.finished(stepped=None)
+        elif stepped is None:
             self._phases.reset()
         else:
             self._phases.finished(stepped=stepped)
@@ -176,7 +253,8 @@ class StepRunner(ComposableSteps):
 
     @property
     def optimizer_steps(self) -> int:
-        """Real optimizer steps taken so far (skipped steps not counted)."""
+        """Real optimizer steps taken so far (skipped steps not counted; reads the last step's outcome)."""
+        self.settle_outcome()
         return self._ledger.optimizer_steps
 
 

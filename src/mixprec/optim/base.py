@@ -84,6 +84,17 @@ class WrappedOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable[[], float] | None = None) -> Any:  # type: ignore[override]
         return self.optimizer.step(closure)
 
+    def skips_on_device(self) -> bool:
+        """Whether :meth:`step_skipping` skips from a device flag without reading it on the host
+        (the front door then steps this optimizer without waiting for its decision)."""
+        return False
+
+    def step_skipping(self, skip: torch.Tensor) -> None:
+        """``step()``, changing nothing where ``skip`` (a 0-dim fp32 0/1 tensor on the device) is 1;
+        only where :meth:`skips_on_device` says so (this default reads the flag on the host)."""
+        if not bool(skip):
+            self.step()
+
     # Hooks the front door (and framework integrations) call around a step. The
     # defaults do nothing, so a wrapper implements only what its plan needs.
     def prepare_grads(self) -> None:

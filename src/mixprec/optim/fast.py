@@ -434,6 +434,33 @@ def _sgd_chunk(
 _FUSED_DEVICES = frozenset({"cpu", "cuda", "xpu", "mps"})
 
 
+#: torch optimizers whose fused kernel takes ``found_inf`` (and skips inside it)
+_SKIPPING_FUSED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
+
+
+def fused_everywhere(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` is a torch optimizer whose every param group runs torch's fused kernel,
+    which skips a step from a ``found_inf`` flag on the device (as torch's GradScaler gives it),
+    and every parameter about to be updated has its state already: a skipped first step must not
+    create state (torch's kernel would make it, zeros), so that step is decided on the host."""
+    steps = {cls.step for cls in _SKIPPING_FUSED}
+    groups = [g for g in optimizer.param_groups if g["params"]]
+    if type(optimizer).step not in steps or not groups or not all(g.get("fused") for g in groups):
+        return False
+    state = optimizer.state
+    for g in groups:
+        sgd = isinstance(optimizer, torch.optim.SGD)
+        if sgd and not g.get("momentum"):
+            continue  # plain SGD keeps no state
+        for q in g["params"]:
+            if q.grad is None:
+                continue
+            held = state.get(q)
+            if not held or (sgd and held.get("momentum_buffer") is None):
+                return False
+    return True
+
+
 def prefer_fast_update(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> None:
     """Where ``group`` leaves both ``foreach`` and ``fused`` at torch's default (``None``):
     torch's fused kernel for plain Adam/AdamW over floating parameters on a device that has

@@ -48,11 +48,11 @@ from mixprec.optim.checks import (
     check_param_shaped_state,
     split_master_state,
 )
-from mixprec.optim.fast import prefer_fast_update
+from mixprec.optim.fast import fused_everywhere, prefer_fast_update
 from mixprec.optim.follow import Seeds, WriteWatch, follow_masters, register, seed_master
 from mixprec.optim.kinds import MASTER, StateKind
 from mixprec.optim.master_grads import MasterGrads
-from mixprec.optim.snapshot import Snapshot, all_or_nothing, masters_nonfinite
+from mixprec.optim.snapshot import DeviceSnapshot, Snapshot, all_or_nothing, masters_nonfinite
 
 __all__ = ["MasterWeightOptimizer"]
 
@@ -106,6 +106,7 @@ class MasterWeightOptimizer(WrappedOptimizer):
         self._pairs = self._grads.pairs  # (model parameter, fp32 master), shared with the gradient half
         self._master_by_param: dict[int, torch.nn.Parameter] = {}
         self._snapshot: Snapshot | None = None
+        self._device_snapshot: DeviceSnapshot | None = None
         self._nonfinite: torch.Tensor | None = None
         self._fast_path = bool(fast_path)
         self._watch = WriteWatch()  # the model weights as this optimizer last wrote them
@@ -116,6 +117,10 @@ class MasterWeightOptimizer(WrappedOptimizer):
             group["params"] = self._masters_for(group["params"], master_values or {})
             self._choose_implementation(group)
         self._layout = self._group_layout()
+
+    # the copies a device-decided guarded step keeps, made once (defaults: wrappers pickled before them)
+    _device_copies: DeviceSnapshot | None = None
+    _device_snapshot: DeviceSnapshot | None = None  # the copies of the last step, until undo_step_if
 
     #: what the masters are, as data (:mod:`mixprec.optim.kinds`); kept as the inner optimizer's parameters
     master_kind: ClassVar[StateKind] = MASTER
@@ -266,6 +271,7 @@ class MasterWeightOptimizer(WrappedOptimizer):
         backward): those are gathered again. A gradient changed on both sides is an error.
         """
         self._snapshot = None  # a new step begins: the last one can no longer be undone
+        self._device_snapshot = None
         self._nonfinite = None
         self._adopt_added()
         self._grads.prepare()
@@ -336,6 +342,59 @@ class MasterWeightOptimizer(WrappedOptimizer):
         self.sync_model()
         self.kinds.after_step(stepped)  # the state kinds' own rules (the masters have none)
         return result
+
+    def skips_on_device(self) -> bool:
+        """Whether :meth:`step_skipping` runs without a host read: the inner optimizer skips on
+        the device (torch's fused kernel in every group: Adam/AdamW where the groups leave the
+        choice to torch, or ``fused=True``; every parameter to update has its state already, so
+        a first step, which creates it, reads the decision on the host) and no added state kind
+        has an ``after_step`` rule."""
+        return fused_everywhere(self.optimizer) and not any(k.after_step is not None for k in self.kinds)
+
+    def step_skipping(self, skip: torch.Tensor) -> None:
+        """:meth:`step` that changes nothing where ``skip`` (a 0-dim 0/1 fp32 tensor) is 1, read by
+        torch's fused kernel on the device, not by the host (see :meth:`skips_on_device`). Under
+        :attr:`guard_nonfinite` the masters, their state and step counts are copied first
+        (:class:`~mixprec.optim.snapshot.DeviceSnapshot`) and :meth:`undo_step_if` puts them back
+        where the decision of every optimizer and rank says so."""
+        if not self.skips_on_device():
+            super().step_skipping(skip)
+            return
+        self.prepare_grads()
+        follow_masters(self._pairs, self._watch)
+        inner = [q for g in self.optimizer.param_groups for q in g["params"]]
+        stepped = [p for q, p in zip(inner, self._model_params(inner), strict=True) if q.grad is not None]
+        self.kinds.before_step(stepped)
+        guard = self.guard_nonfinite
+        if guard:
+            active = [q for q in inner if q.grad is not None]
+            held = [v for q in active for v in self.optimizer.state[q].values() if isinstance(v, torch.Tensor)]
+            if self._device_copies is None:
+                self._device_copies = DeviceSnapshot()
+            self._device_copies.take(active + held)
+            self._device_snapshot = self._device_copies
+        self.optimizer.found_inf = skip  # type: ignore[attr-defined]
+        self.optimizer.grad_scale = None  # type: ignore[attr-defined]
+        try:
+            self.optimizer.step()
+        finally:
+            del self.optimizer.found_inf  # type: ignore[attr-defined]
+            del self.optimizer.grad_scale  # type: ignore[attr-defined]
+        self._grads.release()
+        self._nonfinite = masters_nonfinite(self._pairs, self.optimizer) if guard else None
+        self.sync_model()  # a skipped step leaves the masters as they were: the same weights again
+
+    @torch.no_grad()
+    def undo_step_if(self, flag: torch.Tensor) -> None:
+        """After :meth:`step_skipping`: undo the step where ``flag`` (every optimizer's and rank's
+        refusal, a 0-dim tensor) is 1, on the device; nothing without a guarded step to undo."""
+        snap = self._device_snapshot
+        if snap is None:
+            return
+        self._device_snapshot = None
+        snap.restore_where(flag)
+        snap.release()
+        self.sync_model()
 
     def step_nonfinite(self) -> torch.Tensor | None:
         """After :meth:`step`: a bool tensor, True when the update would have written a
@@ -424,7 +483,8 @@ class MasterWeightOptimizer(WrappedOptimizer):
         self.sync_model()
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**super().__getstate__(), "_seeds": None}  # a weak reference to prepare()'s seeds
+        # a weak reference to prepare()'s seeds; scratch copies (made again by a copy's first step)
+        return {**super().__getstate__(), "_seeds": None, "_device_copies": None, "_device_snapshot": None}
 
     def _model_params(self, inner: list[torch.Tensor]) -> list[torch.Tensor]:
         """The model parameter of each of ``inner`` (a master's weight; an fp32 parameter itself)."""

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from mixprec.optim.footprint import nbytes
+from mixprec.optim.scratch import FlatViews
 
 __all__ = ["MasterGrads"]
 
@@ -44,6 +45,7 @@ class MasterGrads:
         self.pairs: list[tuple[torch.nn.Parameter, torch.nn.Parameter]] = []
         self._acc: list[torch.Tensor | None] = []
         self._gathered: list[_Gathered] | None = None
+        self._scratch = FlatViews(torch.float32)  # the masters' fp32 gradients: views made once
 
     def add_pair(self, param: torch.nn.Parameter, master: torch.nn.Parameter) -> None:
         """Track one more model parameter and its master."""
@@ -77,6 +79,8 @@ class MasterGrads:
         read: list[tuple[torch.Tensor | None, bool]] = []
         dense_src: list[torch.Tensor] = []
         dense_dst: list[torch.Tensor] = []
+        flat: list[torch.nn.Parameter] = []  # masters whose gradient is a view of the step's flat scratch
+        flat_src: list[torch.Tensor] = []
         acc_dst: list[torch.Tensor] = []
         acc_src: list[torch.Tensor] = []
         for i, (p, m) in enumerate(self.pairs):
@@ -93,11 +97,19 @@ class MasterGrads:
                     acc_src.append(g)
             elif g.is_sparse:
                 m.grad = g.to(torch.float32)
+            elif m.is_contiguous():
+                flat.append(m)
+                flat_src.append(g)
             else:
                 m.grad = torch.empty_like(m, memory_format=torch.preserve_format)
                 dense_dst.append(m.grad)
                 dense_src.append(g)
             read.append((g, acc is not None))
+        if flat:  # the same views every step while the same masters have gradients: no per-parameter work
+            views = self._scratch.take(flat)
+            for m, view in zip(flat, views, strict=True):
+                m.grad = view
+            dense_dst, dense_src = [*views, *dense_dst], [*flat_src, *dense_src]
         if dense_dst:
             torch._foreach_copy_(dense_dst, dense_src)
         if acc_dst:
@@ -185,5 +197,12 @@ class MasterGrads:
         """Free the masters' gradients and the accumulation buffers (after a step, on zero_grad)."""
         for _, m in self.pairs:
             m.grad = None
+        self._scratch.release()
         self._acc = [None] * len(self.pairs)
         self._gathered = None
+
+    def __getstate__(self) -> dict[str, object]:
+        return {**self.__dict__, "_scratch": FlatViews(torch.float32)}  # (a copy makes its own views)
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__dict__.update({"_scratch": FlatViews(torch.float32), **state})

@@ -36,9 +36,10 @@ from typing import Any
 import torch
 
 from mixprec.optim.kinds import KindStore
+from mixprec.optim.scratch import FlatViews, int_views
 from mixprec.optim.shards import local_of
 
-__all__ = ["Saved", "Snapshot", "all_or_nothing", "clone_all", "masters_nonfinite"]
+__all__ = ["DeviceSnapshot", "Saved", "Snapshot", "all_or_nothing", "clone_all", "masters_nonfinite"]
 
 
 @dataclass
@@ -225,6 +226,70 @@ def all_or_nothing(optimizer: torch.optim.Optimizer, owner: object | None = None
         ) from exc
 
 
+class DeviceSnapshot:
+    """Copies of tensors, put back where a device flag says so, without reading it on the host.
+
+    :meth:`take` copies the tensors into scratch views made once (:class:`~mixprec.optim.scratch.FlatViews`:
+    one foreach copy, no per-tensor host work while the tensors stay the same);
+    :meth:`restore_where` puts the saved bits back exactly where ``flag`` is 1 and changes
+    nothing where it is 0, in integer arithmetic on the tensors' bits (``t += flag * (saved - t)``,
+    wrapping: exact for every value, NaN patterns and signed zeros included), three foreach
+    kernels per element size; :meth:`release` frees the copies' memory.
+
+    >>> import torch
+    >>> w = torch.tensor([1.5, float("nan")])
+    >>> snap = DeviceSnapshot()
+    >>> snap.take([w])
+    >>> _ = w.add_(1.0)
+    >>> snap.restore_where(torch.tensor(0.0)); w
+    tensor([2.5000,    nan])
+    >>> snap.take([w]); _ = w.add_(1.0)
+    >>> snap.restore_where(torch.tensor(1.0)); w
+    tensor([2.5000,    nan])
+    """
+
+    def __init__(self) -> None:
+        self._scratch = FlatViews()
+        self._key: tuple[tuple[int, int], ...] | None = None
+        self._groups: dict[tuple[int, torch.device], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        self.taken = False
+
+    @torch.no_grad()
+    def take(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Copy ``tensors`` as they are now (empty ones are left out)."""
+        tensors = [local_of(t) for t in tensors if t.numel()]
+        saved = self._scratch.take(tensors)
+        key = tuple((id(t), t.data_ptr()) for t in tensors)
+        if key != self._key:  # new tensors (a first step, a load): their bit views once
+            groups: dict[tuple[int, torch.device], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+            for t, bits, copy_bits in zip(tensors, int_views(tensors), int_views(saved), strict=True):
+                cur, old = groups.setdefault((t.element_size(), t.device), ([], []))
+                cur.append(bits)
+                old.append(copy_bits)
+            self._key, self._groups = key, groups
+        if tensors:
+            torch._foreach_copy_(saved, tensors)
+        self.taken = True
+
+    @torch.no_grad()
+    def restore_where(self, flag: torch.Tensor) -> None:
+        """Put the saved values back where ``flag`` (a 0-dim 0/1 tensor) is 1; once per :meth:`take`
+        (the copies are used up)."""
+        for (_, device), (cur, old) in self._groups.items():  # the copies become the differences: no scratch
+            torch._foreach_sub_(old, cur)
+            torch._foreach_mul_(old, flag.to(device=device, dtype=cur[0].dtype))
+            torch._foreach_add_(cur, old)
+        self.taken = False  # (the copies are spent)
+
+    def release(self) -> None:
+        """Free the copies (the next :meth:`take` allocates them again)."""
+        self._scratch.release()
+        self.taken = False
+
+    def nbytes(self) -> int:
+        return self._scratch.held_bytes()
+
+
 # ------------------------------------------------- the master-weight step guard
 def _inf_threshold(dtype: torch.dtype) -> float:
     """The smallest magnitude that rounds to inf when cast to ``dtype`` (round to nearest even)."""
@@ -233,6 +298,7 @@ def _inf_threshold(dtype: torch.dtype) -> float:
     return fmax + torch.finfo(dtype).eps * 2.0 ** (exp - 1) / 2
 
 
+@torch.no_grad()
 def masters_nonfinite(
     pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], optimizer: torch.optim.Optimizer
 ) -> torch.Tensor:

@@ -253,11 +253,12 @@ class LossScaler(GradScalerCompat):
             self._records[id(opt)].host_found = None
         return combined
 
-    def decided(self, optimizers: Iterable[torch.optim.Optimizer], found_inf: torch.Tensor, skipped: bool) -> None:
+    def decided(self, optimizers: Iterable[torch.optim.Optimizer], found_inf: torch.Tensor, skipped: bool | None) -> None:
         """Record a skip decision made elsewhere for ``optimizers`` (already unscaled).
 
         ``found_inf`` is the 0/1 flag every rank agreed on and ``skipped`` its value as the
-        host read it, so :meth:`update` needs no further synchronisation.
+        host read it, so :meth:`update` needs no further synchronisation (None: not read; the
+        decision stays on the device, and :meth:`settle` ends the iteration without a read).
         """
         for opt in optimizers:
             rec = self._records.get(id(opt))
@@ -368,6 +369,58 @@ class LossScaler(GradScalerCompat):
         self._last_skipped = skipped
         self._records.clear()
 
+    def settle(self, code: torch.Tensor) -> None:
+        """End the iteration from a skip decision made on the device, without a host read.
+
+        ``code`` is a 0-dim tensor (:class:`mixprec.step.Decision`): 0, the update happened, and
+        2, the gradients overflowed, update the scale as :meth:`update` does (from the found-inf
+        flags recorded this iteration); 1, 3 and 4 (a non-finite loss, plan value or updated
+        weight) keep the scale and its counters as :meth:`skip` does. The state tensors are
+        updated in place (the same tensors every step). The host's counters (``steps``, the
+        skips of those kinds) follow in :meth:`counted`, once the host knows the outcome.
+        """
+        keep = (code == 1) | (code >= 3)
+        if not self._enabled:
+            self._records.clear()
+            self._last_skipped = code > 0
+            return
+        records = [rec for rec in self._records.values() if rec.found_inf is not None]
+        if not records:
+            raise RuntimeError(
+                "settle() found no inf checks for this iteration; unscale_(optimizer) every optimizer first."
+            )
+        found, _ = self._last_flag(records)
+        found_bool = found > 0
+        keep = keep.to(found_bool.device)
+        state = self._tensors()
+        before = {name: t.clone() for name, t in state.items()}
+        try:
+            self._update_scale(found, found_bool, keep)  # first: it may refuse (raise_at_min_scale)
+        except RuntimeError:
+            self._records.clear()
+            raise
+        with torch.no_grad():
+            for name, tensor in state.items():  # kept where the skip keeps the scale; the same tensors
+                tensor.copy_(torch.where(keep, before[name], getattr(self, name)))
+                setattr(self, name, tensor)
+        self._overflow_steps += (found_bool & ~keep).to(self._overflow_steps.device)
+        self._last_skipped = keep | found_bool
+        self._records.clear()
+
+    def counted(self, reason: str | None) -> None:
+        """The host's side of :meth:`settle`, once it knows the outcome (``reason``: None for a step,
+        else the skip reason): the iteration and, for a skip that keeps the scale, the skip are
+        counted as :meth:`update` and :meth:`skip` count them."""
+        keeps = reason is not None and reason != "overflow"
+        if not self._enabled:
+            if reason is not None:
+                self._steps += 1
+                self._forced_skips += 1
+            return
+        self._steps += 1
+        if keeps:
+            self._forced_skips += 1
+
     def skip(self) -> None:
         """Abandon this iteration without changing the scale (for instance a non-finite loss).
 
@@ -383,8 +436,10 @@ class LossScaler(GradScalerCompat):
         """Set the scale to an already checked value (subclasses add their bounds)."""
         self._scale.fill_(value)
 
-    def _update_scale(self, found_inf: torch.Tensor, found_bool: torch.Tensor) -> None:
-        """Evolve the scale given this iteration's found-inf count (fp32) and flag (bool)."""
+    def _update_scale(self, found_inf: torch.Tensor, found_bool: torch.Tensor, keep: torch.Tensor | None = None) -> None:
+        """Evolve the scale given this iteration's found-inf count (fp32) and flag (bool); ``keep``
+        (a bool tensor, from :meth:`settle`) where the caller puts the old state back afterwards
+        (a check that would refuse the update ignores those iterations)."""
 
     # ------------------------------------------------------------- checkpoint
     def _counter_state(self) -> dict[str, int]:

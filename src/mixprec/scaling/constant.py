@@ -33,7 +33,7 @@ class ConstantLossScaler(LossScaler):
         except (TypeError, ValueError) as exc:  # name the argument as the caller spelled it
             raise type(exc)(str(exc).replace("init_scale", "scale")) from None
 
-    def _update_scale(self, found_inf: torch.Tensor, found_bool: torch.Tensor) -> None:
+    def _update_scale(self, found_inf: torch.Tensor, found_bool: torch.Tensor, keep: torch.Tensor | None = None) -> None:
         return None
 
     def state_dict(self) -> dict[str, Any]:

@@ -226,7 +226,7 @@ class DynamicLossScaler(LossScaler, ScalerPresets):
     def growth_delay(self) -> int:
         return self._growth_delay
 
-    def _update_scale(self, found_inf: torch.Tensor, found_bool: torch.Tensor) -> None:
+    def _update_scale(self, found_inf: torch.Tensor, found_bool: torch.Tensor, keep: torch.Tensor | None = None) -> None:
         plain = self._growth_delay == 0 and not self._raise_at_min_scale
         if plain and self._hysteresis == 1 and self._min_scale is None and self._max_scale is None:
             # torch's own fused update kernel: one op, and torch's sequence by construction;
@@ -269,7 +269,8 @@ class DynamicLossScaler(LossScaler, ScalerPresets):
             backoff = found_inf & (budget <= 0)
             refill = grow if self._hysteresis_mode == "since_growth" else ~found_inf
             hyst = torch.where(refill, self._hysteresis, budget.clamp(min=0))
-        if self._raise_at_min_scale and bool((backoff & (scale <= lowest)).item()):
+        refuse = backoff & (scale <= lowest)
+        if self._raise_at_min_scale and bool((refuse if keep is None else refuse & ~keep).item()):
             raise RuntimeError(
                 f"update(): the loss scale is already at its minimum ({scale.item()!r}) and this overflow "
                 "would back it off again (raise_at_min_scale=True, DeepSpeed's raise_error_at_min_scale); "

@@ -76,5 +76,32 @@ class LiveStorages:
                         tracker.add(t, dynamic=True)
                 return out
 
-        with _Mode():
-            yield
+        real_resize = torch.UntypedStorage.resize_
+
+        def resize_(storage: torch.UntypedStorage, size: int) -> Any:  # scratch kept as views, resized (FlatViews)
+            out = real_resize(storage, size)
+            tracker._resized(storage)
+            return out
+
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign,assignment]
+        try:
+            with _Mode():
+                yield
+        finally:
+            torch.UntypedStorage.resize_ = real_resize  # type: ignore[method-assign]
+
+    def _resized(self, storage: torch.UntypedStorage) -> None:
+        """A storage resized in place: its new size counts (a new one from now on, if unseen)."""
+        key = storage._cdata
+        size = storage.nbytes()
+        old = self.sizes.get(key)
+        if old is None:
+            if size:
+                self.sizes[key] = size
+                self.live += size
+                self.dynamic.add(key)
+                weakref.finalize(storage, self._free, key)
+        else:
+            self.sizes[key] = size
+            self.live += size - old
+        self.peak = max(self.peak, self.live)

@@ -1,0 +1,71 @@
+"""Device values the host learns one step late, when reading them is free.
+
+A host read of a device value (``.item()``, ``bool(t)``, ``.tolist()``) waits for every kernel
+queued before it: on a GPU the CPU's run-ahead drains and the GPU idles while the host
+launches what comes next. A step's outcome (skipped or not, the gradient norm, the new loss
+scale) is needed on the host only for bookkeeping (the LR scheduler, counters, logs), which can
+wait one step. :class:`HostCopy` enqueues a copy of a few values into host memory right after
+they are computed (pinned memory and a CUDA event on a GPU: no wait) and reads them later;
+by then the copy has long finished, so the read does not wait for the device's later work.
+
+>>> import torch
+>>> copy = HostCopy(torch.tensor([0.0, 2.5]))
+>>> copy.values()
+[0.0, 2.5]
+>>> is_host_copy(copy.tensor)
+True
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+__all__ = ["HostCopy", "is_host_copy"]
+
+_HOST_COPIES: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()  # by id
+
+
+def is_host_copy(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is the host memory of a :class:`HostCopy`: reading it reads the host,
+    not the device (the sync counters of the tests skip it)."""
+    return _HOST_COPIES.get(id(tensor)) is tensor
+
+
+class HostCopy:
+    """A copy of a small 1-D tensor in host memory, enqueued now and read later.
+
+    On CUDA the copy goes into pinned memory without waiting and a CUDA event marks its end:
+    :meth:`values` then waits for that event only, long done by the next step. On the CPU it
+    is an ordinary copy. Elsewhere (an accelerator without events) the copy waits for the
+    device, once, when it is made.
+    """
+
+    __slots__ = ("_event", "_values", "tensor")
+
+    def __init__(self, values: torch.Tensor) -> None:
+        flat = values.detach().reshape(-1)
+        self._event: torch.cuda.Event | None = None
+        self._values: list[float] | None = None
+        if flat.device.type == "cuda":
+            host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+            host.copy_(flat, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            host = flat.to("cpu", copy=True)
+        _HOST_COPIES[id(host)] = host
+        self.tensor = host
+
+    def ready(self) -> bool:
+        """Whether :meth:`values` would return without waiting."""
+        return self._event is None or self._values is not None or bool(self._event.query())
+
+    def values(self) -> list[float]:
+        """The copied values (waits for the copy only: it was enqueued right after they were computed)."""
+        if self._values is None:
+            if self._event is not None:
+                self._event.synchronize()
+            self._values = [float(v) for v in self.tensor.tolist()]
+        return self._values
