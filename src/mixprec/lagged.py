@@ -65,7 +65,7 @@ class HostCopy:
     def values(self) -> list[float]:
         """The copied values (waits for the copy only: it was enqueued right after they were computed)."""
         if self._values is None:
-            if self._event is not None:
+            if self._event is not None and not self._event.query():  # (done by the next step: no wait at all)
                 self._event.synchronize()
             self._values = [float(v) for v in self.tensor.tolist()]
         return self._values

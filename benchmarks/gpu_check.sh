@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Every GPU acceptance of the open issues in one run of at most ~7 minutes, all results under $OUT.
+#
+# For a lent GPU machine (its own torch, Triton and pytest; the package from this checkout):
+#     OUT=/some/dir bash benchmarks/gpu_check.sh
+# Each part has its own time limit, so one that hangs or fails leaves time for the rest; the
+# summary ($OUT/summary.txt) says what ran, how long, and with which exit status.
+set -u
+OUT=${OUT:-gpu-check-out}
+mkdir -p "$OUT"
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+PY=${PY:-python3}
+SUMMARY="$OUT/summary.txt"
+: > "$SUMMARY"
+
+part() {  # part NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAME.txt
+    local name=$1 limit=$2
+    shift 2
+    local start=$SECONDS
+    timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.txt" 2>&1
+    local rc=$?
+    echo "$name: rc=$rc, $((SECONDS - start)) s (limit $limit s): $*" | tee -a "$SUMMARY"
+}
+
+part env 30 bash -c "nvidia-smi; $PY -c 'import torch, sys; print(sys.version); print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0), torch.cuda.get_device_capability(0))'; $PY -c 'import triton; print(\"triton\", triton.__version__)'"
+# #43: a steady step of the mixed and master plans reads nothing back (CUDA's own sync detector)
+part syncs 60 "$PY" benchmarks/gpu_syncs.py
+# #43/#44/#45: the CUDA tier on this torch (autocast tables derived from it, graphs, fp8, optimizers)
+part cuda_tier 150 "$PY" -m pytest -q -m cuda tests/cuda -x -p no:cacheprovider --junitxml="$OUT/cuda_tier.xml"
+# #43/#45: whole training steps of GPT-124M against torch's loop (eager, fused AdamW)
+part bench_gpu 150 "$PY" benchmarks/bench_gpu.py --rounds 2 --repeats 8 --warmup 3 --json "$OUT/bench_gpu.json" \
+    --plans torch-autocast-bf16 torch-autocast-fp16 bf16-mixed fp16-mixed bf16-master fp16-master bf16-pure bf16-kahan bf16-sr
+# #45: the optimizer step alone against torch's fused AdamW
+part bench_optim 45 "$PY" benchmarks/bench_optim.py --device cuda --no-train --repeats 5
+# #44: the fp8 layer against bf16 by shape
+part fp8_shapes 45 "$PY" benchmarks/bench_fp8_shapes.py --widths 1024 2048 4096 8192 --tokens 8192 --repeats 10 \
+    --json "$OUT/fp8_shapes.json"
+echo "total: $SECONDS s" | tee -a "$SUMMARY"
