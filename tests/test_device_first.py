@@ -11,6 +11,7 @@ host-decided one (weights, loss scales, learning rates, skips), for every hyster
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import mixprec.step as step_module
-from mixprec import DynamicLossScaler, MixedPrecision
+from mixprec import ConstantLossScaler, DynamicLossScaler, MixedPrecision
 from mixprec.cli.models.gpt import GPT, GPTConfig, TokenCrossEntropy
 from tests._dist import run_ranks
 from tests._syncs import count_syncs
@@ -245,3 +246,92 @@ def _ranks_worker(rank: int, world_size: int) -> None:
 @pytest.mark.distributed
 def test_ddp_and_fsdp2_steps_read_nothing_back_and_skip_together() -> None:
     run_ranks(_ranks_worker, 2)
+
+
+# ------------------------------------------------------------------ the host's bookkeeping, one step late
+def test_a_collapsed_scale_restarts_before_the_next_forward_also_after_an_explicit_clip() -> None:
+    """on_scale_collapse='reset' restarts the scale on the device, in the step that collapsed: the
+    next loss is scaled by the restarted scale (a host reset one step late would have unscaled a
+    loss scaled by the collapsed one), and a loop that clips itself keeps working."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    scaler = DynamicLossScaler(init_scale=2.0**10, growth_interval=2000)  # the scale "reset" restarts at
+    mp = MixedPrecision("fp16-mixed", scaler=scaler, max_zero_grad_steps=3, on_scale_collapse="reset")
+    model, _ = mp.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True))
+    scaler.update(new_scale=2.0**-3)  # collapsed below 1
+    scales = []
+    with pytest.warns(RuntimeWarning, match="3 consecutive optimizer steps ran on all-zero gradients"):
+        for _ in range(6):
+            with mp.autocast():
+                loss = model(torch.randn(4, 8)).float().sum() * 0.0  # all-zero gradients
+            mp.backward(loss)
+            mp.clip_grad_norm_(1.0)  # the loop clips itself: the scaler's records stay until step()
+            mp.step()
+            scales.append(float(mp.scaler.scale_tensor()))
+    assert scales[:3] == [2.0**-3, 2.0**-3, 2.0**10] and scales[3:] == [2.0**10] * 3
+
+
+def test_every_master_optimizer_is_undone_when_one_refuses_the_update() -> None:
+    """fp16-master with a fused AdamW (device-first) and a momentum SGD (decided on the host): an
+    update that would write inf into fp16 weights through the first undoes the second too."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    mp = MixedPrecision("fp16-master", scaler=ConstantLossScaler(1.0), max_consecutive_skips=10)
+    model, first, second = mp.prepare(
+        model, torch.optim.AdamW(model[0].parameters(), lr=1e-3, fused=True),
+        torch.optim.SGD(model[1].parameters(), lr=1e-3, momentum=0.9))
+    for _ in range(3):
+        with mp.autocast():
+            loss = model(torch.randn(2, 4).half()).float().pow(2).mean()
+        mp.backward(loss)
+        mp.step()
+    with torch.no_grad():
+        first.master_of(model[0].weight)[0, 0] = 65500.0  # one more step rounds it to inf in fp16
+        model[0].weight[0, 0] = 65504.0
+    first.param_groups[0]["lr"], first.param_groups[0]["weight_decay"] = 100.0, 0.0
+    before = [p.detach().clone() for p in model.parameters()]
+    masters = [m.detach().clone() for opt in (first, second) for m in opt.masters]
+    with mp.autocast():
+        loss = model(torch.randn(2, 4).half() * 1e-4).float().pow(2).mean()  # (small: the big weight stays finite)
+    mp.backward(loss)
+    for p in model[0].parameters():
+        p.grad.fill_(-1.0)  # the update adds about lr to every weight
+    result = mp.step()
+    assert result.skip_reason == "nonfinite_weights"
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(masters, [m for opt in (first, second) for m in opt.masters],
+                                                 strict=True))
+
+
+def test_the_explainer_names_an_intermittent_overflow_when_nothing_reads_the_results() -> None:
+    """The host learns outcomes a step late: a tracer armed then watches the forward after the next,
+    and the step whose forward ran untraced is not judged (it used to disable the explainer)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.Linear(32, 4))
+    mp = MixedPrecision("fp16-mixed", scaler=ConstantLossScaler(1.0), max_consecutive_skips=100)
+    model, _ = mp.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True))
+    hot = {"on": False}
+    model[2].register_forward_hook(lambda m, a, out: out * 1e6 if hot["on"] else None)  # fp16 overflows there
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(12):
+            hot["on"] = i % 2 == 1  # every other step
+            with mp.autocast():
+                loss = model(torch.randn(8, 16)).float().pow(2).mean()
+            mp.backward(loss)
+            mp.step()  # nothing reads the result
+    found = [str(w.message) for w in caught if "mixprec: steps are being skipped" in str(w.message)]
+    assert len(found) == 1 and "module '2' (Linear)" in found[0], found
+
+
+def test_a_result_read_after_a_load_is_counted_into_the_replaced_state_not_the_loaded_one(tmp_path) -> None:
+    mp, model, opt, crit = _session("bf16-mixed")
+    for i in range(3):
+        mp.backward(_loss(mp, model, crit, i))
+        mp.step()
+    saved = mp.state_dict()  # 3 steps
+    mp.backward(_loss(mp, model, crit, 3))
+    result = mp.step()  # decided on the device, not read
+    mp.load_state_dict(saved)
+    assert result.stepped and result.optimizer_steps == 4  # its own count, read now
+    assert mp.optimizer_steps == 3  # the loaded state, untouched by the read

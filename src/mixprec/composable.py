@@ -313,7 +313,8 @@ class ComposableSteps:
         self._phases.clipped_by_caller()
         return norm
 
-    def _clip(self, grads: list[torch.Tensor], max_norm: float, caller: str, norm: torch.Tensor | None) -> torch.Tensor:
+    def _clip(self, grads: list[torch.Tensor], max_norm: float, caller: str, norm: torch.Tensor | None,
+              skip: torch.Tensor | None = None) -> torch.Tensor:
         """Clip ``grads`` to ``max_norm`` once per step; returns their norm before any clipping.
 
         ``norm``: their norm, when the caller measured it (the skip decision); None: from the
@@ -331,7 +332,7 @@ class ComposableSteps:
             )
         if before is None:
             before = norm if norm is not None else self._norm(grads, remember=False)  # (_norm settles deferred clips)
-        clip_(grads, before, max_norm, self.optimizers)
+        clip_(grads, before, max_norm, self.optimizers, skip)
         if norm is None:  # a framework's clip: step() reads the norm, and knows they are clipped
             memo.remember(grads, before, clipped_to=max_norm)  # finite exactly when the norm is
         return before

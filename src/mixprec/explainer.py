@@ -92,6 +92,7 @@ class OverflowExplainer:
         self._armed_at = 0
         self._last: tuple[Any, OverflowFinding | None] | None = None
         self._forward_seen = False
+        self._first_traced: Any = None
         self._probe: Any = None
 
     @property
@@ -105,22 +106,29 @@ class OverflowExplainer:
             return None
         return f"the first traced overflow: {self.finding}; {suggestion(self.finding, self.plan, self.known_plans)}"
 
-    def after_step(self, decided: Any, reason: str | None, scale: float | None) -> OverflowFinding | None:
-        """Take the decided step ``decided`` (a key new at each step; ``reason``: None when it stepped, else why it
-        was skipped; ``scale``: the loss scale it ran with, read only for a skipped step).
-        Returns the finding when this step explained one. The same ``decided`` again (a step
-        interrupted after this call and finished again) returns what it returned then."""
+    def after_step(
+        self, decided: Any, reason: str | None, scale: float | None, first_traced: Any = None,
+    ) -> OverflowFinding | None:
+        """Take the decided step ``decided`` (a key new at each step, increasing; ``reason``: None when it
+        stepped, else why it was skipped; ``scale``: the loss scale it ran with, read only for a
+        skipped step). ``first_traced``: the key of the first step whose forward a tracer installed
+        now would see (the host learns outcomes a step late: the next forward may have run already);
+        steps before it are not judged by that tracer. Returns the finding when this step explained
+        one. The same ``decided`` again (a step interrupted after this call and finished again)
+        returns what it returned then."""
         if self._last is not None and self._last[0] == decided:
             return self._last[1]
-        found = self._after_step(reason, scale)
+        found = self._after_step(decided, reason, scale, first_traced)
         self._last = (decided, found)
         return found
 
-    def _after_step(self, reason: str | None, scale: float | None) -> OverflowFinding | None:
+    def _after_step(self, decided: Any, reason: str | None, scale: float | None, first_traced: Any) -> OverflowFinding | None:
         self._steps += 1
         if not self.enabled or self.finding is not None:
             return None
         if self.tracer is not None:
+            if self._first_traced is not None and decided is not None and decided < self._first_traced:
+                return None  # its forward ran before the tracer was installed: nothing to judge
             return self._traced(reason)
         if reason is None or reason == "nonfinite_weights":
             return None  # a clean step; or weights outgrowing their dtype: no activation to trace
@@ -129,6 +137,7 @@ class OverflowExplainer:
             if scale is None or scale > floor:
                 return None  # a scale backing off where it has room: dynamic scaling at work
         self.tracer = OverflowTracer(self.model)
+        self._first_traced = first_traced
         self._forward_seen = False
         self._probe = self.model.register_forward_pre_hook(_ForwardProbe(self))
         self._armed_at = self._steps
@@ -151,7 +160,7 @@ class OverflowExplainer:
                 f"{suggestion(finding, self.plan, self.known_plans)}. (Found by the overflow tracer mixprec installs by "
                 "itself once skips persist, removed again now; MixedPrecision(trace_overflow=True) traces every step.)",
                 RuntimeWarning,
-                stacklevel=6,  # _traced <- _after_step <- after_step <- _finish <- step() <- the loop
+                stacklevel=7,  # _traced <- _after_step <- after_step <- _settle <- settle_outcome <- step() <- the loop
             )
             return finding
         tracer.reset()

@@ -52,7 +52,7 @@ class HostCopy:
             host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
             host.copy_(flat, non_blocking=True)
             self._event = torch.cuda.Event()
-            self._event.record()
+            self._event.record(torch.cuda.current_stream(flat.device))  # the stream the copy was queued on
         else:
             host = flat.to("cpu", copy=True)
         _HOST_COPIES[id(host)] = host

@@ -76,14 +76,22 @@ class StepResult:
         return self._source is None
 
     def _get(self, name: str) -> Any:
-        if self._source is not None:
-            source, self._source = self._source, None
+        source = self._source
+        if source is not None:
+            if source is _RESOLVING:
+                raise RuntimeError("a StepResult was read while its own values were being read (from a scheduler or "
+                                   "hook that the step's bookkeeping runs); read it after step() returned")
+            self._source = _RESOLVING
             try:
                 self._values.update(source())
             except BaseException:
                 self._source = source
                 raise
+            self._source = None
         return self._values[name]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (StepResult, tuple(self._get(name) for name in _FIELDS))  # (read first: a plain copy)
 
     stepped = property(lambda self: self._get("stepped"), doc="the optimizers updated the parameters")
     skipped = property(lambda self: self._get("skipped"), doc="the update was skipped (see skip_reason)")
@@ -105,11 +113,25 @@ class StepResult:
         return all(_same(mine[k], theirs[k]) for k in _FIELDS)
 
     def __hash__(self) -> int:
-        return hash(tuple(repr(v) for v in self.as_dict().values()))
+        return hash(tuple(_hashable(v) for v in self.as_dict().values()))
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={v!r}" for k, v in self.as_dict().items())
         return f"StepResult({fields})"
+
+
+def _RESOLVING() -> dict[str, Any]:  # marks a StepResult whose values are being read (re-entrancy)
+    raise AssertionError("never called")
+
+
+def _hashable(value: Any) -> Any:
+    if isinstance(value, float):
+        return "nan" if math.isnan(value) else value + 0.0  # (-0.0 and 0.0 hash alike, as they compare)
+    try:
+        hash(value)
+    except TypeError:
+        return repr(value)
+    return value
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -143,6 +165,7 @@ class StepLedger:
         self.on_scale_collapse = on_scale_collapse
         self.restart_scale = restart_scale
         self._warned_zero_grads = False
+        self._zero_counter: torch.Tensor | None = None  # the device's count under on_scale_collapse="reset"
 
     def record(self, reason: str | None, grad_norm: float | None, scaler: LossScaler, overflow: Any = None) -> StepResult:
         """Count a step the host decided: the scaler updates on the host's word (``update()`` or
@@ -155,13 +178,35 @@ class StepLedger:
             scaler.skip()  # scaling cannot fix a forward overflow: keep the scale
         return self.count(reason, grad_norm, scaler, scaler.get_scale(), overflow, counted=True)
 
+    def settle_collapse(self, code: torch.Tensor, norm: torch.Tensor, scaler: LossScaler) -> list[torch.Tensor]:
+        """``on_scale_collapse="reset"``: count steps on all-zero gradients at a scale below 1 on the
+        device and restart the scale there, before the next forward scales its loss (the host only
+        learns of it one step later); returns ``[count, reset, the collapsed scale]`` for
+        :meth:`count` (nothing where the guard is off, or only raises: that waits for the host)."""
+        limit = self.max_zero_grad_steps
+        if limit is None or self.on_scale_collapse != "reset" or not scaler.is_enabled():
+            return []
+        scale = scaler.scale_tensor()
+        counter = self._zero_counter
+        if counter is None or counter.device != scale.device:
+            counter = torch.tensor(float(self.zero_grad_steps), device=scale.device)
+        stepped = code.to(scale.device) == 0
+        zero = stepped & (norm.to(scale.device) == 0) & (scale < 1.0)
+        counter = torch.where(stepped, torch.where(zero, counter + 1, 0.0), counter)  # skips neither count nor break
+        reset = counter >= limit
+        collapsed = scale.clone()
+        scaler.restart_where(reset, self.restart_scale)
+        self._zero_counter = torch.where(reset, 0.0, counter)
+        return [counter, reset.to(torch.float32), collapsed]
+
     def count(
         self, reason: str | None, grad_norm: float | None, scaler: LossScaler, scale: float, overflow: Any = None,
-        *, counted: bool = False,
+        *, counted: bool = False, collapse: list[float] | None = None,
     ) -> StepResult:
         """Count a decided step whose scale the scaler already settled on the device (``scale``:
         the scale after it, as the host read it); :meth:`check` raises what it implies.
-        ``counted``: the scaler's own counters were kept already (:meth:`record`)."""
+        ``counted``: the scaler's own counters were kept already (:meth:`record`). ``collapse``:
+        what :meth:`settle_collapse` did on the device for this step (the scale restarted there)."""
         enabled = scaler.is_enabled()
         if not counted:
             scaler.counted(reason)
@@ -170,7 +215,16 @@ class StepLedger:
             self.consecutive_skips = 0
         else:
             self.consecutive_skips += 1
-        if reason is None and enabled:
+        if collapse:
+            count, reset, collapsed = collapse
+            self.zero_grad_steps = 0 if reset else int(count)
+            if reset:
+                warnings.warn(
+                    collapse_message(int(count), collapsed, self.restart_scale) + "; restarting it now",
+                    RuntimeWarning,
+                    stacklevel=5,
+                )
+        elif reason is None and enabled:
             self.zero_grad_steps = self.zero_grad_steps + 1 if grad_norm == 0.0 and scale < 1.0 else 0
             limit = self.max_zero_grad_steps
             if limit is not None and self.zero_grad_steps >= limit and self.on_scale_collapse == "reset":
@@ -211,6 +265,7 @@ class StepLedger:
         self.optimizer_steps = int(state.get("optimizer_steps", 0))
         self.consecutive_skips = int(state.get("consecutive_skips", 0))
         self.zero_grad_steps = int(state.get("zero_grad_steps", 0))  # absent in checkpoints before the guard
+        self._zero_counter = None
 
 
 # ------------------------------------------------------------------ messages

@@ -400,7 +400,7 @@ class MixedPrecision(StepRunner):
         kind matches, and this run's scaler settings win over the saved ones.
         """
         scaler_state = validated_scaler_state(state_dict, self.plan, self.scaler, self.scheduler, allow_plan_change)
-        self._lagged = None  # the bookkeeping of a step decided before the load belongs to the replaced state
+        self.settle_outcome()  # a step decided before the load is counted (into the state the load replaces)
         if scaler_state is not None:
             self.scaler.load_state_dict(scaler_state)
         self._ledger.load(state_dict)

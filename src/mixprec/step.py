@@ -190,18 +190,21 @@ class NormMemo:
 
 def clip_(
     grads: Sequence[torch.Tensor], norm: torch.Tensor, max_norm: float,
-    optimizers: Sequence[torch.optim.Optimizer] = (),
+    optimizers: Sequence[torch.optim.Optimizer] = (), skip: torch.Tensor | None = None,
 ) -> None:
     """Scale ``grads`` in place so their total norm ``norm`` becomes at most ``max_norm``.
 
-    A non-finite norm clips nothing (the step will be skipped). An optimizer of
-    ``optimizers`` with ``scale_grads_later`` (remainder masters) takes the factor for the
-    gradients it names and applies it in fp32 inside its step; those are left as they are.
+    A non-finite norm clips nothing (the step will be skipped), nor does a step ``skip`` (a
+    0-dim 0/1 tensor, decided on the device) says is skipped: a clamp of the factor, no branch.
+    An optimizer of ``optimizers`` with ``scale_grads_later`` (remainder masters) takes the
+    factor for the gradients it names and applies it in fp32 inside its step; those are left as
+    they are.
     """
     if not grads:
         return
     coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    coef = torch.where(torch.isfinite(coef), coef, torch.ones_like(coef))
+    keep = torch.isfinite(coef) if skip is None else torch.isfinite(coef) & (skip.to(coef.device) == 0)
+    coef = torch.where(keep, coef, torch.ones_like(coef))
     taken: set[int] = set()
     for opt in optimizers:
         later = getattr(opt, "scale_grads_later", None)
@@ -232,12 +235,14 @@ class Decision:
         host: ``(reason, norm)`` once read on the host (:meth:`read`), else None.
     """
 
-    __slots__ = ("code", "found", "host", "measured", "norm")
+    __slots__ = ("code", "finished", "found", "host", "measured", "norm", "outcome")
 
     def __init__(self, code: torch.Tensor, norm: torch.Tensor, found: torch.Tensor | None = None) -> None:
         self.code, self.norm, self.found = code, norm, found
         self.host: tuple[str | None, float] | None = None
         self.measured = True  # the norm was measured (not under the optimizer in backward)
+        self.finished = False  # buffers, plan and loss scale settled for it (once)
+        self.outcome: torch.Tensor | None = None  # what the host's bookkeeping reads of it, on the device
 
     @classmethod
     def known(cls, reason: str | None, norm: float | None, device: torch.device | None = None) -> Decision:
@@ -389,12 +394,15 @@ def apply_update(
             opt.step()
         if progress is not None:
             progress.updated += 1
-    refusals = [flag for opt in optimizers if (flag := _step_nonfinite(opt)) is not None]
-    if not refusals:
+    guarded = [opt for opt in optimizers if _refuses(opt)]
+    if not guarded:
         return
-    refused = torch.stack([_fp32_scalar(f, refusals[0].device) for f in refusals]).amax()
+    # every rank takes part (whether it refuses is a fact of the plan, not of this step): one flag each
+    device = decision.code.device
+    flags = [flag if (flag := _step_nonfinite(opt)) is not None else torch.zeros((), device=device) for opt in guarded]
+    refused = torch.stack([_fp32_scalar(f, device) for f in flags]).amax()
     all_reduce_max(refused, process_group)  # every rank undoes, or none
-    for opt in optimizers:
+    for opt in guarded:
         undo = getattr(opt, "undo_step_if", None)
         if callable(undo):
             undo(refused)
@@ -405,3 +413,8 @@ def apply_update(
             if flag is None or not bool(flag):
                 opt.undo_step()  # type: ignore[attr-defined]
     decision.refused(refused)
+
+
+def _refuses(opt: torch.optim.Optimizer) -> bool:
+    check = getattr(opt, "refuses_nonfinite", None)
+    return bool(check()) if callable(check) else _step_nonfinite(opt) is not None

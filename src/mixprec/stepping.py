@@ -31,6 +31,7 @@ from mixprec.ledger import StepLedger, StepResult
 from mixprec.optim import InBackwardOptimizer
 from mixprec.options import check_ready
 from mixprec.prepare import PreparedModel
+from mixprec.scaling import ScaleRefused
 from mixprec.step import REASONS, Decision, apply_update
 
 __all__ = ["StepRunner"]
@@ -94,8 +95,10 @@ class StepRunner(ComposableSteps):
         except BaseException:
             phases.interrupt()  # where it got to is recorded: state_dict() and step() again work
             raise
-        if self.tracer is not None or self._in_backward is not None:
-            self.settle_outcome(check=True)  # at once: the tracer's record belongs to this step; in backward it was read
+        if self.tracer is not None or self._in_backward is not None or (
+            self._explainer is not None and self._explainer.armed
+        ):  # at once: a tracer's record belongs to this step (before the next forward); in backward it was read
+            self.settle_outcome(check=True)
         return result
 
     def _accumulating(self) -> StepResult:
@@ -124,7 +127,7 @@ class StepRunner(ComposableSteps):
         decision: Decision = phases.decision
         if self.clip_grad_norm is not None and not phases.clipped:
             # whatever the decision: a skipped step's gradients are cleared, and a non-finite norm clips nothing
-            self._clip(self._grads(), self.clip_grad_norm, "step()", decision.norm)
+            self._clip(self._grads(), self.clip_grad_norm, "step()", decision.norm, decision.skip_flag())
             phases.clipped = True
         apply_update(self.optimizers, decision, self.process_group, phases)
         return decision
@@ -141,24 +144,30 @@ class StepRunner(ComposableSteps):
         Each part runs once even if an interruption makes ``step()`` call this again."""
         phases = self._phases
         if phases.result is None:
-            if decision.host is not None:
-                if decision.host[0] is not None:
-                    self._buffers.restore()
-            else:
-                self._buffers.restore_where(decision.skip_flag())  # (on the device: no read)
-            self.plan.after_step(self.model)  # type: ignore[arg-type]
-            self._buffers.commit()
-            try:
-                self.scaler.settle(decision.code)
-            except BaseException:  # a skip the scaler refused to count (raise_at_min_scale): nothing was
-                self._reset_step(stepped=False)  # updated, so the step ends here; a save and a new backward work
-                if zero_grad:
-                    self._clear_grads()
-                raise
-            device = decision.code.device
-            values = torch.stack([decision.code, decision.norm.to(device, torch.float32),
-                                  self.scaler.scale_tensor().to(device, torch.float32)])
-            lagged = _Lagged(decision, HostCopy(values), self._step_serial)
+            if not decision.finished:  # once: an interruption after it must not restore or settle twice
+                if decision.host is not None:
+                    if decision.host[0] is not None:
+                        self._buffers.restore()
+                else:
+                    self._buffers.restore_where(decision.skip_flag())  # (on the device: no read)
+                self.plan.after_step(self.model)  # type: ignore[arg-type]
+                self._buffers.commit()
+                device = decision.code.device
+                before = self.scaler.scale_tensor().to(device, torch.float32, copy=True)  # the scale the step ran with
+                try:
+                    self.scaler.settle(decision.code)
+                except ScaleRefused:  # a skip the scaler refused to count (raise_at_min_scale): nothing was
+                    self._reset_step(stepped=False)  # updated, so the step ends here; a save and a new backward work
+                    if zero_grad:
+                        self._clear_grads()
+                    raise
+                collapse = self._ledger.settle_collapse(decision.code, decision.norm, self.scaler)  # (on the device)
+                decision.outcome = torch.stack([
+                    decision.code, decision.norm.to(device, torch.float32), before,
+                    self.scaler.scale_tensor().to(device, torch.float32), *collapse,
+                ])
+                decision.finished = True
+            lagged = _Lagged(decision, HostCopy(decision.outcome), self._step_serial)  # type: ignore[arg-type]
             lagged.result = StepResult.lazy(lambda: self._settle(lagged))
             phases.result = lagged
         lagged = phases.result
@@ -190,15 +199,19 @@ class StepRunner(ComposableSteps):
 
     def _settle(self, lagged: _Lagged) -> dict[str, Any]:
         if lagged.values is None:
-            code, norm, scale = lagged.copy.values()
+            code, norm, ran_with, scale, *collapse = lagged.copy.values()
             reason = REASONS[int(code)]
             lagged.decision.host = (reason, norm)
             overflow = self.tracer.first_overflow() if reason is not None and self.tracer is not None else None
             if self.tracer is None and self._explainer is not None:  # traces by itself once skips persist
-                overflow = self._explainer.after_step(lagged.serial, reason, scale if reason is not None else None)
+                # a tracer armed now sees the forward after the one that already ran since this step
+                first = lagged.serial + (1 if self._step_serial == lagged.serial + 1 and self._phases.micro == 0 else 2)
+                overflow = self._explainer.after_step(lagged.serial, reason, ran_with if reason is not None else None,
+                                                      first_traced=first)
             if reason is None and self.tracer is not None:
                 self.tracer.reset()
-            counted = self._ledger.count(reason, norm if lagged.decision.measured else None, self.scaler, scale, overflow)
+            counted = self._ledger.count(reason, norm if lagged.decision.measured else None, self.scaler, scale, overflow,
+                                         collapse=collapse or None)
             lagged.values = counted.as_dict()
             if self._lagged is lagged:
                 self._phases.learned(stepped=reason is None)

@@ -125,6 +125,12 @@ class WrappedOptimizer(torch.optim.Optimizer):
         called under DDP (whose reducer reads ``.grad`` at the boundary and must see the sum).
         """
 
+    def refuses_nonfinite(self) -> bool:
+        """Whether this wrapper's steps can refuse (and undo) an update that writes a non-finite
+        value: a fact of its parameters' dtypes, the same on every rank (by default: whether the
+        wrapper implements :meth:`step_nonfinite`)."""
+        return type(self).step_nonfinite is not WrappedOptimizer.step_nonfinite
+
     def step_nonfinite(self) -> torch.Tensor | None:
         """After ``step()``: a bool tensor, True when the update would have written a
         non-finite value (a low-precision weight, a master or optimizer state); the step was

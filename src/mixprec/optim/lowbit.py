@@ -415,6 +415,10 @@ class LowPrecisionOptimizer(WrappedOptimizer):
         return getattr(self, "_grad_scales", [])  # (a wrapper pickled before it had them)
 
     # ------------------------------------------------------------- overflow guard (fp16)
+    def refuses_nonfinite(self) -> bool:
+        """Whether steps are checked for non-finite stored weights (wrappers over fp16 parameters)."""
+        return any(p.dtype == torch.float16 for p in self._low_params())
+
     def step_nonfinite(self) -> torch.Tensor | None:
         """After ``step()``: True when the update would have stored a non-finite weight (then undone).
 

@@ -389,12 +389,19 @@ class MasterWeightOptimizer(WrappedOptimizer):
         """After :meth:`step_skipping`: undo the step where ``flag`` (every optimizer's and rank's
         refusal, a 0-dim tensor) is 1, on the device; nothing without a guarded step to undo."""
         snap = self._device_snapshot
-        if snap is None:
+        if snap is None:  # the host stepped this one (its Snapshot) or refused its own update (restored already)
+            if self._snapshot is not None and bool(flag):  # (a host read: that step was decided on the host)
+                self._restore()
             return
         self._device_snapshot = None
         snap.restore_where(flag)
         snap.release()
         self.sync_model()
+
+    def refuses_nonfinite(self) -> bool:
+        """Whether this optimizer's steps are checked for non-finite low-precision weights (a fact of
+        the plan, the same on every rank: the front door's agreement on refusals depends on it)."""
+        return self.guard_nonfinite
 
     def step_nonfinite(self) -> torch.Tensor | None:
         """After :meth:`step`: a bool tensor, True when the update would have written a
@@ -411,6 +418,9 @@ class MasterWeightOptimizer(WrappedOptimizer):
         what they were before the last :meth:`step` (possible until the next
         :meth:`zero_grad`, :meth:`prepare_grads` or :meth:`step`; guarded steps only). After a
         step that undid itself (:meth:`step_nonfinite` True) it does nothing."""
+        if self._device_snapshot is not None:  # a step decided on the device: undone there, unconditionally
+            self.undo_step_if(torch.ones((), device=self._device_snapshot.device))
+            return
         if self._snapshot is None and self._nonfinite is not None and bool(self._nonfinite):
             return  # the last step refused its own update: nothing to undo
         if self._snapshot is None:

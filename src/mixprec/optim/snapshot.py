@@ -281,6 +281,13 @@ class DeviceSnapshot:
             torch._foreach_add_(cur, old)
         self.taken = False  # (the copies are spent)
 
+    @property
+    def device(self) -> torch.device:
+        """Where the copied tensors are (the CPU when nothing was copied)."""
+        for cur, _ in self._groups.values():
+            return cur[0].device
+        return torch.device("cpu")
+
     def release(self) -> None:
         """Free the copies (the next :meth:`take` allocates them again)."""
         self._scratch.release()

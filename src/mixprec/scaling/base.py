@@ -48,11 +48,16 @@ from mixprec.scaling._checks import (
 from mixprec.scaling.compat import GradScalerCompat
 from mixprec.scaling.grads import grad_tensors, unscale_and_check
 
-__all__ = ["SCALE_CEILING", "SCALE_FLOOR", "LossScaler", "OptState", "grad_tensors"]
+__all__ = ["SCALE_CEILING", "SCALE_FLOOR", "LossScaler", "OptState", "ScaleRefused", "grad_tensors"]
 
 T = TypeVar("T")
 
 _FP64_RECIPROCAL_UNSUPPORTED = ("mps",)
+
+
+class ScaleRefused(RuntimeError):
+    """``update()`` / ``settle()`` refused to back off a scale already at its lower bound
+    (``raise_at_min_scale``): nothing was changed."""
 
 
 class OptState(enum.Enum):
@@ -406,6 +411,16 @@ class LossScaler(GradScalerCompat):
         self._overflow_steps += (found_bool & ~keep).to(self._overflow_steps.device)
         self._last_skipped = keep | found_bool
         self._records.clear()
+
+    @torch.no_grad()
+    def restart_where(self, flag: torch.Tensor, scale: float) -> None:
+        """Set the scale to ``scale`` (clamped into this scaler's bounds, as ``update(new_scale=tensor)``
+        does) where ``flag`` (a 0-dim bool tensor) is true, on the device; the counters are kept."""
+        value = self._clamped(float(scale))
+        self._scale.copy_(torch.where(flag.to(self._scale.device), torch.full_like(self._scale, value), self._scale))
+
+    def _clamped(self, value: float) -> float:
+        return value
 
     def counted(self, reason: str | None) -> None:
         """The host's side of :meth:`settle`, once it knows the outcome (``reason``: None for a step,

@@ -10,7 +10,7 @@ import torch
 
 from mixprec.scaling import _checks as checks
 from mixprec.scaling._checks import SCALE_FLOOR, show
-from mixprec.scaling.base import LossScaler
+from mixprec.scaling.base import LossScaler, ScaleRefused
 from mixprec.scaling.config import (
     DynamicConfig,
     HysteresisMode,
@@ -271,7 +271,7 @@ class DynamicLossScaler(LossScaler, ScalerPresets):
             hyst = torch.where(refill, self._hysteresis, budget.clamp(min=0))
         refuse = backoff & (scale <= lowest)
         if self._raise_at_min_scale and bool((refuse if keep is None else refuse & ~keep).item()):
-            raise RuntimeError(
+            raise ScaleRefused(
                 f"update(): the loss scale is already at its minimum ({scale.item()!r}) and this overflow "
                 "would back it off again (raise_at_min_scale=True, DeepSpeed's raise_error_at_min_scale); "
                 "nothing was changed. The gradients overflow at the smallest allowed scale: find the inf/NaN "
@@ -280,6 +280,10 @@ class DynamicLossScaler(LossScaler, ScalerPresets):
         self._growth_tracker = torch.where(grow, 0, tracker).to(torch.int32)
         self._hysteresis_tracker = hyst.to(torch.int32)
         self._scale = torch.where(backoff, backed, torch.where(grow_ok, grown, scale))
+
+    def _clamped(self, value: float) -> float:
+        lo, hi = self._min_scale, self._max_scale
+        return min(max(value, lo if lo is not None else value), hi if hi is not None else value)
 
     def _set_scale(self, value: float, from_tensor: bool) -> None:
         lo, hi = self._min_scale, self._max_scale
