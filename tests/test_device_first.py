@@ -335,3 +335,52 @@ def test_a_result_read_after_a_load_is_counted_into_the_replaced_state_not_the_l
     mp.load_state_dict(saved)
     assert result.stepped and result.optimizer_steps == 4  # its own count, read now
     assert mp.optimizer_steps == 3  # the loaded state, untouched by the read
+
+
+def test_the_mixed_plans_hold_no_more_memory_in_a_step_than_torchs_loop() -> None:
+    """Every storage alive during a training step, counted (mixprec.diagnostics' live accounting):
+    bf16-mixed's peak above the persistent state equals torch.autocast + fused AdamW's, also with
+    the criterion prepared (its fp32 loss), so no kept copy of the logits or second gradient."""
+    from mixprec.diagnostics.memory.live import LiveStorages
+
+    config = GPTConfig(vocab_size=4096, seq_len=64, num_layers=2, dim=64, num_heads=2)
+    x = torch.randint(0, 4096, (4, 64), generator=torch.Generator().manual_seed(0))
+    y = torch.roll(x, -1, 1)
+
+    def peak(step, model, opt) -> int:  # type: ignore[no-untyped-def]
+        for _ in range(2):
+            step()
+        live = LiveStorages()
+        for t in [*model.parameters(), *(v for s in opt.state.values() for v in s.values() if torch.is_tensor(v))]:
+            live.add(t, dynamic=False)
+        live.peak = base = live.live
+        with live.tracking():
+            step()
+        return live.peak - base
+
+    torch.manual_seed(0)
+    model = GPT(config)
+    opt = torch.optim.AdamW(model.parameters(), fused=True)
+    crit = TokenCrossEntropy()
+
+    def torch_step() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = crit(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    reference = peak(torch_step, model, opt)
+    torch.manual_seed(0)
+    mp = MixedPrecision("bf16-mixed")
+    model2 = GPT(config)
+    model2, opt2, crit2 = mp.prepare(model2, torch.optim.AdamW(model2.parameters(), fused=True), criterion=TokenCrossEntropy())
+
+    def mp_step() -> None:
+        with mp.autocast():
+            loss = crit2(model2(x), y)
+        mp.backward(loss)
+        mp.step()
+
+    ours = peak(mp_step, model2, opt2)
+    assert ours <= reference + 4096, (ours, reference)  # (a few scalars: the decision and its host copy)
