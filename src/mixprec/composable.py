@@ -34,6 +34,13 @@ from typing import Any
 
 import torch
 
+from mixprec.distributed.pipeline import (
+    check_decision_covers,
+    check_stage_plan,
+    norm_over_stages,
+    pipeline_stages,
+    stage_group,
+)
 from mixprec.nested import by_device_dtype
 from mixprec.optim import InBackwardOptimizer
 from mixprec.options import check_ready
@@ -105,6 +112,38 @@ class FirstParameter:
         return None if self._links is None else self._links[-1][2]
 
 
+_STAGE_LOSSES_KEPT = 4096  # stage losses remembered until stage_backward_done() (micro-batches of a step)
+
+
+class StageLoss:
+    """The loss function of a pipeline schedule's last stage (:meth:`ComposableSteps.stage_loss`):
+    ``loss_fn``'s loss times the loss scale, which the schedule backpropagates. It counts nothing:
+    torch's schedule also calls it once on shapes alone (a stage built without static shapes infers
+    them at the first ``step``, on uninitialised data); :meth:`ComposableSteps.stage_backward_done`
+    counts the step and checks the losses the schedule hands back (``losses=``), not that call."""
+
+    def __init__(self, steps: ComposableSteps, loss_fn: Callable[..., torch.Tensor]) -> None:
+        self.steps, self.loss_fn = steps, loss_fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        steps = self.steps
+        loss = self.loss_fn(*args, **kwargs)
+        check_loss(loss, "the stage loss (mp.stage_loss)")
+        if steps._in_backward is not None:
+            raise RuntimeError(
+                "mp.stage_loss() under optimizer_in_backward=True: a pipeline runs several backwards per step; use "
+                "optimizer_in_backward=False"
+            )
+        steps._phases.check_backward("the stage loss (mp.stage_loss)", steps.grad_accum_steps)
+        scaled = steps.scaler.scale(loss)
+        # (its unscaled value, for the non-finite check of the losses stage_backward_done() is handed)
+        kept = steps._stage_losses
+        if len(kept) >= _STAGE_LOSSES_KEPT:  # (evaluation runs the loss too, and counts no step)
+            del kept[: len(kept) // 2]
+        kept.append((scaled, loss.detach().to(torch.float32, copy=True).reshape(())))
+        return scaled  # type: ignore[no-any-return]
+
+
 class ComposableSteps:
     """Loss scaling, backward bookkeeping, unscaling and clipping: one step's halves.
 
@@ -127,6 +166,15 @@ class ComposableSteps:
     _ddp: bool
     _first: FirstParameter
     _in_backward: InBackwardOptimizer | None  # optimizer_in_backward=True: the updates run inside backward
+    _pipeline_group: Any = None  # a pipeline stage's group (stage_backward_done): the norm is over every stage
+    _stage_losses_list: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    @property
+    def _stage_losses(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(scaled, unscaled) of each stage loss since the last :meth:`stage_backward_done`."""
+        if self._stage_losses_list is None:
+            self._stage_losses_list = []
+        return self._stage_losses_list
 
     @property
     def device(self) -> torch.device | None:
@@ -223,6 +271,62 @@ class ComposableSteps:
         else:
             self._phases.loose = True
 
+    def stage_loss(self, loss_fn: Callable[..., torch.Tensor]) -> StageLoss:
+        """The ``loss_fn`` to give a pipeline schedule (``torch.distributed.pipelining``) on the last
+        stage: it returns ``loss_fn``'s loss times the loss scale (fp16 plans), which the schedule
+        backpropagates through every stage. ``schedule.step(..., losses=losses)`` then hands back
+        these scaled losses (divide by ``mp.scaler.get_scale()`` to log them); pass them to
+        :meth:`stage_backward_done`. See docs/distributed.md, "Pipeline parallelism"."""
+        if not callable(loss_fn):
+            raise TypeError(f"stage_loss() expects the loss function (output, target) -> loss, got {loss_fn!r}")
+        return StageLoss(self, loss_fn)
+
+    def stage_backward_done(self, stage: Any, losses: list[torch.Tensor] | None = None, *,
+                            boundary: bool | None = None) -> None:
+        """Count the backward a pipeline schedule ran on this rank's stage(s) in ``schedule.step(...)``:
+        what :meth:`micro_batch_done` is for a loop that runs its own backward, for every stage, with
+        or without a loss (the schedule backpropagates the last stage's loss through all of them).
+
+        ``stage``: the ``PipelineStage`` this rank runs (or a list, under an interleaved schedule).
+        Its process group (``PipelineStage(group=...)``, the default group by default) is where the
+        gradient norm is summed from now on: ``grad_norm()``, clipping and ``StepResult.grad_norm``
+        are the whole model's norm, as one process measures it (every stage must then call them,
+        as every stage calls ``step()``). ``losses``: on the last stage, the list that
+        ``schedule.step(..., losses=losses)`` filled from :meth:`stage_loss`: a non-finite loss then
+        skips the step on every stage without shrinking the loss scale (without it, such a loss
+        shows as an overflow of the gradients). The skip decision spans every stage: the session's
+        process group must hold every rank of the pipeline (the default group does).
+        ``boundary``: as for :meth:`micro_batch_done`.
+        """
+        caller = "stage_backward_done()"
+        stages = pipeline_stages(stage, caller)
+        if self._in_backward is not None:
+            raise RuntimeError(
+                f"{caller} under optimizer_in_backward=True: a pipeline schedule runs several backwards per step, "
+                "and each stage's update would need the decision of every stage before it. Use optimizer_in_backward=False"
+            )
+        check_stage_plan(self.plan, caller)
+        group = stage_group(stages)
+        check_decision_covers(self.process_group, group, caller)
+        last = any(s.is_last for s in stages)
+        if losses is not None and not last:
+            raise ValueError(
+                f"{caller} got losses= on a stage that is not the last: only the last stage computes the loss. Pass "
+                "losses= on the last stage only"
+            )
+        if losses is not None and (isinstance(losses, torch.Tensor) or not isinstance(losses, list | tuple)):
+            raise TypeError(f"{caller}: losses= must be the list schedule.step(..., losses=...) filled, got {type(losses).__name__}")
+        phases = self._phases
+        phases.check_backward(caller, self.grad_accum_steps)
+        unscaled = {id(scaled): value for scaled, value in self._stage_losses}
+        for loss in losses or ():
+            check_loss(loss, caller)
+            self._decision.record_loss(unscaled.get(id(loss), loss))  # (not the schedule's call on shapes alone)
+        self._stage_losses.clear()
+        self._pipeline_group = group
+        phases.pending += 1  # the schedule ran this stage's backward
+        self.micro_batch_done(boundary)
+
     @property
     def is_ddp(self) -> bool:
         """Whether DDP reduces the model's gradients (its reducer owns ``.grad``): after
@@ -282,6 +386,8 @@ class ComposableSteps:
             # inside the step): it goes into .grad now, before they are measured or clipped again
             call_hook(self.optimizers, "apply_pending_grad_scales")
             norm = total_norm(grads, None if grads else self.device)  # the device only places an empty total
+            if self._pipeline_group is not None:  # a pipeline stage: the norm of every stage's gradients together
+                norm = norm_over_stages(norm, self._pipeline_group)
             if remember:
                 self._norm_memo.remember(grads, norm)
         return norm

@@ -20,6 +20,7 @@ from collections.abc import Collection
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from mixprec.nested import map_tensors
 
@@ -88,10 +89,32 @@ def cast_floating(value: Any, dtype: torch.dtype, *, include_float64: bool = Fal
 def _cast_tensor_(t: torch.Tensor, dtype: torch.dtype) -> bool:
     if not t.is_floating_point() or t.dtype == dtype:
         return False
+    if is_traceable_wrapper_subclass(t):  # a DTensor (tensor parallelism): the wrapper and its local shard at once
+        _swap_cast_(t, dtype)
+        return True
     t.data = t.data.to(dtype)
     if t.grad is not None:
         t.grad = t.grad.to(dtype)
     return True
+
+
+def _swap_cast_(t: torch.Tensor, dtype: torch.dtype) -> None:
+    """Cast a tensor subclass that wraps other tensors (a DTensor and its ``_local_tensor``) in
+    place, keeping the Python object (optimizers built over it still hold it), as
+    ``nn.Module.to()`` does: ``t.data = ...`` would relabel the wrapper and leave its local shard
+    in the old dtype (the first matmul then fails on mixed dtypes)."""
+    grad = t.grad
+    t.grad = None  # (a gradient held keeps a second reference that swap_tensors refuses)
+    with torch.no_grad():
+        cast = t.detach().to(dtype)
+    new = torch.nn.Parameter(cast, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else cast
+    try:
+        torch.utils.swap_tensors(t, new)
+    except Exception:
+        t.grad = grad
+        raise
+    if grad is not None:
+        t.grad = grad.to(dtype)
 
 
 def cast_module_(

@@ -39,6 +39,7 @@ import torch
 from mixprec.compiling import check_compiler
 from mixprec.distributed.ddp import is_ddp, wrap_ddp
 from mixprec.distributed.frontdoor import ddp_arguments, plan_for_model
+from mixprec.distributed.fsdp import has_dtensor, has_fsdp
 from mixprec.dtypes import cast_floating
 from mixprec.islands import (
     apply_fp32_islands,
@@ -108,6 +109,18 @@ class PreparedModel:
             stale = [p for p in held if id(p) not in current]
             if not stale:
                 continue
+            if _tensor_parallel_since(self.model, stale):
+                raise RuntimeError(
+                    f"{caller}: optimizer {type(opt).__name__} holds {len(stale)} of its {len(held)} parameters that "
+                    "the model no longer has: the model was tensor-parallelised (torch.distributed.tensor.parallel."
+                    "parallelize_module, which replaces each parallelised parameter by a DTensor) after mixprec "
+                    "prepared it, so the optimizer would step tensors the model does not use. Parallelise first, then "
+                    "build the optimizer over the DTensor parameters and prepare: model = parallelize_module(model, "
+                    "mesh, plan); optimizer = torch.optim.AdamW(model.parameters()); model, optimizer = "
+                    "mp.prepare(model, optimizer) (with FSDP2 too: parallelize_module, then "
+                    "mixprec.distributed.fully_shard_model(model, plan, mesh=mesh['dp']), then the optimizer and "
+                    "prepare; see docs/distributed.md, 'Tensor parallelism')"
+                )
             raise RuntimeError(
                 f"{caller}: optimizer {type(opt).__name__} holds {len(stale)} of its {len(held)} parameters that the "
                 "model no longer has: its steps would leave the model's parameters as they are. They were replaced "
@@ -140,6 +153,15 @@ class PreparedModel:
             "new dtypes: a new MixedPrecision(...).prepare(model, optimizer) with an optimizer built over "
             "model.parameters() (carry training state over with state_dict()/load_state_dict())"
         )
+
+
+def _tensor_parallel_since(model: torch.nn.Module, stale: list[torch.Tensor]) -> bool:
+    """Whether the parameters that replaced ``stale`` ones are DTensors of tensor parallelism
+    (``parallelize_module``), not FSDP2 shards: the model holds DTensor parameters, no FSDP2
+    unit, and the stale ones were plain."""
+    if has_fsdp(model) or any(has_dtensor([p]) for p in stale):
+        return False
+    return has_dtensor(list(model.parameters()))
 
 
 def _sparse_modules(model: torch.nn.Module, plan: Plan) -> list[str]:

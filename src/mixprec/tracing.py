@@ -53,7 +53,7 @@ from torch import nn
 
 from mixprec.dtypes import dtype_name
 from mixprec.formatting import display_name, format_number
-from mixprec.nested import floating_tensors
+from mixprec.nested import floating_tensors, shard_local
 
 __all__ = ["OverflowFinding", "OverflowTracer", "trace_overflow"]
 
@@ -135,7 +135,10 @@ class OverflowFinding:
 
 
 def _amax(t: torch.Tensor) -> torch.Tensor | None:
-    """Largest |value| of ``t`` as a 0-dim tensor (inf/NaN propagate), without a sync."""
+    """Largest |value| of ``t`` as a 0-dim tensor (inf/NaN propagate), without a sync. A DTensor
+    (tensor parallelism) is measured on this rank's shard: no collective inside a hook, and a
+    plain tensor to read back."""
+    t = shard_local(t)
     if t.numel() == 0 or t.is_complex():
         return None
     try:
@@ -430,6 +433,7 @@ class _Site:
         if tracer._idle:
             return
         for t in floating_tensors((args, kwargs)):
+            t = shard_local(t)  # (a DTensor input: this rank's shard)
             try:
                 largest = t.detach().amax() if t.numel() else None
             except (RuntimeError, NotImplementedError):  # a dtype without a reduction kernel (fp8)

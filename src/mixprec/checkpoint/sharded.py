@@ -43,6 +43,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mixprec.checkpoint.convert import MASTER_KEY
+from mixprec.optim.checks import MASTER_INDEX_KEY
 from mixprec.optim.shards import is_dtensor, local_of, wrap_like
 
 __all__ = ["PeerFailed", "agree", "check_world", "is_sharded", "layout_of", "localize", "part_path", "reshard",
@@ -152,11 +154,21 @@ def _set(obj: Any, path: Sequence[Any], value: Any) -> None:
     obj[path[-1]] = value
 
 
-def _param_index(path: Sequence[Any]) -> int | None:
+def _param_index(path: Sequence[Any], state: Any = None) -> int | None:
     """The parameter index in an optimizer state_dict path: its last int (``state/3/exp_avg``,
-    ``<wrapper>/compensation/3``, ``param_groups/0/<wrapper>/compensation/3``)."""
+    ``<wrapper>/compensation/3``, ``param_groups/0/<wrapper>/compensation/3``). The masters of a
+    master-weight optimizer (``mixprec_master_weights/k``) are listed per master, not per
+    parameter: the k-th master belongs to the parameter at the k-th of the positions the
+    ``state`` dict records (``mixprec_master_index``; a tensor-parallel model keeps plain fp32
+    parameters without a master between its DTensors)."""
     ints = [k for k in path if isinstance(k, int) and not isinstance(k, bool)]
-    return ints[-1] if ints else None
+    if not ints:
+        return None
+    if len(path) == 2 and path[0] == MASTER_KEY and isinstance(state, dict):
+        positions = state.get(MASTER_INDEX_KEY)
+        if isinstance(positions, list) and 0 <= ints[-1] < len(positions):
+            return int(positions[ints[-1]])
+    return ints[-1]
 
 
 def _params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -185,7 +197,7 @@ def restore_dtensors(path: str, payload: dict[str, Any], module: torch.nn.Module
     for i, (opt, opt_places) in enumerate(zip(optimizers, places["optimizers"], strict=True)):
         params = _params(opt)
         for entry in opt_places:
-            index = _param_index(entry)
+            index = _param_index(entry, payload["optimizers"][i])
             local = _get(payload["optimizers"][i], entry)
             if index is None or index >= len(params) or not is_dtensor(params[index]):
                 raise ValueError(f"checkpoint {path!r}: optimizer {i}'s {'/'.join(map(str, entry))} was sharded when "
@@ -285,7 +297,7 @@ def reshard(path: str, parts: Sequence[dict[str, Any]], module: torch.nn.Module,
         params = _params(opt)
         state = payload["optimizers"][i]
         for n, entry in enumerate(opt_places):
-            index = _param_index(entry)
+            index = _param_index(entry, payload["optimizers"][i])
             what = f"optimizer {i}'s {'/'.join(map(str, entry))}"
             if index is None or index >= len(params) or not is_dtensor(params[index]):
                 raise ValueError(f"checkpoint {path!r}: {what} was sharded when saved, but its parameter is not "
@@ -316,10 +328,11 @@ def split_as_saved(payload: dict[str, Any], module: torch.nn.Module, optimizers:
     for key_path, saved in zip(places["model"], layouts["model"], strict=True):
         if differs(saved, current.get(key_path[0])):
             return False
-    for opt, opt_places, opt_layouts in zip(optimizers, places["optimizers"], layouts["optimizers"], strict=True):
+    for i, (opt, opt_places, opt_layouts) in enumerate(
+            zip(optimizers, places["optimizers"], layouts["optimizers"], strict=True)):
         params = _params(opt)
         for entry, saved in zip(opt_places, opt_layouts, strict=True):
-            index = _param_index(entry)
+            index = _param_index(entry, payload["optimizers"][i])
             if index is not None and index < len(params) and differs(saved, params[index]):
                 return False
     return True

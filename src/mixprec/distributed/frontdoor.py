@@ -8,7 +8,12 @@ from typing import Any
 import torch
 
 from mixprec.distributed.ddp import check_prewrapped, is_ddp, plan_for_ddp
-from mixprec.distributed.fsdp import check_sharded_policy, has_fsdp, sharded_plan
+from mixprec.distributed.fsdp import (
+    check_sharded_policy,
+    check_tensor_parallel,
+    has_fsdp,
+    sharded_plan,
+)
 from mixprec.plans import Plan
 
 __all__ = ["ddp_arguments", "plan_for_model"]
@@ -22,6 +27,7 @@ def plan_for_model(plan: Plan, model: torch.nn.Module, *, ddp: bool) -> Plan:
     - a model the user already wrapped in DDP: the plan, if it leaves the weights fp32;
     - anything else: the plan itself.
     """
+    check_tensor_parallel(plan, model)
     if has_fsdp(model):  # the root or any module inside it (a framework shards inside its wrapper)
         if ddp:
             raise ValueError("prepare(ddp=True) got an FSDP2 model; it is already data-parallel, drop ddp=")

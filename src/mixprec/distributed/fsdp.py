@@ -65,6 +65,7 @@ from mixprec.plans import NORM_LAYERS, Plan, get_plan
 
 __all__ = [
     "ShardedPlan",
+    "check_tensor_parallel",
     "fsdp_policy",
     "fully_shard_model",
     "has_dtensor",
@@ -72,6 +73,7 @@ __all__ = [
     "is_fsdp",
     "local_tensor",
     "sharded_plan",
+    "tensor_parallel",
     "total_grad_norm",
 ]
 
@@ -222,6 +224,35 @@ def _check_low_units(model: torch.nn.Module, plan: ShardedPlan) -> None:
             )
 
 
+def tensor_parallel(model: torch.nn.Module) -> bool:
+    """Whether ``model`` holds DTensor parameters that FSDP2 did not make alone: tensor parallelism
+    (``parallelize_module``), by itself or under FSDP2 (2-D: FSDP2 sharded parameters that were
+    DTensors already; HSDP's 2-D shards are not)."""
+    params = list(model.parameters())
+    if not has_dtensor(params):
+        return False
+    if not has_fsdp(model):
+        return True
+    for module in model.modules():  # FSDP2 records whether each parameter it sharded was a DTensor already
+        if is_fsdp(module):
+            group = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)  # type: ignore[operator]
+            if group is not None and any(getattr(fp, "is_dtensor", False) for fp in group.fsdp_params):
+                return True
+    return False
+
+
+def check_tensor_parallel(plan: Plan, model: torch.nn.Module) -> None:
+    """Refuse a plan that does not run on tensor-parallel (DTensor) weights, naming what does."""
+    if _base_of(plan).family != "fp8" or not tensor_parallel(model):
+        return
+    raise ValueError(
+        f"plan {plan.name!r} under tensor parallelism (parallelize_module) is not supported: its fp8 layers quantise "
+        "whole weights, and a tensor-parallel Linear holds one shard as a DTensor. Use 'bf16-mixed' or "
+        "'bf16-master' (every other plan runs on tensor-parallel models, with FSDP2 too), or fp8-mixed under DDP or "
+        "FSDP2 alone (fully_shard_model(model, 'fp8-mixed'))"
+    )
+
+
 def fully_shard_model(
     model: torch.nn.Module,
     plan: str | Plan,
@@ -249,6 +280,7 @@ def fully_shard_model(
     Returns the same module object, now an ``FSDPModule``.
     """
     plan = get_plan(plan)
+    check_tensor_parallel(plan, model)
     api = _fsdp_api()
     policy = fsdp_policy(plan)
     low_shards = keeps_low_shards(plan)

@@ -36,6 +36,7 @@ from typing import Any, ClassVar
 import torch
 
 from mixprec.dtypes import LOW_PRECISION_DTYPES
+from mixprec.nested import shard_local
 from mixprec.optim import footprint
 from mixprec.optim.base import WrappedOptimizer
 from mixprec.optim.checks import (
@@ -256,7 +257,7 @@ class MasterWeightOptimizer(WrappedOptimizer):
         self._layout = self._group_layout()
 
     def _choose_implementation(self, group: dict[str, Any]) -> None:
-        if self._fast_path:
+        if self._fast_path and not _mixes_dtensors(group["params"]):
             prefer_fast_update(self.optimizer, group)
 
     # --------------------------------------------------------------- gradients
@@ -309,7 +310,8 @@ class MasterWeightOptimizer(WrappedOptimizer):
         """Copy the masters into the model's low-precision parameters (one foreach copy)."""
         if self._pairs:
             params: list[torch.Tensor] = [p for p, _ in self._pairs]
-            torch._foreach_copy_(params, [m for _, m in self._pairs])
+            # (DTensors of tensor parallelism: their local shards, which DTensor's foreach rules need)
+            torch._foreach_copy_([shard_local(p) for p in params], [shard_local(m) for _, m in self._pairs])
             self._watch.record(params)
 
     def step(self, closure: Callable[[], float] | None = None) -> Any:  # type: ignore[override]
@@ -334,7 +336,7 @@ class MasterWeightOptimizer(WrappedOptimizer):
         result = self.optimizer.step()
         self._grads.release()
         if guard:
-            bad = masters_nonfinite(self._pairs, self.optimizer)
+            bad = _whole(masters_nonfinite(self._pairs, self.optimizer))
             self._nonfinite = bad
             if bool(bad):  # one host read, on guarded (fp16) steps only
                 self._restore()
@@ -381,7 +383,7 @@ class MasterWeightOptimizer(WrappedOptimizer):
             del self.optimizer.found_inf  # type: ignore[attr-defined]
             del self.optimizer.grad_scale  # type: ignore[attr-defined]
         self._grads.release()
-        self._nonfinite = masters_nonfinite(self._pairs, self.optimizer) if guard else None
+        self._nonfinite = _whole(masters_nonfinite(self._pairs, self.optimizer)) if guard else None
         self.sync_model()  # a skipped step leaves the masters as they were: the same weights again
 
     @torch.no_grad()
@@ -489,7 +491,9 @@ class MasterWeightOptimizer(WrappedOptimizer):
         self._nonfinite = None
         with torch.no_grad():
             targets: list[torch.Tensor] = list(self.masters)
-            torch._foreach_copy_(targets, [t.to(m.device) for t, m in zip(masters, targets, strict=True)])
+            # (DTensor masters of tensor parallelism by their local shards: no foreach rule mixes them with plain ones)
+            torch._foreach_copy_([shard_local(m) for m in targets],
+                                 [shard_local(t).to(m.device) for t, m in zip(masters, targets, strict=True)])
         self.sync_model()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -548,6 +552,22 @@ class MasterWeightOptimizer(WrappedOptimizer):
         for p, m in self._pairs:
             m.copy_(p)
         self._watch.record([p for p, _ in self._pairs])
+
+
+def _whole(flag: torch.Tensor) -> torch.Tensor:
+    """A flag measured over DTensor masters (tensor parallelism) as a plain tensor every rank of
+    their mesh agrees on (a device collective, no host read); a plain flag as it is."""
+    if shard_local(flag) is flag:
+        return flag
+    return flag.full_tensor()  # type: ignore[attr-defined,no-any-return]
+
+
+def _mixes_dtensors(params: list[torch.Tensor]) -> bool:
+    """A group of DTensors (tensor parallelism) and plain tensors (a replicated norm layer's fp32
+    weight, its own master): torch's fused and foreach kernels take one or the other, so the group
+    keeps torch's default (one tensor at a time), as torch itself chooses for such a group."""
+    kinds = {shard_local(q) is q for q in params}
+    return len(kinds) > 1
 
 
 def _is_param_shaped(value: Any, param: torch.Tensor) -> bool:

@@ -19,13 +19,50 @@ tensor([0.7500, 0.7500, 0.7500])
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from mixprec.nested import shard_local
 from mixprec.optim.footprint import nbytes
 from mixprec.optim.scratch import FlatViews
 
 __all__ = ["MasterGrads"]
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return shard_local(t) is not t
+
+
+def _like(local: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """``local`` (this rank's part) as a DTensor sharded as ``ref`` is (tensor parallelism), or
+    ``local`` itself where ``ref`` is a plain tensor."""
+    if not _is_dtensor(ref):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, ref.device_mesh, ref.placements, run_check=False,  # type: ignore[attr-defined]
+                              shape=ref.shape, stride=ref.stride())
+
+
+def _placed_as(g: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """``g`` placed as ``ref`` (a DTensor gradient whose placement differs from its parameter's,
+    e.g. a partial sum, is redistributed once: a collective over the mesh); else ``g``."""
+    if _is_dtensor(g) and _is_dtensor(ref):
+        dt: Any = g
+        if tuple(dt.placements) != tuple(ref.placements):  # type: ignore[attr-defined]
+            return dt.redistribute(ref.device_mesh, ref.placements)  # type: ignore[attr-defined,no-any-return]
+    return g
+
+
+def _foreach_copy_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """One foreach copy over this rank's parts (DTensors of tensor parallelism by their local
+    shards: DTensor has no rule for a list mixing them with plain tensors)."""
+    torch._foreach_copy_([shard_local(t) for t in dst], [shard_local(t) for t in src])
+
+
+def _foreach_add_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    torch._foreach_add_([shard_local(t) for t in dst], [shard_local(t) for t in src])
 
 
 @dataclass
@@ -85,6 +122,8 @@ class MasterGrads:
         acc_src: list[torch.Tensor] = []
         for i, (p, m) in enumerate(self.pairs):
             g, acc = p.grad, self._acc[i]
+            if g is not None:
+                g = _placed_as(g, m)
             self._acc[i] = None
             if g is None:
                 m.grad = acc
@@ -104,17 +143,28 @@ class MasterGrads:
                 m.grad = torch.empty_like(m, memory_format=torch.preserve_format)
                 dense_dst.append(m.grad)
                 dense_src.append(g)
-            read.append((g, acc is not None))
+            read.append((p.grad, acc is not None))
         if flat:  # the same views every step while the same masters have gradients: no per-parameter work
-            views = self._scratch.take(flat)
-            for m, view in zip(flat, views, strict=True):
-                m.grad = view
+            views = self._scratch.take([shard_local(m) for m in flat])  # (a DTensor master: its local shard)
+            for m, grad in zip(flat, self._wrapped(flat, views), strict=True):
+                m.grad = grad
             dense_dst, dense_src = [*views, *dense_dst], [*flat_src, *dense_src]
         if dense_dst:
-            torch._foreach_copy_(dense_dst, dense_src)
+            _foreach_copy_(dense_dst, dense_src)
         if acc_dst:
-            torch._foreach_add_(acc_dst, acc_src)
+            _foreach_add_(acc_dst, acc_src)
         self._gathered = [self._record(i, g, accumulated) for i, (g, accumulated) in enumerate(read)]
+
+    def _wrapped(self, masters: list[torch.nn.Parameter], views: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The scratch ``views`` as the masters' gradients: plain views as they are, and for DTensor
+        masters (tensor parallelism) DTensors over them, made once while the views stay."""
+        if not any(map(_is_dtensor, masters)):
+            return views
+        cached = getattr(self, "_wrappers", None)
+        if cached is None or len(cached[0]) != len(views) or any(a is not b for a, b in zip(cached[0], views, strict=True)):
+            cached = (list(views), [_like(v, m) for v, m in zip(views, masters, strict=True)])
+            self._wrappers = cached
+        return cached[1]
 
     def _record(self, i: int, grad: torch.Tensor | None, accumulated: bool) -> _Gathered:
         master_grad = self.pairs[i][1].grad
@@ -143,7 +193,7 @@ class MasterGrads:
                     "before prepare_grads() in the model's .grad, or after it in the optimizer's "
                     "param_groups (the fp32 masters); or call publish_grads() after changing the masters"
                 )
-            m.grad = None if g is None else g.to(torch.float32, copy=True)
+            m.grad = None if g is None else _placed_as(g, m).to(torch.float32, copy=True)
             gathered[i] = self._record(i, g, False)
 
     @torch.no_grad()
@@ -158,13 +208,14 @@ class MasterGrads:
         for p, m in self.pairs:
             if m.grad is None:
                 p.grad = None
-            elif m.grad.is_sparse or p.grad is None or p.grad.is_sparse or p.grad.shape != p.shape:
+            elif (m.grad.is_sparse or p.grad is None or p.grad.is_sparse or p.grad.shape != p.shape
+                  or shard_local(p.grad).shape != shard_local(m.grad).shape):
                 p.grad = m.grad.to(p.dtype)
             else:
                 dst.append(p.grad)
                 src.append(m.grad)
         if dst:
-            torch._foreach_copy_(dst, src)
+            _foreach_copy_(dst, src)
         for i, (p, _) in enumerate(self.pairs):
             gathered[i] = self._record(i, p.grad, False)
 
@@ -177,11 +228,12 @@ class MasterGrads:
                 "micro-batch first, then prepare_grads() / step() once at the accumulation boundary"
             )
         add_dst, add_src = [], []
-        for i, (p, _) in enumerate(self.pairs):
+        for i, (p, m) in enumerate(self.pairs):
             g = p.grad
             if g is None:
                 continue
             acc = self._acc[i]
+            g = _placed_as(g, m)
             if acc is None:
                 self._acc[i] = g.to(torch.float32, copy=True)
             elif g.is_sparse or acc.is_sparse:
@@ -191,7 +243,7 @@ class MasterGrads:
                 add_src.append(g)
             p.grad = None
         if add_dst:
-            torch._foreach_add_(add_dst, add_src)
+            _foreach_add_(add_dst, add_src)
 
     def release(self) -> None:
         """Free the masters' gradients and the accumulation buffers (after a step, on zero_grad)."""
@@ -202,7 +254,9 @@ class MasterGrads:
         self._gathered = None
 
     def __getstate__(self) -> dict[str, object]:
-        return {**self.__dict__, "_scratch": FlatViews(torch.float32)}  # (a copy makes its own views)
+        state = {**self.__dict__, "_scratch": FlatViews(torch.float32)}  # (a copy makes its own views)
+        state.pop("_wrappers", None)
+        return state
 
     def __setstate__(self, state: dict[str, object]) -> None:
         self.__dict__.update({"_scratch": FlatViews(torch.float32), **state})
