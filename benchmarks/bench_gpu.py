@@ -9,7 +9,11 @@ the same batch, by each variant in one process:
 - ``torch-autocast-fp16``: ``torch.autocast("cuda", dtype=torch.float16)`` with
   ``torch.amp.GradScaler("cuda")``;
 - every mixprec plan through :class:`mixprec.MixedPrecision` (``fp8-mixed`` only where the
-  GPU has native fp8 GEMMs, compute capability >= 8.9).
+  GPU has native fp8 GEMMs, compute capability >= 8.9);
+- ``<plan>+graph`` (asked for by name, e.g. ``bf16-mixed+graph``): the plan's whole step
+  (forward, backward, ``mp.step()``) captured in one CUDA graph
+  (:func:`mixprec.graphs.capture_step`, fused capturable AdamW) and replayed, against the
+  eager ``torch.autocast`` loop.
 
 Every variant uses the same optimizer (AdamW, fused by default). Step times are measured
 with CUDA events after warm-up steps; the median over all timed steps is reported, with
@@ -42,6 +46,7 @@ import shlex
 import statistics
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -52,6 +57,7 @@ from torch import nn
 from mixprec import MixedPrecision, get_plan
 from mixprec.cli.models import GPT, GPTConfig, TokenCrossEntropy
 from mixprec.fp8 import native_fp8_available
+from mixprec.graphs import capture_step
 from mixprec.plans import PLANS
 
 NO_CUDA_MESSAGE = "no CUDA device: nothing to benchmark"
@@ -91,8 +97,18 @@ class Result:
     error: str | None = None
 
 
+GRAPHED = "+graph"  # a plan's variant whose whole step is one CUDA graph (mixprec.graphs.capture_step)
+SPEED_TARGET_GRAPH = 1.15
+
+
+def plan_of(name: str) -> str:
+    """The plan a mixprec variant runs (``bf16-mixed+graph``: bf16-mixed)."""
+    return name[: -len(GRAPHED)] if name.endswith(GRAPHED) else name
+
+
 def low_dtype_of(name: str) -> torch.dtype | None:
     """The low-precision dtype a variant computes in (None for fp32 and tf32)."""
+    name = plan_of(name)
     if name == TORCH_BF16:
         return torch.bfloat16
     if name == TORCH_FP16:
@@ -158,7 +174,10 @@ def build_variant(name: str, config: GPTConfig, device: torch.device, args: argp
 
         return step
 
-    mp = MixedPrecision(name)
+    graphed = name.endswith(GRAPHED)
+    if graphed:  # a capturable optimizer; the explainer's hooks cannot run in a replay
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True, capturable=True)
+    mp = MixedPrecision(plan_of(name), explain_overflow=not graphed)
     prepared, wrapped, crit = mp.prepare(model, opt, criterion=criterion)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -168,7 +187,20 @@ def build_variant(name: str, config: GPTConfig, device: torch.device, args: argp
         mp.step()
         return loss.detach()
 
-    return step
+    if not graphed:
+        return step
+    captured: list[Any] = []
+
+    def replay(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if not captured:  # the first call (a warm-up step): three eager steps, then the capture
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*capturable=True.*")
+                captured.append(capture_step(mp, step, x, y))
+        else:
+            captured[0].replay(x, y)
+        return captured[0].outputs  # type: ignore[no-any-return]
+
+    return replay
 
 
 class _Timer:
@@ -239,7 +271,8 @@ def run(args: argparse.Namespace, device: torch.device) -> tuple[list[Result], d
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, config.vocab_size, (batch_size, seq + 1), generator=gen)
     batch = (tokens[:, :-1].to(device), tokens[:, 1:].to(device))
-    names = [n if n in BASELINES else get_plan(n).name for n in (args.plans or default_variants(device))]
+    names = [n if n in BASELINES else get_plan(plan_of(n)).name + n[len(plan_of(n)):]
+             for n in (args.plans or default_variants(device))]
     names = list(dict.fromkeys(names))  # aliases ("bf16", "O2") name their canonical plan once
     results = {name: Result(name) for name in names}
     for r in range(args.rounds):
@@ -325,7 +358,10 @@ def _verdict(value: float | None, ok: Callable[[float], bool]) -> str:
 
 def _target(res: Result) -> str:
     parts = []
-    if res.name == "fp8-mixed":
+    if res.name.endswith(GRAPHED):
+        verdict = _verdict(res.speed_vs_autocast, lambda v: v >= SPEED_TARGET_GRAPH)
+        parts.append(f"speed >= {SPEED_TARGET_GRAPH:.2f}x (one CUDA graph): {verdict}")
+    elif res.name == "fp8-mixed":
         verdict = _verdict(res.speed_vs_bf16_mixed, lambda v: v >= SPEED_TARGET_FP8)
         parts.append(f"speed >= {SPEED_TARGET_FP8:.2f}x bf16-mixed: {verdict}")
     elif res.name not in BASELINES and low_dtype_of(res.name) is not None:
@@ -378,7 +414,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="gpt2-124m", choices=[c for c in CONFIGS if c != "quick"])
     parser.add_argument("--quick", action="store_true", help="a tiny GPT (2 layers, 128 wide): a smoke run")
-    parser.add_argument("--plans", nargs="+", default=None, help=f"variants (default: {', '.join(BASELINES)} and every plan)")
+    parser.add_argument("--plans", nargs="+", default=None, help=f"variants (default: {', '.join(BASELINES)} and every plan; a plan{GRAPHED}, e.g. "
+                        f"bf16-mixed{GRAPHED}: its whole step captured in one CUDA graph)")
     parser.add_argument("--batch", type=int, default=None, help="sequences per step (default: 8; 4 with --quick)")
     parser.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: the model's seq_len)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per variant and round (default: 3)")
@@ -396,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.plans or ():
         if name not in BASELINES:
             try:
-                get_plan(name)
+                get_plan(plan_of(name))
             except ValueError as err:
                 parser.error(f"--plans: {err}")
     device = torch.device(args.device)

@@ -31,6 +31,9 @@ part cuda_tier 150 "$PY" -m pytest -q -m cuda tests/cuda -x -p no:cacheprovider 
 # #43/#45: whole training steps of GPT-124M against torch's loop (eager, fused AdamW)
 part bench_gpu 150 "$PY" benchmarks/bench_gpu.py --rounds 2 --repeats 8 --warmup 3 --json "$OUT/bench_gpu.json" \
     --plans torch-autocast-bf16 torch-autocast-fp16 bf16-mixed fp16-mixed bf16-master fp16-master bf16-pure bf16-kahan bf16-sr
+# #43: the whole safe step in one CUDA graph (mixprec.graphs.capture_step) against the eager torch loop, batch 8
+part bench_graph 90 "$PY" benchmarks/bench_gpu.py --rounds 2 --repeats 8 --warmup 3 --json "$OUT/bench_graph.json" \
+    --plans torch-autocast-bf16 torch-autocast-fp16 bf16-mixed+graph fp16-mixed+graph bf16-master+graph
 # #45: the optimizer step alone against torch's fused AdamW
 part bench_optim 45 "$PY" benchmarks/bench_optim.py --device cuda --no-train --repeats 5
 # #44: the fp8 layer against bf16 by shape

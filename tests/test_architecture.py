@@ -38,7 +38,7 @@ LEVELS: list[tuple[str, tuple[str, ...]]] = [
     ("composable", ("mixprec.composable",)),
     ("stepping", ("mixprec.stepping",)),
     ("session", ("mixprec.session",)),
-    ("diagnostics", ("mixprec.diagnostics",)),
+    ("diagnostics", ("mixprec.diagnostics", "mixprec.graphs")),
     ("checkpoint", ("mixprec.checkpoint",)),
     ("package", ("mixprec",)),
     ("applications", ("mixprec.integrations", "mixprec.cli")),

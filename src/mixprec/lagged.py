@@ -48,7 +48,12 @@ class HostCopy:
         flat = values.detach().reshape(-1)
         self._event: torch.cuda.Event | None = None
         self._values: list[float] | None = None
-        if flat.device.type == "cuda":
+        if flat.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # a step being captured in a CUDA graph (mixprec.graphs): nothing runs now, so there is
+            # nothing to copy; every replay copies its own outcome after it ran
+            host = torch.full(flat.shape, float("nan"), dtype=flat.dtype)
+            self._values = [float("nan")] * flat.numel()
+        elif flat.device.type == "cuda":
             host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
             host.copy_(flat, non_blocking=True)
             self._event = torch.cuda.Event()

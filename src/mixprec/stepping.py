@@ -181,6 +181,20 @@ class StepRunner(ComposableSteps):
             self._clear_grads()
         return lagged.result  # type: ignore[no-any-return]
 
+    def _replayed(self, decision: Decision) -> StepResult:
+        """A CUDA graph replayed the step captured with ``decision`` (:mod:`mixprec.graphs`): its
+        device tensors now hold this replay's outcome. Copy it to the host as an eager step does
+        and leave the bookkeeping to the next step (or replay), one step late."""
+        replay = copy.copy(decision)
+        replay.host = None
+        lagged = _Lagged(replay, HostCopy(decision.outcome), self._step_serial)  # type: ignore[arg-type]
+        lagged.result = StepResult.lazy(lambda: self._settle(lagged))
+        self._lagged = lagged
+        self.last_result = lagged.result
+        self._phases.finished(stepped=None)
+        self._step_serial += 1
+        return lagged.result
+
     def settle_outcome(self, *, check: bool = False) -> None:
         """Run the host bookkeeping of the last decided step now, if it has not run: count it,
         advance the LR scheduler (real steps only), let the overflow explainer see it. It reads
