@@ -34,6 +34,8 @@ part bench_gpu 150 "$PY" benchmarks/bench_gpu.py --rounds 2 --repeats 8 --warmup
 # #43: the whole safe step in one CUDA graph (mixprec.graphs.capture_step) against the eager torch loop, batch 8
 part bench_graph 90 "$PY" benchmarks/bench_gpu.py --rounds 2 --repeats 8 --warmup 3 --json "$OUT/bench_graph.json" \
     --plans torch-autocast-bf16 torch-autocast-fp16 bf16-mixed+graph fp16-mixed+graph bf16-master+graph
+# #43: what holds the mixed plans' extra peak memory (the allocator's trace at the step's peak, by allocation site)
+part memory 60 "$PY" benchmarks/gpu_memory.py --plans torch-autocast-bf16 bf16-mixed --json "$OUT/memory.json"
 # #45: the optimizer step alone against torch's fused AdamW
 part bench_optim 45 "$PY" benchmarks/bench_optim.py --device cuda --no-train --repeats 5
 # #44: the fp8 layer against bf16 by shape
