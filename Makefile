@@ -12,7 +12,7 @@ STAMP_MIN := $(VENV_MIN)/.mixprec-installed
 
 $(STAMP): pyproject.toml constraints-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints-dev.txt -e '.[cli,dev,docs,transformers,accelerate,lightning,peft,bench]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints-dev.txt -e '.[cli,dev,docs,transformers,accelerate,lightning,peft,bench,triton]'
 	touch $(STAMP)
 
 setup: $(STAMP)

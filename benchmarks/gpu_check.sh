@@ -38,7 +38,11 @@ part bench_graph 90 "$PY" benchmarks/bench_gpu.py --rounds 2 --repeats 8 --warmu
 part memory 60 "$PY" benchmarks/gpu_memory.py --plans torch-autocast-bf16 bf16-mixed --json "$OUT/memory.json"
 # #45: the optimizer step alone against torch's fused AdamW
 part bench_optim 45 "$PY" benchmarks/bench_optim.py --device cuda --no-train --repeats 5
-# #44: the fp8 layer against bf16 by shape
-part fp8_shapes 45 "$PY" benchmarks/bench_fp8_shapes.py --widths 1024 2048 4096 8192 --tokens 8192 --repeats 10 \
-    --json "$OUT/fp8_shapes.json"
+# #44: the fp8 layer (the plan's default statistics, amaxes folded once per step) against bf16 by shape, with the
+# fused cast (the plan's default on this GPU) and the eager one: the acceptance shapes (M=8192, K=N=4096 and 8192)
+# first, then the sweep; GPU kernels per layer step from the profiler; the measured pay-off table of the fused
+# cast for this GPU kind ($OUT/payoff_table.json, for src/mixprec/fp8/payoff_<kind>.json)
+part fp8_shapes 120 "$PY" benchmarks/bench_fp8_shapes.py --shapes 8192,4096,4096 8192,8192,8192 \
+    --widths 1024 2048 16384 --tokens 8192 --casts auto eager --repeats 10 --warmup 3 \
+    --json "$OUT/fp8_shapes.json" --table "$OUT/payoff_table.json"
 echo "total: $SECONDS s" | tee -a "$SUMMARY"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib.util
 import math
 from collections.abc import Iterator
 
@@ -148,7 +149,8 @@ def test_native_linear_matches_emulated_linear_and_bf16(recipe) -> None:
             y = layer(xi)
             y.backward(g)
         results[name] = (y.detach(), xi.grad, layer.weight.grad.clone())
-    assert torch.equal(emulated.fp8_scale, native.fp8_scale)
+    assert torch.equal(emulated.fp8_scale, native.fp8_scale)  # the scales of the last iteration
+    native.fold_pending()  # the native layer's fused cast keeps its last amaxes pending until then
     assert torch.equal(emulated.fp8_amax_history, native.fp8_amax_history)
     for (e, nat), what in zip(zip(results["emulated"], results["native"], strict=True), ("forward", "grad_input", "grad_weight"), strict=True):
         assert sqnr_db(e, nat) >= 60.0, what
@@ -224,3 +226,138 @@ def test_fp8_layer_forward_and_backward_never_synchronise(recipe) -> None:
             y = layer(x)
             y.backward(g)
     assert torch.isfinite(layer.weight.grad).all()
+
+
+# --------------------------------------------------------------------------- the fused cast (#44)
+
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+
+
+def _cast_slots():
+    from mixprec.fp8.fused import CastSlots
+
+    return CastSlots(torch.full((), -1.0, device="cuda"), torch.zeros((), dtype=torch.bool, device="cuda"),
+                     torch.zeros(2, device="cuda"), torch.zeros(8, dtype=torch.int32, device="cuda"))
+
+
+@needs_triton
+@pytest.mark.parametrize(("exact", "fmt"), [(False, Format.E4M3), (False, Format.E5M2), (True, Format.E4M3)],
+                         ids=["cvt-e4m3", "cvt-e5m2", "integer-rounding-e4m3"])
+def test_triton_cast_on_the_gpu_equals_the_eager_quantiser(exact, fmt, monkeypatch) -> None:
+    """The compiled kernels, both roundings (the GPU's conversion instruction, the integer
+    arithmetic the interpreter checks on CPU): codes, transposed codes, 1/scale, amax and
+    statistics bit for bit; the column sums within fp32 rounding."""
+    from mixprec.fp8 import fused, quantize_with_stats
+
+    monkeypatch.setattr(fused, "EXACT", exact)
+    every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    every = every[torch.isfinite(every)].reshape(-1, 128).cuda()
+    wide = (torch.randn(1000, 3000, generator=gen(7)) * torch.logspace(-12, 6, 3000)).cuda()
+    launches = fused.LAUNCHES["fp8_cast"]
+    for x in (every, wide, wide.bfloat16(), wide[:, :500].t()):
+        for scale in (1.0, 0.37, 3.0e4):
+            s = torch.tensor(scale, device="cuda")
+            slots = _cast_slots()
+            data, data_t, inv, _, sums = fused.fused_cast(x, s, fmt, slots, cols=True, stats=True, dbias=True,
+                                                          backend="triton")
+            q, stats = quantize_with_stats(x, s, fmt)
+            assert torch.equal(data.view(torch.uint8), q.data.view(torch.uint8)), (x.shape, x.dtype, scale)
+            assert torch.equal(data_t.view(torch.uint8), q.data.view(torch.uint8).t())
+            assert torch.equal(inv, q.inv_scale) and torch.equal(slots.stats, stats)
+            assert torch.equal(slots.pending, x.float().abs().amax())
+            assert not slots.scratch.any()
+            ref = x.double().sum(0)
+            assert ((sums.double() - ref).abs() <= 1e-5 * x.double().abs().sum(0) + 1e-30).all()
+    assert fused.LAUNCHES["fp8_cast"] > launches  # the kernels ran, not the torch implementation
+
+
+@needs_fp8
+@needs_triton
+@pytest.mark.parametrize(("recipe", "autocast"), [(DelayedScaling(amax_history_len=4), True), (CurrentScaling(), False)],
+                         ids=["delayed-bf16-autocast", "current-fp32"])
+def test_fused_native_linear_equals_the_eager_native_one(recipe, autocast) -> None:
+    """The same fp8 GEMMs on the same codes (the fused cast's transposes are the bytes the
+    eager path copies into column-major): outputs and input and weight gradients bit for
+    bit, the bias gradient within fp32 rounding, the same histories."""
+    torch.manual_seed(0)
+    eager = Fp8Linear(256, 128, recipe=recipe, cast="eager", emulate=False).cuda()
+    fused_layer = copy.deepcopy(eager)
+    fused_layer.cast = "triton"
+    for it in range(3):
+        x = (torch.randn(128, 256, generator=gen(20 + it)) * 4.0**it).cuda()
+        g = (torch.randn(128, 128, generator=gen(30 + it)) * 1e-3).cuda()
+        out = []
+        for layer in (eager, fused_layer):
+            layer.zero_grad()
+            xi = x.clone().requires_grad_()
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+                y = layer(xi)
+            y.backward(g.to(y.dtype))
+            out.append((y.detach(), xi.grad, layer.weight.grad.clone(), layer.bias.grad.clone()))
+        (ye, gxe, gwe, gbe), (yf, gxf, gwf, gbf) = out
+        assert torch.equal(ye, yf) and torch.equal(gxe, gxf) and torch.equal(gwe, gwf), it
+        torch.testing.assert_close(gbf, gbe, rtol=1e-5, atol=1e-6)
+    fused_layer.fold_pending()
+    assert torch.equal(eager.fp8_amax_history, fused_layer.fp8_amax_history)
+
+
+def _cuda_kernels(fn) -> list[str]:
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+@needs_fp8
+@needs_triton
+def test_a_fused_layer_step_is_three_casts_three_gemms_and_one_update_for_all_layers() -> None:
+    """Steady state, delayed scaling: per layer forward + backward three cast kernels (no amax
+    pass), three _scaled_mm calls, and no copy of a transposed fp8 operand; the per-step
+    update of all layers launches as many kernels for eight layers as for two."""
+    from mixprec.fp8 import update_scales
+
+    def model(layers: int) -> torch.nn.Sequential:
+        return torch.nn.Sequential(*(Fp8Linear(256, 256, cast="triton", scale_update="step") for _ in range(layers))).cuda()
+
+    one = model(1)
+    x = torch.randn(256, 256, device="cuda", requires_grad=True)
+
+    def step(m: torch.nn.Module) -> None:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = m(x)
+        y.backward(torch.ones_like(y))
+        update_scales(m)
+
+    for _ in range(3):
+        step(one)
+    calls: list[str] = []
+    real = torch._scaled_mm
+
+    def counting(*args, **kwargs):
+        calls.append("mm")
+        return real(*args, **kwargs)
+
+    names = _cuda_kernels(lambda: step(one))
+    casts = sum("_cast_kernel" in n for n in names)
+    amaxes = sum("_amax_kernel" in n for n in names)
+    copies = [n for n in names if "copy" in n.lower() and "float8" in n.lower()]
+    assert casts == 3 and amaxes == 0 and not copies, (casts, amaxes, len(names), names)
+    torch._scaled_mm = counting
+    try:
+        step(one)
+    finally:
+        torch._scaled_mm = real
+    assert len(calls) == 3
+
+    counts = {}
+    for layers in (2, 8):
+        m = model(layers)
+        for _ in range(2):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                y = m(x)
+            y.backward(torch.ones_like(y))
+        counts[layers] = len(_cuda_kernels(lambda m=m: update_scales(m)))
+    assert counts[2] == counts[8], counts

@@ -21,7 +21,15 @@ from mixprec.fp8.convert import (
 )
 from mixprec.fp8.formats import TENSOR_KINDS, Fp8Format
 from mixprec.fp8.gemm import cpu_bf16_gemm_available, native_fp8_available, scaled_mm
-from mixprec.fp8.linear import Fp8Linear, Fp8TensorState
+from mixprec.fp8.linear import CASTS, Fp8Linear, Fp8TensorState, update_scales
+from mixprec.fp8.payoff import (
+    ModelPayoff,
+    PayoffRow,
+    PayoffTable,
+    Prediction,
+    model_payoff,
+    table_for,
+)
 from mixprec.fp8.quantize import Quantized, quantize, quantize_with_stats
 from mixprec.fp8.recipe import CurrentScaling, DelayedScaling, Fp8Recipe
 from mixprec.fp8.scaling import (
@@ -36,6 +44,7 @@ from mixprec.fp8.scaling import (
 
 __all__ = [
     "AMAX_COMPUTE_ALGOS",
+    "CASTS",
     "FP32_MAX",
     "MAX_MARGIN",
     "MIN_SCALE",
@@ -46,6 +55,10 @@ __all__ = [
     "Fp8Linear",
     "Fp8Recipe",
     "Fp8TensorState",
+    "ModelPayoff",
+    "PayoffRow",
+    "PayoffTable",
+    "Prediction",
     "Quantized",
     "all_reduce_amax",
     "compute_scale",
@@ -54,6 +67,7 @@ __all__ = [
     "default_module_filter",
     "fp8_layers",
     "history_amax",
+    "model_payoff",
     "native_fp8_available",
     "nonfinite_flag",
     "quantize",
@@ -62,4 +76,6 @@ __all__ = [
     "reset_nonfinite",
     "scaled_mm",
     "stats",
+    "table_for",
+    "update_scales",
 ]

@@ -20,7 +20,7 @@ from torch import nn
 
 from mixprec.fp8.formats import TENSOR_KINDS
 from mixprec.fp8.gemm import native_fp8_available
-from mixprec.fp8.linear import Fp8Linear
+from mixprec.fp8.linear import Fp8Linear, check_cast
 from mixprec.fp8.recipe import DelayedScaling, Fp8Recipe
 
 __all__ = [
@@ -65,6 +65,8 @@ def convert_to_fp8(
     emulate: bool | None = None,
     *,
     track_stats: bool = True,
+    cast: str = "auto",
+    scale_update: str = "layer",
 ) -> nn.Module:
     """Swap eligible ``nn.Linear`` layers of ``model`` for :class:`Fp8Linear`, in place.
 
@@ -85,6 +87,9 @@ def convert_to_fp8(
             emulate. False: native only; an error here if this machine has no fp8 GEMM.
         track_stats: record saturation / underflow diagnostics at every training iteration
             (see :func:`stats`); False saves a few elementwise passes per tensor.
+        cast, scale_update: the quantiser of the new layers and who folds a fused cast's
+            amaxes (see :class:`Fp8Linear`; with ``scale_update="step"`` call
+            :func:`~mixprec.fp8.update_scales` once per step).
 
     >>> import torch
     >>> m = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 16))
@@ -113,6 +118,7 @@ def convert_to_fp8(
         raise TypeError(f"convert_to_fp8(emulate={emulate!r}): expected None (automatic), True or False")
     if not isinstance(track_stats, bool):
         raise TypeError(f"convert_to_fp8(track_stats={track_stats!r}): expected True or False")
+    check_cast(cast, scale_update, "convert_to_fp8")
     if emulate is False and not native_fp8_available():
         raise RuntimeError(
             "convert_to_fp8(emulate=False) needs native fp8 GEMMs (torch._scaled_mm on a CUDA GPU "
@@ -126,7 +132,7 @@ def convert_to_fp8(
             continue
         if module_filter is not None and not module_filter(name, module):
             continue
-        replaced[id(module)] = Fp8Linear.from_linear(module, recipe, emulate, track_stats)
+        replaced[id(module)] = Fp8Linear.from_linear(module, recipe, emulate, track_stats, cast, scale_update)
     if id(model) in replaced:
         return replaced[id(model)]
     # Walk every parent (shared layers may have several) and swap the registered children.
@@ -175,7 +181,8 @@ def all_reduce_amax(model: nn.Module, group: object = None) -> None:
     """MAX all-reduce the latest amax of every fp8 layer across ranks (one collective).
 
     Call it between iterations (after backward, before the next forward), so that every
-    rank computes the same next scales from the same history. A no-op when
+    rank computes the same next scales from the same history: with a fused cast, before
+    :func:`~mixprec.fp8.update_scales` (the pending amaxes are reduced). A no-op when
     torch.distributed is not initialised or the group has a single rank.
     """
     if not torch.distributed.is_available() or not torch.distributed.is_initialized():
@@ -185,11 +192,13 @@ def all_reduce_amax(model: nn.Module, group: object = None) -> None:
     layers = list(fp8_layers(model).values())
     if not layers:
         return
-    latest = torch.cat([layer.fp8_amax_history[:, 0] for layer in layers])
+    # A fused cast's amaxes still wait in fp8_pending (reduced before update_scales folds
+    # them); an eager layer's are entry 0 of its history.
+    slots = [layer.fp8_pending if layer._pending else layer.fp8_amax_history[:, 0] for layer in layers]
+    latest = torch.cat(slots)
     torch.distributed.all_reduce(latest, op=torch.distributed.ReduceOp.MAX, group=group)  # type: ignore[arg-type]
     with torch.no_grad():
-        for layer, reduced in zip(layers, latest.split(len(TENSOR_KINDS)), strict=True):
-            layer.fp8_amax_history[:, 0] = reduced
+        torch._foreach_copy_(slots, list(latest.split(len(TENSOR_KINDS))))
 
 
 def stats(model: nn.Module) -> dict[str, dict[str, dict[str, float]]]:
@@ -203,6 +212,8 @@ def stats(model: nn.Module) -> dict[str, dict[str, dict[str, float]]]:
     layers = fp8_layers(model)
     if not layers:
         return {}
+    for layer in layers.values():
+        layer.fold_pending()  # a fused cast's latest amaxes into the histories first
     rows = torch.stack(
         [
             torch.stack(

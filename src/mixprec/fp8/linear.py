@@ -21,6 +21,15 @@ mode the layer also sets its ``fp8_nonfinite`` flag (a 0-dim bool buffer on the 
 host sync; see :func:`mixprec.fp8.nonfinite_flag`), records 0 instead of the non-finite
 amax, and keeps its previous scale.
 
+The quantiser is chosen by ``cast`` (see :class:`Fp8Linear`): ``"eager"`` (the exact
+quantiser, one op at a time), or a fused cast (:mod:`mixprec.fp8.fused`: one kernel per
+tensor per pass writes the fp8 codes, their transpose and the amax). With a fused cast a
+training pass folds each tensor's amax into a *pending* amax (``fp8_pending``, not
+checkpointed) instead of the history; :func:`update_scales` turns the pending amaxes of
+all layers into history entries and next scales at once (the fp8-mixed plan calls it once
+per step). A layer whose pending amaxes nobody folded folds its own at its next forward,
+which gives the eager quantiser's numbers exactly.
+
 >>> import torch
 >>> from mixprec.fp8 import DelayedScaling, Fp8Linear
 >>> layer = Fp8Linear(16, 32, recipe=DelayedScaling(amax_history_len=4))
@@ -43,15 +52,27 @@ from torch import nn
 
 from mixprec.dtypes import Format
 from mixprec.fp8.formats import TENSOR_KINDS
+from mixprec.fp8.fused import FUSED_CASTS, CastSlots, fused_cast, fused_scale, triton_available
 from mixprec.fp8.gemm import native_fp8_available, scaled_mm
 from mixprec.fp8.quantize import Quantized, fused_quantize, quantize, quantize_with_stats
-from mixprec.fp8.recipe import DelayedScaling, Fp8Recipe
-from mixprec.fp8.scaling import record_amax
+from mixprec.fp8.recipe import CurrentScaling, DelayedScaling, Fp8Recipe
+from mixprec.fp8.scaling import FP32_MAX, MIN_SCALE, history_amax, record_amax
 
-__all__ = ["Fp8Linear", "Fp8TensorState"]
+__all__ = ["CASTS", "SCALE_UPDATES", "Fp8Linear", "Fp8TensorState", "update_scales"]
 
 _INPUT, _WEIGHT, _GRAD = range(3)
 _PERSISTENT_STATE = ("fp8_scale", "fp8_amax_history")
+
+#: What ``Fp8Linear(cast=...)`` takes: "auto" (a fused cast where the native fp8 GEMM runs,
+#: "triton" where Triton is installed, else "compile"; "eager" elsewhere), "eager" (the
+#: unfused quantiser), or one of the fused casts of :data:`mixprec.fp8.fused.FUSED_CASTS`.
+CASTS: tuple[str, ...] = ("auto", "eager", *FUSED_CASTS)
+
+#: What ``Fp8Linear(scale_update=...)`` takes: "layer" (a fused layer folds its pending
+#: amaxes itself at its next forward: the eager quantiser's numbers) or "step" (the owner
+#: calls :func:`update_scales` once per step for all layers; micro-batches of one step
+#: share the step's scales and their amaxes are reduced, TransformerEngine's convention).
+SCALE_UPDATES: tuple[str, ...] = ("layer", "step")
 
 
 @dataclass(frozen=True)
@@ -145,6 +166,76 @@ class _Fp8LinearFunction(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None, None, None
 
 
+class _Fp8FusedLinearFunction(torch.autograd.Function):
+    """The fp8 linear layer with one fused cast per tensor per pass (:mod:`mixprec.fp8.fused`).
+
+    Natively, each cast also writes the transposed codes the backward GEMMs take (the
+    column-major operands of ``_scaled_mm``: no ``contiguous()`` copies) and the output
+    gradient's cast writes the bias gradient. Emulated, the GEMMs take the same views as the
+    eager function (so the numbers equal it bit for bit) and the bias gradient is the same sum.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        layer: Fp8Linear,
+        out_dtype: torch.dtype,
+        native: bool,
+        update: bool,
+        backend: str,
+    ) -> torch.Tensor:
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        with _no_autocast(x.device.type):
+            x2 = x.reshape(x.shape[:-1].numel(), x.shape[-1])  # (not -1: a dimension may be 0)
+            lowered = native and bias is not None and out_dtype == torch.bfloat16
+            xd, xt, x_inv, _, _ = layer._fused(_INPUT, x2, update, backend, cols=native and need_w)
+            wd, wt, w_inv, bias_low, _ = layer._fused(
+                _WEIGHT, weight, update, backend, cols=native and need_x, bias=bias if lowered else None
+            )
+            assert xd is not None and wd is not None
+            out = scaled_mm(xd, wd.t(), x_inv, w_inv, out_dtype, bias_low if lowered else bias, native=native)
+        if native:  # the transposed codes, row-major: the backward GEMMs' column-major operands
+            ctx.save_for_backward(xt, x_inv, wt, w_inv)
+        else:
+            ctx.save_for_backward(xd if need_w else None, x_inv, wd, w_inv)
+        ctx.layer, ctx.native, ctx.update, ctx.backend = layer, native, update, backend
+        ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
+        ctx.b_dtype = None if bias is None else bias.dtype
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x_saved, x_inv, w_saved, w_inv = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        native = ctx.native
+        grad_x = grad_w = grad_b = column_sums = None
+        with _no_autocast(grad_out.device.type):
+            g2 = grad_out.reshape(grad_out.shape[:-1].numel(), grad_out.shape[-1])
+            if need_x or need_w:  # (a fused call has tokens: an empty input takes the eager function)
+                gd, gt, g_inv, _, column_sums = ctx.layer._fused(
+                    _GRAD, g2, ctx.update, ctx.backend,
+                    rows=need_x or not native, cols=native and need_w, dbias=native and need_b,
+                )
+                if need_x:
+                    b = w_saved.t() if native else w_saved  # (out, in) as a column-major (out, in) operand
+                    grad_x = scaled_mm(gd, b, g_inv, w_inv, ctx.x_dtype, native=native)
+                    grad_x = grad_x.reshape(*grad_out.shape[:-1], grad_x.shape[-1])
+                if need_w:
+                    if native:
+                        grad_w = scaled_mm(gt, x_saved.t(), g_inv, x_inv, ctx.w_dtype, native=True)
+                    else:
+                        grad_w = scaled_mm(gd.t(), x_saved, g_inv, x_inv, ctx.w_dtype, native=False)
+            if need_b:
+                if column_sums is not None:
+                    grad_b = column_sums.to(ctx.b_dtype)
+                else:
+                    grad_b = g2.sum(0, dtype=torch.float32).to(ctx.b_dtype)  # fp32 sum, no fp32 copy
+        return grad_x, grad_w, grad_b, None, None, None, None, None
+
+
 class Fp8Linear(nn.Linear):
     """``nn.Linear`` computed with fp8 GEMMs (native on CUDA fp8 hardware, emulated elsewhere).
 
@@ -159,12 +250,25 @@ class Fp8Linear(nn.Linear):
         track_stats: record saturation and underflow fractions at every training
             iteration (a few extra elementwise passes per quantised tensor; False skips
             them and leaves the diagnostics at zero).
+        cast: how tensors are quantised, one of :data:`CASTS`. ``"auto"`` (default): a
+            fused cast where the native fp8 GEMM runs (``"triton"`` where Triton is
+            installed, else ``"compile"``), the eager quantiser elsewhere (the CPU
+            emulation keeps its exact, compiled quantiser). ``"eager"``: the unfused
+            quantiser. ``"triton"`` / ``"compile"``: the fused cast of
+            :mod:`mixprec.fp8.fused` (on CPU through Triton's interpreter, or torch ops
+            compiled, for checking: both give the eager numbers bit for bit).
+        scale_update: with a fused cast, who folds the pending amaxes into the history
+            (:data:`SCALE_UPDATES`): ``"layer"`` (default; at the layer's next forward) or
+            ``"step"`` (:func:`update_scales`, once per step for all layers; the fp8-mixed
+            plan does this).
     """
 
     fp8_scale: torch.Tensor
     fp8_amax_history: torch.Tensor
     fp8_stats: torch.Tensor
     fp8_nonfinite: torch.Tensor
+    fp8_pending: torch.Tensor
+    fp8_scratch: torch.Tensor
 
     def __init__(
         self,
@@ -177,7 +281,10 @@ class Fp8Linear(nn.Linear):
         recipe: Fp8Recipe | None = None,
         emulate: bool | None = None,
         track_stats: bool = True,
+        cast: str = "auto",
+        scale_update: str = "layer",
     ) -> None:
+        check_cast(cast, scale_update, "Fp8Linear")
         if recipe is not None and not isinstance(recipe, Fp8Recipe):
             raise TypeError(
                 f"Fp8Linear(recipe={recipe!r}): expected a mixprec.fp8.DelayedScaling or "
@@ -191,6 +298,8 @@ class Fp8Linear(nn.Linear):
         self.recipe = DelayedScaling() if recipe is None else recipe
         self.emulate = emulate
         self.track_stats = track_stats
+        self.cast = cast
+        self.scale_update = scale_update
         fmt = self.recipe.fp8_format
         self._formats = tuple(fmt.for_kind(kind) for kind in TENSOR_KINDS)
         self._register_fp8_buffers(device)
@@ -205,6 +314,21 @@ class Fp8Linear(nn.Linear):
         self.register_buffer("fp8_stats", torch.zeros(n, 2, dtype=torch.float32, device=device), persistent=False)
         # Set when an amax was inf/NaN since the last reset_nonfinite(); not checkpointed.
         self.register_buffer("fp8_nonfinite", torch.zeros((), dtype=torch.bool, device=device), persistent=False)
+        # The fused cast's: the largest amax per kind since the last fold (update_scales; -1:
+        # none, that kind's history does not move), and its kernels' counters (zero between
+        # calls); not checkpointed.
+        self.register_buffer("fp8_pending", torch.full((n,), -1.0, dtype=torch.float32, device=device), persistent=False)
+        self.register_buffer("fp8_scratch", torch.zeros(n, 8, dtype=torch.int32, device=device), persistent=False)
+        self._fresh_fused_state()
+
+    def _fresh_fused_state(self) -> None:
+        """Host flags of the fused cast: ``_pending`` (amaxes wait in ``fp8_pending``),
+        ``_stale`` (``fp8_scale`` must be recomputed from the history before a fused cast
+        uses it) and ``_maybe_empty`` (the history may hold no amax yet: ``amax_init``
+        scales from the tensor's own amax, one extra pass)."""
+        self._pending = False
+        self._stale = True
+        self._maybe_empty = True
 
     @classmethod
     def from_linear(
@@ -213,6 +337,8 @@ class Fp8Linear(nn.Linear):
         recipe: Fp8Recipe | None = None,
         emulate: bool | None = None,
         track_stats: bool = True,
+        cast: str = "auto",
+        scale_update: str = "layer",
     ) -> Fp8Linear:
         """An ``Fp8Linear`` sharing ``linear``'s weight and bias Parameters (same objects).
 
@@ -230,6 +356,8 @@ class Fp8Linear(nn.Linear):
             recipe=recipe,
             emulate=emulate,
             track_stats=track_stats,
+            cast=cast,
+            scale_update=scale_update,
         )
         new.weight = linear.weight
         new.bias = linear.bias
@@ -279,15 +407,94 @@ class Fp8Linear(nn.Linear):
                 self.fp8_nonfinite.logical_or_(~finite)
                 self.fp8_scale[kind] = scale
                 record_amax(history, amax)  # a non-finite amax is recorded as 0
+                self._stale = True  # (a fused cast later recomputes the next scale from the history)
         return q, wide_t
+
+    def _resolve_cast(self, native: bool, device: torch.device) -> str:
+        """The cast this call runs: ``cast``, with "auto" resolved for ``device``."""
+        if self.cast != "auto":
+            return self.cast
+        if not native:
+            return "eager"
+        return "triton" if triton_available(device) else "compile"
+
+    def _fused(
+        self,
+        kind: int,
+        t: torch.Tensor,
+        update: bool,
+        backend: str,
+        *,
+        rows: bool = True,
+        cols: bool = False,
+        bias: torch.Tensor | None = None,
+        dbias: bool = False,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """One tensor kind through the fused cast (:func:`mixprec.fp8.fused.fused_cast`).
+
+        Delayed scaling reads the scale that :func:`update_scales` left (a second pass, the
+        amax, only while the history may be empty and ``amax_init`` asks for the tensor's own
+        amax); current scaling computes it from one amax pass. In training the amax goes to
+        the pending amax, the non-finite flag and the statistics.
+        """
+        fmt = self._formats[kind]
+        slots = CastSlots(self.fp8_pending[kind], self.fp8_nonfinite, self.fp8_stats[kind], self.fp8_scratch[kind])
+        with torch.no_grad():
+            t = t.detach()
+            stored = self.fp8_scale[kind]
+            margin = self.recipe.margin
+            fallback = self.cast == "auto"  # (a failing Triton kernel: the torch implementation, one warning)
+            if isinstance(self.recipe, CurrentScaling):
+                scale = fused_scale(t, stored, fmt, margin, slots, backend=backend, fallback=fallback)
+                if update:
+                    stored.copy_(scale)
+            elif self._maybe_empty and isinstance(self.recipe, DelayedScaling) and self.recipe.amax_init:
+                own = fused_scale(t, stored, fmt, margin, slots, backend=backend, fallback=fallback)
+                scale = torch.where((self.fp8_amax_history[kind] == 0).all(), own, stored)
+                if update:
+                    stored.copy_(scale)
+            else:
+                scale = stored
+            result = fused_cast(
+                t, scale, fmt, slots, rows=rows, cols=cols, update=update,
+                stats=update and self.track_stats, bias=bias, dbias=dbias, backend=backend, fallback=fallback,
+            )
+        if update:
+            self._pending = True
+        return result
+
+    def _prepare_fused(self) -> None:
+        """Before a fused forward: fold the pending amaxes (unless the step owner folds them)
+        and recompute a stale scale, for this layer alone."""
+        if self._pending:
+            if self.scale_update == "step" and self.training:
+                return
+            _update([self], fold=True)
+        elif self._stale:
+            _update([self], fold=False)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         out_dtype = _compute_dtype(input)
         native = self._use_native(input)
-        out = _Fp8LinearFunction.apply(
-            input, self.weight, self.bias, self, out_dtype, native, self.training
-        )
+        backend = self._resolve_cast(native, input.device)
+        if backend == "eager" or input.dim() == 0 or self.weight.numel() == 0 or input.shape[:-1].numel() == 0:
+            if self._pending:  # (a switch from a fused cast: its amaxes first)
+                _update([self], fold=True)
+            out = _Fp8LinearFunction.apply(
+                input, self.weight, self.bias, self, out_dtype, native, self.training
+            )
+        else:
+            self._prepare_fused()
+            out = _Fp8FusedLinearFunction.apply(
+                input, self.weight, self.bias, self, out_dtype, native, self.training, backend
+            )
         return out  # type: ignore[no-any-return]
+
+    def fold_pending(self) -> None:
+        """Fold this layer's pending amaxes (a fused cast's) into its history now and compute
+        its next scales: what its next forward or :func:`update_scales` would do."""
+        if self._pending:
+            _update([self], fold=True)
 
     def fp8_state(self) -> dict[str, Fp8TensorState]:
         """Scales, amax histories and last-iteration diagnostics per tensor kind.
@@ -296,7 +503,10 @@ class Fp8Linear(nn.Linear):
         >>> layer = Fp8Linear(16, 16)
         >>> list(layer.fp8_state()), float(layer.fp8_state()["grad_output"].format.max)
         (['input', 'weight', 'grad_output'], 57344.0)
+
+        With a fused cast, pending amaxes are folded first (:meth:`fold_pending`).
         """
+        self.fold_pending()
         state = {}
         for i, kind in enumerate(TENSOR_KINDS):
             fmt = self._formats[i]
@@ -324,16 +534,23 @@ class Fp8Linear(nn.Linear):
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
+        # A fused cast recomputes its next scale from the loaded history (and drops what was pending).
+        self.fp8_pending.fill_(-1.0)
+        self._fresh_fused_state()
         # A checkpoint of the unconverted model (weight and bias only) loads: fp8 state starts fresh.
         for name in _PERSISTENT_STATE:
             key = prefix + name
             if key not in state_dict and key in missing_keys:
                 missing_keys.remove(key)
 
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        self.fold_pending()  # a checkpoint holds every amax seen (no pending one is lost)
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+
     def _apply(self, fn: Any, recurse: bool = True) -> Any:
         # ``.to(dtype)``, ``.half()`` and ``.bfloat16()`` move the fp8 state with the module
         # but keep it fp32: scales and amaxes rounded to bf16 would no longer be exact.
-        before = {name: self._buffers.get(name) for name in (*_PERSISTENT_STATE, "fp8_stats")}
+        before = {name: self._buffers.get(name) for name in (*_PERSISTENT_STATE, "fp8_stats", "fp8_pending")}
         result = super()._apply(fn, recurse)
         for name, old in before.items():
             new = self._buffers.get(name)
@@ -343,4 +560,98 @@ class Fp8Linear(nn.Linear):
 
     def extra_repr(self) -> str:
         mode = {None: "auto", True: "emulated", False: "native"}[self.emulate]
-        return f"{super().extra_repr()}, recipe={self.recipe!r}, gemm={mode}"
+        return f"{super().extra_repr()}, recipe={self.recipe!r}, gemm={mode}, cast={self.cast}"
+
+
+def check_cast(cast: object, scale_update: object, owner: str) -> None:
+    """TypeError / ValueError naming ``owner``'s bad ``cast`` or ``scale_update`` and what works."""
+    if not isinstance(cast, str) or cast not in CASTS:
+        raise (ValueError if isinstance(cast, str) else TypeError)(
+            f"{owner}(cast={cast!r}): expected one of {CASTS} ('auto': fused where the native fp8 GEMM "
+            "runs, 'eager' elsewhere)"
+        )
+    if not isinstance(scale_update, str) or scale_update not in SCALE_UPDATES:
+        raise (ValueError if isinstance(scale_update, str) else TypeError)(
+            f"{owner}(scale_update={scale_update!r}): expected 'layer' (each fused layer folds its amaxes "
+            "at its next forward) or 'step' (mixprec.fp8.update_scales once per step)"
+        )
+
+
+_NUMERATORS: dict[tuple[torch.device, tuple[float, ...]], torch.Tensor] = {}
+
+
+def _numerator(device: torch.device, values: tuple[float, ...]) -> torch.Tensor:
+    """``fmt_max / 2**margin`` per tensor kind on ``device``, made once (no copy to the device per step)."""
+    key = (device, values)
+    out = _NUMERATORS.get(key)
+    if out is None:
+        out = _NUMERATORS[key] = torch.tensor(values, dtype=torch.float32, device=device)
+    return out
+
+
+def _update(layers: list[Fp8Linear], *, fold: bool) -> None:
+    """Fold the pending amaxes of ``layers`` (all with the same recipe, on one device) into
+    their histories (``fold``) and compute their next scales (delayed scaling): a fixed
+    number of ops for all of them, on stacked copies of their buffers."""
+    recipe, device = layers[0].recipe, layers[0].fp8_scale.device
+    histories = [layer.fp8_amax_history for layer in layers]
+    scales = [layer.fp8_scale for layer in layers]
+    with torch.no_grad():
+        history = torch.stack(histories)  # (layers, kinds, history_len)
+        if fold:
+            pending = [layer.fp8_pending for layer in layers]
+            latest = torch.stack(pending)
+            seen = ~(latest < 0)  # a kind quantised since the last fold (NaN: seen, not finite)
+            latest = torch.where(torch.isfinite(latest), latest, torch.zeros_like(latest))  # as record_amax
+            rolled = torch.cat([latest.unsqueeze(-1), history[..., :-1]], dim=-1)
+            history = torch.where(seen.unsqueeze(-1), rolled, history)
+            torch._foreach_copy_(histories, list(history.unbind(0)))
+            torch._foreach_copy_(pending, list(torch.full_like(latest, -1.0).unbind(0)))
+        if isinstance(recipe, DelayedScaling):
+            reduced = history_amax(history, recipe.amax_compute_algo)  # (layers, kinds)
+            numerator = _numerator(device, tuple(f.max / 2.0**recipe.margin for f in layers[0]._formats))
+            prev = torch.stack(scales)
+            # compute_scale's arithmetic (one division, the clamps, the previous scale kept)
+            new = torch.clamp(numerator / reduced, min=MIN_SCALE, max=FP32_MAX)
+            new = torch.where(torch.isfinite(reduced) & (reduced > 0), new, prev)
+            torch._foreach_copy_(scales, list(new.unbind(0)))
+    for layer in layers:
+        layer._stale = False
+        if fold:
+            layer._pending = False
+            layer._maybe_empty = False
+
+
+def update_scales(model: nn.Module | list[Fp8Linear]) -> None:
+    """Fold every fp8 layer's pending amaxes into its history and compute its next scales, in
+    one call for all layers (a fixed number of ops per recipe and device, however many
+    layers): the per-step update of a fused cast (``Fp8Linear(cast=...)``). Layers without
+    pending amaxes (eager casts, or nothing run since the last call) are left alone, so a
+    second call in the same step changes nothing.
+
+    >>> import torch
+    >>> from mixprec.fp8 import DelayedScaling
+    >>> layer = Fp8Linear(16, 16, recipe=DelayedScaling(amax_history_len=4), cast="compile", scale_update="step")
+    >>> _ = layer(torch.ones(4, 16))
+    >>> float(layer.fp8_amax_history[0, 0]), float(layer.fp8_pending[0])
+    (0.0, 1.0)
+    >>> update_scales(layer)
+    >>> float(layer.fp8_amax_history[0, 0]), float(layer.fp8_scale[0]), float(layer.fp8_pending[0])
+    (1.0, 448.0, -1.0)
+    """
+    if isinstance(model, nn.Module):
+        layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    else:
+        layers = list(model)
+        bad = [layer for layer in layers if not isinstance(layer, Fp8Linear)]
+        if bad:
+            raise TypeError(
+                f"update_scales() takes a model or a list of Fp8Linear layers, got {type(bad[0]).__name__} "
+                f"{bad[0]!r} in the list; pass the model itself to update every fp8 layer in it"
+            )
+    groups: dict[tuple[Any, torch.device], list[Fp8Linear]] = {}
+    for layer in layers:
+        if layer._pending:
+            groups.setdefault((layer.recipe, layer.fp8_scale.device), []).append(layer)
+    for group in groups.values():
+        _update(group, fold=True)

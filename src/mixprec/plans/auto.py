@@ -9,9 +9,13 @@ what its flags say:
   range), then fp16 (with dynamic loss scaling: GPUs of compute capability 7.x);
 - otherwise fp32: on a CPU without bf16 instructions a bf16 plan trains several times
   slower (memory-bound users may still pick ``"bf16-kahan"`` by name);
-- fp8-mixed only on GPUs with native fp8 GEMMs, for a model whose ``nn.Linear`` layers
-  are at least :data:`FP8_MIN_WIDTH` wide for most of their weights (the width where
-  ``benchmarks/bench_fp8_shapes.py`` measured fp8 faster than bf16; None: nowhere yet).
+- fp8-mixed only on GPUs with native fp8 GEMMs: where the package holds a measured pay-off
+  table for the GPU kind (:mod:`mixprec.fp8.payoff`, written by
+  ``benchmarks/bench_fp8_shapes.py --table``), for a model whose Linear GEMM time is
+  predicted at least :data:`FP8_MIN_GAIN` times shorter with the layers that pay in fp8
+  (the plan's filter keeps the others in bf16) at :data:`FP8_TOKENS` tokens per step;
+  without a table, for a model whose ``nn.Linear`` layers are at least
+  :data:`FP8_MIN_WIDTH` wide for most of their weights (None: no width measured, never).
 
 The chosen plan is an ordinary plan (its name, not "auto", goes into checkpoints), and
 ``plan.explain()`` ends with why it was chosen:
@@ -35,7 +39,17 @@ import torch
 
 from mixprec.hardware import DeviceFacts
 
-__all__ = ["AUTO", "FP8_MIN_WIDTH", "MIN_SPEEDUP", "AutoChoice", "choose_plan", "fp8_share", "is_auto"]
+__all__ = [
+    "AUTO",
+    "FP8_MIN_GAIN",
+    "FP8_MIN_WIDTH",
+    "FP8_TOKENS",
+    "MIN_SPEEDUP",
+    "AutoChoice",
+    "choose_plan",
+    "fp8_share",
+    "is_auto",
+]
 
 AUTO = "auto"
 MIN_SPEEDUP = 1.2
@@ -46,6 +60,22 @@ FP8_MIN_WIDTH: int | None = None
 """The smallest ``min(in_features, out_features)`` at which mixprec's fp8 linear layer was
 measured faster than a bf16 one (``benchmarks/bench_fp8_shapes.py``); None: no width
 measured so (BENCHMARKS.md, "fp8 layer vs bf16 by width"), so "auto" never picks fp8."""
+
+
+FP8_MIN_GAIN = 1.1
+"""With a measured pay-off table: fp8-mixed is chosen when the model's Linear GEMM time is
+predicted at least this many times shorter (the layers that pay in fp8, the rest in bf16):
+below it the fp8 state, the per-step scale update and the risk of range trouble are not
+worth the gain."""
+FP8_TOKENS = 8192
+"""The tokens per step (rows of each Linear layer's input) the prediction assumes, as the
+fp8-mixed plan's ``tokens`` default."""
+
+
+def _gpu_kind(facts: DeviceFacts) -> str | None:
+    if facts.device_type != "cuda" or facts.cuda_capability is None:
+        return None
+    return f"sm{facts.cuda_capability[0]}{facts.cuda_capability[1]}"
 
 
 def is_auto(name: object) -> bool:
@@ -116,12 +146,41 @@ def _fp8_reason(facts: DeviceFacts, model: torch.nn.Module | None) -> tuple[str,
     """On GPUs with native fp8 GEMMs: the plan (fp8-mixed or still bf16-mixed) and why; else None."""
     if not facts.native_fp8:
         return None
+    from mixprec.fp8.payoff import model_payoff, table_of_kind
+
+    kind = _gpu_kind(facts)
+    table = None if kind is None else table_of_kind(kind)
+    if table is not None:
+        measured = f"the measured pay-off table of {table.kind} ({table.device}; {table.source})"
+        if model is None:
+            return (
+                "bf16-mixed",
+                f"fp8-mixed not chosen: no model given to predict its Linear layers' fp8 speedup from {measured}; "
+                "MixedPrecision('auto').prepare(model) decides with the model.",
+            )
+        payoff = model_payoff(model, table, FP8_TOKENS)
+        paying = sum(1 for p in payoff.predictions.values() if p.speedup >= 1.0)
+        detail = (
+            f"{paying} of {len(payoff.predictions)} eligible Linear layers, {payoff.share:.0%} of the Linear GEMM "
+            f"work at {FP8_TOKENS} tokens, are predicted to run faster in fp8, for a predicted {payoff.speedup:.2f}x "
+            f"of bf16 GEMM time over all Linear layers ({measured})"
+        )
+        if payoff.speedup < FP8_MIN_GAIN:
+            return (
+                "bf16-mixed",
+                f"fp8-mixed not chosen: {detail}, below the {FP8_MIN_GAIN}x that pays; name 'fp8-mixed' to use it "
+                "anyway (its filter keeps the layers that do not pay in bf16).",
+            )
+        return (
+            "fp8-mixed",
+            f"auto chose fp8-mixed over bf16-mixed: {detail}; the others stay bf16 (explain() lists them).",
+        )
     if FP8_MIN_WIDTH is None:
         return (
             "bf16-mixed",
             "fp8-mixed not chosen: this GPU has native fp8 GEMMs, but mixprec's fp8 linear layers have not "
-            "measured faster than bf16 ones at any width yet (benchmarks/bench_fp8_shapes.py, BENCHMARKS.md); "
-            "name 'fp8-mixed' to use them anyway.",
+            f"measured faster than bf16 ones here yet (no pay-off table for {kind or 'this GPU kind'}: "
+            "benchmarks/bench_fp8_shapes.py --table, BENCHMARKS.md); name 'fp8-mixed' to use them anyway.",
         )
     if model is None:
         return (
