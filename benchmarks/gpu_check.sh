@@ -28,9 +28,9 @@ part env 30 bash -c "nvidia-smi; $PY -c 'import torch, sys; print(sys.version); 
 part syncs 60 "$PY" benchmarks/gpu_syncs.py
 # #43/#44/#45: the CUDA tier on this torch (autocast tables derived from it, graphs, fp8, optimizers)
 part cuda_tier 150 "$PY" -m pytest -q -m cuda tests/cuda -x -p no:cacheprovider --junitxml="$OUT/cuda_tier.xml"
-# #43/#45: whole training steps of GPT-124M against torch's loop (eager, fused AdamW)
+# #43/#44/#45: whole training steps of GPT-124M against torch's loop (eager, fused AdamW); fp8-mixed against bf16-mixed
 part bench_gpu 150 "$PY" benchmarks/bench_gpu.py --rounds 2 --repeats 8 --warmup 3 --json "$OUT/bench_gpu.json" \
-    --plans torch-autocast-bf16 torch-autocast-fp16 bf16-mixed fp16-mixed bf16-master fp16-master bf16-pure bf16-kahan bf16-sr
+    --plans torch-autocast-bf16 torch-autocast-fp16 bf16-mixed fp16-mixed bf16-master fp16-master bf16-pure bf16-kahan bf16-sr fp8-mixed
 # #43: the whole safe step in one CUDA graph (mixprec.graphs.capture_step) against the eager torch loop, batch 8
 part bench_graph 90 "$PY" benchmarks/bench_gpu.py --rounds 2 --repeats 8 --warmup 3 --json "$OUT/bench_graph.json" \
     --plans torch-autocast-bf16 torch-autocast-fp16 bf16-mixed+graph fp16-mixed+graph bf16-master+graph
