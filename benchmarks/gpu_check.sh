@@ -45,4 +45,7 @@ part bench_optim 45 "$PY" benchmarks/bench_optim.py --device cuda --no-train --r
 part fp8_shapes 120 "$PY" benchmarks/bench_fp8_shapes.py --shapes 8192,4096,4096 8192,8192,8192 \
     --widths 1024 2048 16384 --tokens 8192 --casts auto eager --repeats 10 --warmup 3 \
     --json "$OUT/fp8_shapes.json" --table "$OUT/payoff_table.json"
+# #44: fp8-mixed against bf16-mixed on a ~1.3B GPT (24 x 2048, sequence 2048): speed, held-out loss after 100 steps
+# (last: the longest part, so a short lease still gets everything above)
+part fp8_gpt 150 "$PY" benchmarks/bench_fp8_gpt.py --steps 100 --batch 4 --json "$OUT/fp8_gpt.json"
 echo "total: $SECONDS s" | tee -a "$SUMMARY"
