@@ -310,3 +310,90 @@ def test_the_optim_room_checkers_catch_a_second_copy(tmp_path: pathlib.Path) -> 
     assert [p.split(" ", 1)[1] for p in _validator_problems([bad])] == [
         "defines the validator check_masters", "load_state_dict raises its own refusal",
     ]
+
+
+# ------------------------------------------- the optim/ room: one rule, one set of codecs, one route decision
+RULE_MODULE = OPTIM / "rule.py"
+#: the codecs (:mod:`mixprec.optim.codecs`) and the byte layouts they are built on
+CODEC_MODULES = (OPTIM / "codecs.py", OPTIM / "states.py", OPTIM / "quant.py")
+ROUTE_MODULE = OPTIM / "routing.py"
+#: the sanctioned mirrors of the rule in another language, held to it by their tests (a GPU
+#: kernel file joins them by name); Python modules binding them are not mirrors
+RULE_MIRRORS = ("native_adam.c",)
+_UPDATE_CALLS = ("lerp", "lerp_", "addcmul", "addcmul_", "addcdiv", "addcdiv_",
+                 "_foreach_lerp", "_foreach_lerp_", "_foreach_addcmul", "_foreach_addcmul_",
+                 "_foreach_addcdiv", "_foreach_addcdiv_")
+_CODEC_CALLS = ("join_master", "split_master", "split_master_into", "quantize_blockwise", "quantize_blockwise_into",
+                "quantize_flat", "dequantize_blockwise", "expand_pieces", "store_pieces", "randint")
+_BIT_VIEWS = ("int32", "int16", "int8", "uint8", "float32", "bfloat16", "float16")
+_ROUTE_CALLS = ("use_compiled_route", "use_native_route", "compiles_param", "takes_param", "takes")
+
+
+def _called(node: ast.Call) -> str:
+    return node.func.attr if isinstance(node.func, ast.Attribute) else node.func.id if isinstance(node.func, ast.Name) else ""
+
+
+def _room_problems(paths: list[pathlib.Path]) -> list[str]:
+    """Update arithmetic or a bias correction outside the rule module, a conversion of a stored
+    form (a bit-format primitive, a reinterpreting ``.view(torch.<int or float dtype>)``, rounding
+    noise) outside the codec modules, a route decision outside the routing module (an executor
+    module may compose the predicates it defines, what it takes; only routing asks them)."""
+    problems: list[tuple[str, int, str]] = []
+    for path in paths:
+        tree = ast.parse(path.read_text(), str(path))
+        own = {fn.name for fn in tree.body if isinstance(fn, ast.FunctionDef)}  # an executor's own predicates
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call):
+                name = _called(node)
+                if name in _UPDATE_CALLS and path != RULE_MODULE:
+                    problems.append((path.name, node.lineno, f"writes update arithmetic ({name})"))
+                if path not in CODEC_MODULES and (
+                    name in _CODEC_CALLS or (name == "view" and any(
+                        isinstance(a, ast.Attribute) and a.attr in _BIT_VIEWS for a in node.args))
+                ):
+                    problems.append((path.name, node.lineno, f"converts a stored form itself ({name})"))
+                if name in _ROUTE_CALLS and path != ROUTE_MODULE and name not in own:
+                    problems.append((path.name, node.lineno, f"decides a route ({name})"))
+            if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow) and path != RULE_MODULE:
+                base = ast.unparse(node.left)
+                if "beta" in base.lower():
+                    problems.append((path.name, node.lineno, f"writes a bias correction ({ast.unparse(node)})"))
+    return [f"{name}:{line} {what}" for name, line, what in sorted(problems)]
+
+
+def test_the_rule_codecs_and_route_decision_are_each_written_once() -> None:
+    assert _room_problems(sorted(OPTIM.glob("*.py"))) == []
+    assert RULE_MODULE.exists() and all(p.exists() for p in CODEC_MODULES) and ROUTE_MODULE.exists()
+    for mirror in RULE_MIRRORS:
+        assert (OPTIM / mirror).exists(), f"the sanctioned mirror {mirror} is gone: drop it from RULE_MIRRORS"
+    # the C mirror names the rule's operations in its order (torch's Adam), so a change to one is seen in the other
+    c = (OPTIM / "native_adam.c").read_text()
+    assert all(op in c for op in ("lerp_(grad", "addcmul_(grad", "addcdiv_(exp_avg")), "native_adam.c no longer cites the rule"
+
+
+def test_the_room_checker_catches_a_second_rule_codec_or_route(tmp_path: pathlib.Path) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text(
+        "import torch\n"
+        "def step(m, g, v, w, beta1, step, opt):\n"
+        "    m.lerp_(g, 0.1)\n"
+        "    torch._foreach_addcdiv_([w], [m], [v], value=-1.0)\n"
+        "    c = 1 - beta1 ** step\n"
+        "    bits = w.view(torch.int32)\n"
+        "    noise = torch.randint(0, 1 << 16, w.shape)\n"
+        "    return use_compiled_route(opt.compile, 'kahan', [w])\n"
+    )
+    assert [p.split(" ", 1)[1] for p in _room_problems([bad])] == [
+        "writes update arithmetic (lerp_)",
+        "writes update arithmetic (_foreach_addcdiv_)",
+        "writes a bias correction (beta1 ** step)",
+        "converts a stored form itself (view)",
+        "converts a stored form itself (randint)",
+        "decides a route (use_compiled_route)",
+    ]
+
+
+def test_no_optim_module_is_over_450_lines() -> None:
+    """Each module of optim/ holds one idea; master.py is another engineer's room today."""
+    long = {p.name: n for p in sorted(OPTIM.glob("*.py")) if (n := len(p.read_text().splitlines())) > 450}
+    assert set(long) <= {"master.py"}, long

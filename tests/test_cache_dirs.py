@@ -140,10 +140,10 @@ def test_an_unusable_inductor_cache_folder_steps_eagerly_with_one_warning_naming
 # ------------------------------------------------ the native kernel's folder
 _BUILD = """
     import json, os, sys
-    from mixprec.optim import native
+    from mixprec.optim import native, native_build
 
     ok, why = native.status()
-    lib = native._library()
+    lib = native_build.library()
     print(json.dumps({"ok": ok, "why": why, "abi": lib.mp_abi_version() if lib is not None else None}))
 """
 

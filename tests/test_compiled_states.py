@@ -13,7 +13,9 @@ import torch
 from mixprec import get_plan
 from mixprec.compiling import compile_works
 from mixprec.optim import KahanOptimizer, LowPrecisionOptimizer, RemainderOptimizer
-from mixprec.optim.compiled import _q8_store, q8_tables, use_compiled_route
+from mixprec.optim.codecs import q8_store as _q8_store
+from mixprec.optim.codecs import q8_tables
+from mixprec.optim.compiled import use_compiled_route
 from mixprec.optim.quant import join_master, quantize_flat, split_master
 
 pytestmark = pytest.mark.skipif(not compile_works(torch.device("cpu")), reason="torch.compile does not work here")

@@ -19,7 +19,9 @@ from mixprec.optim import (
     LowPrecisionOptimizer,
     RemainderOptimizer,
     StochasticRoundingOptimizer,
+    codecs,
     native,
+    native_build,
 )
 from mixprec.optim.quant import dequantize_blockwise, quantize_blockwise, split_master
 
@@ -354,12 +356,12 @@ def test_the_compact_lookup_is_checked_against_the_full_one() -> None:
     from mixprec.optim.quant import lookup_tables
 
     first, points = lookup_tables(True, torch.device("cpu"))
-    table = native._compact(first, points, 103)
-    native._compact_agrees(table, first, points, 103)
+    table = codecs.compact_lookup(first, points, 103)
+    codecs.compact_agrees(table, first, points, 103)
     broken = table.clone()
     broken[5000] += 1  # one run's code off by one
     with pytest.raises(AssertionError, match="compact"):
-        native._compact_agrees(broken, first, points, 103)
+        codecs.compact_agrees(broken, first, points, 103)
 
 
 def test_the_step_memory_estimate_counts_no_scratch_for_native_weights() -> None:
@@ -386,7 +388,7 @@ def test_the_plans_take_the_native_route_by_default(monkeypatch) -> None:
 
 def test_turned_off_by_the_environment_it_names_the_setting_and_the_other_routes_step(monkeypatch) -> None:
     monkeypatch.setenv(native.ENV, "0")
-    native._reset()
+    native_build.reset()
     try:
         ok, why = native.status()
         assert not ok and native.ENV in why
@@ -396,21 +398,21 @@ def test_turned_off_by_the_environment_it_names_the_setting_and_the_other_routes
         assert float(opt.optimizer.state[params[0]]["step"]) == 2.0
     finally:
         monkeypatch.delenv(native.ENV)
-        native._reset()
+        native_build.reset()
     assert native.status()[0]
 
 
 def test_a_compiler_that_fails_leaves_the_route_off_with_its_message(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("CC", "false")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    native._reset()
+    native_build.reset()
     try:
         ok, why = native.status()
         assert not ok and "failed" in why
     finally:
         monkeypatch.delenv("CC")
         monkeypatch.delenv("XDG_CACHE_HOME")
-        native._reset()
+        native_build.reset()
     assert native.status()[0]
 
 
@@ -420,7 +422,7 @@ def test_the_avx2_and_plain_c_loops_give_the_same_bits(target, monkeypatch, tmp_
 
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("x86-64 target flags")
-    if target.endswith("v3") and "avx2" not in native._cpu_flags():
+    if target.endswith("v3") and "avx2" not in native_build.cpu_flags():
         pytest.skip("this CPU has no AVX2")
 
     def make(inner, setting):
@@ -429,14 +431,14 @@ def test_the_avx2_and_plain_c_loops_give_the_same_bits(target, monkeypatch, tmp_
     reference, opt_r = _run(make, "auto", steps=3, amsgrad=True)  # this machine's widest loops
     monkeypatch.setenv(native.FLAGS_ENV, target)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    native._reset()
+    native_build.reset()
     try:
         assert native.status()[0], native.status()[1]
         other, opt_o = _run(make, "auto", steps=3, amsgrad=True)
     finally:
         monkeypatch.delenv(native.FLAGS_ENV)
         monkeypatch.delenv("XDG_CACHE_HOME")
-        native._reset()
+        native_build.reset()
     assert list((tmp_path / "mixprec" / "native").glob("*.so"))
     for a, b in zip(reference, other, strict=True):
         assert torch.equal(opt_r.master(a).view(torch.int32), opt_o.master(b).view(torch.int32))
@@ -588,8 +590,8 @@ def test_tie_lists_of_another_form_are_read_as_flat_sorted_indices(kind) -> None
 def test_the_memory_estimate_does_not_build_the_kernel(monkeypatch) -> None:
     from mixprec.optim.footprint import low_precision_step_transient
 
-    monkeypatch.setattr(native, "_build", lambda: pytest.fail("the estimate built the kernel"))
-    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setattr(native_build, "_build", lambda: pytest.fail("the estimate built the kernel"))
+    monkeypatch.setattr(native_build, "_state", {})
     params = [torch.nn.Parameter(torch.zeros(1000, 1024, dtype=torch.bfloat16))]
     assert low_precision_step_transient(torch.optim.AdamW(params), compile="auto", rounding="kahan", fast=True,
                                         fused=True, chunk_numel=None, state_dtype=torch.uint8) == 0
@@ -600,9 +602,9 @@ def test_a_compiler_without_float16_builds_a_kernel_that_leaves_fp16_tensors_to_
 ) -> None:
     monkeypatch.setenv(native.FLAGS_ENV, "-march=native -U__FLT16_MAX__")  # as GCC 11 or clang 14 would build it
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    native._reset()
+    native_build.reset()
     try:
-        assert native.status()[0] and not native._f16()
+        assert native.status()[0] and not native_build.has_f16()
         calls = _calls(monkeypatch)
         w16 = _params([(512,)], dtype=torch.float16)
         w16[0].grad = torch.ones_like(w16[0])
@@ -619,13 +621,13 @@ def test_a_compiler_without_float16_builds_a_kernel_that_leaves_fp16_tensors_to_
     finally:
         monkeypatch.delenv(native.FLAGS_ENV)
         monkeypatch.delenv("XDG_CACHE_HOME")
-        native._reset()
+        native_build.reset()
 
 
 def test_the_kernel_refuses_tensor_kinds_or_ranges_it_does_not_take_before_touching_anything() -> None:
     import ctypes
 
-    lib = native._library()
+    lib = native_build.library()
     out = ctypes.c_void_p()
     bad = [
         {"w_kind": 0, "g_kind": 1, "s_kind": 1, "rounding": 0},  # an fp32 weight
@@ -635,13 +637,13 @@ def test_the_kernel_refuses_tensor_kinds_or_ranges_it_does_not_take_before_touch
         {"w_kind": 1, "g_kind": 1, "s_kind": 1, "rounding": 0, "begin": 16},  # not a block boundary
     ]
     for fields in bad:  # null pointers: a kernel that read or wrote anything would crash
-        args = native._Args(**({"begin": 0, "end": 256} | fields))
+        args = native_build.Args(**({"begin": 0, "end": 256} | fields))
         assert lib.mp_adam(ctypes.byref(args), ctypes.byref(out)) == -2, fields
 
 
 def test_a_switch_value_it_does_not_understand_is_refused_when_the_optimizer_is_built(monkeypatch) -> None:
     monkeypatch.setenv(native.ENV, "maybe")
-    native._reset()
+    native_build.reset()
     try:
         with pytest.raises(ValueError, match=r"MIXPREC_NATIVE='maybe' is not understood: set it to 0"):
             KahanOptimizer(torch.optim.AdamW(_params([(8,)]), lr=1e-2), state_dtype="8bit")
@@ -649,7 +651,7 @@ def test_a_switch_value_it_does_not_understand_is_refused_when_the_optimizer_is_
             native.status(build=False)
     finally:
         monkeypatch.delenv(native.ENV)
-        native._reset()
+        native_build.reset()
 
 
 @pytest.mark.parametrize("plan", [{"name": "bf16-sr", "state_dtype": "8bit"},

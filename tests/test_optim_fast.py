@@ -109,11 +109,11 @@ CASES = [
 
 @pytest.mark.parametrize(("opt_name", "wrapper"), CASES)
 def test_fast_path_is_bit_identical_to_generic(opt_name, wrapper, monkeypatch):
-    import mixprec.optim.lowbit as lowbit
+    import mixprec.optim.routing as routing
 
     calls = []
-    real = lowbit.fast_step
-    monkeypatch.setattr(lowbit, "fast_step", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = routing.fast_step
+    monkeypatch.setattr(routing, "fast_step", lambda *a, **k: calls.append(1) or real(*a, **k))
     dtypes = (torch.bfloat16,) if wrapper == "sr" else (torch.bfloat16, torch.float16, torch.float32)
     for seed, state_dtype in ((0, torch.bfloat16), (1, None)):
         pa, fast = _build(opt_name, wrapper, seed, fast=True, dtypes=dtypes, state_dtype=state_dtype)
@@ -603,7 +603,8 @@ def test_compiled_sr_noise_of_an_element_does_not_repeat_with_a_short_period():
     """The noise of one element over 5000 steps: a hash of its position and a seed mixed
     from the step counter, not of (counter + position) mod 2**32 (which repeats every
     2**32 / N steps for N elements per step: every 2048 steps for 2**21 elements)."""
-    from mixprec.optim.compiled import _hash16, seed32
+    from mixprec.optim.codecs import hash16 as _hash16
+    from mixprec.optim.codecs import seed32
 
     seeds = torch.tensor([seed32(c) for c in range(5000)], dtype=torch.int64)
     noise = _hash16(torch.zeros(5000, dtype=torch.int64) ^ seeds)

@@ -330,7 +330,7 @@ def test_under_ddp_with_clipping_remainders_equal_bf16_master_bit_for_bit(tmp_pa
 def test_the_tie_screen_finds_every_tie_and_nothing_else(n: int) -> None:
     """A tie (low 17 bits 0x8000) anywhere: first and last element of a block, several in one
     block, in the tail after the whole blocks; near-misses (0x18000: the low half alone) are not."""
-    from mixprec.optim.remainder import _ties_of
+    from mixprec.optim.codecs import ties_of as _ties_of
 
     g = torch.Generator().manual_seed(n)
     bits = torch.randint(-(2**31), 2**31 - 1, (n,), generator=g, dtype=torch.int64).to(torch.int32)

@@ -17,9 +17,9 @@ from typing import Any, Literal
 import torch
 
 from mixprec.compiling import compile_errors, compile_works, compiled, recompile_headroom
-from mixprec.optim import quant
+from mixprec.optim import codecs, rule
 from mixprec.optim import states as qstates
-from mixprec.optim.fast import init_adam_state, scalar_value
+from mixprec.optim.fast import init_adam_state
 
 __all__ = [
     "AUTO_COMPILE_NUMEL",
@@ -44,7 +44,6 @@ AUTO_MAX_LAYOUTS = 4
 #: dynamo's recompile limit is raised to 64 around the update, so none runs uncompiled
 PROCESS_MAX_LAYOUTS = 48
 _LAYOUTS: set[str] = set()
-_BLOCK = qstates.BLOCK
 
 
 def reserve_layout(key: str) -> bool:
@@ -155,7 +154,7 @@ def compiles_param(rounding: str, state_dtype: torch.dtype | None, param: torch.
     wrong compiled); the others step eagerly."""
     if rounding == "remainder" and (not param.is_contiguous() or param.device.type != "cpu"):
         return False
-    return state_dtype != qstates.Q8 or param.numel() % _BLOCK == 0
+    return state_dtype != qstates.Q8 or param.numel() % qstates.BLOCK == 0
 
 
 class CompileRouteFailed(RuntimeError):
@@ -173,129 +172,41 @@ def _adam_lists(
     scales: list[list[torch.Tensor]], tables: list[torch.Tensor], flags: list[list[torch.Tensor]],
     *, decoupled: bool, amsgrad: bool, maximize: bool, weight_decay: bool, rounding: str, q8: bool,
 ) -> None:
-    """Adam/AdamW on low-precision tensors, one fused loop per parameter under ``torch.compile``.
+    """Adam/AdamW on low-precision tensors, one fused loop per parameter under ``torch.compile``:
+    each weight and moment loaded by its codec (the ``fused_*`` ones of :mod:`mixprec.optim.codecs`),
+    the rule (:func:`mixprec.optim.rule.adam` on :data:`~mixprec.optim.rule.FUSED`), stored back.
 
     ``hyper`` holds [lr, beta1, beta2, eps, weight_decay, step_size, bias_correction2_sqrt,
     grad_scale] (a tensor, so new values do not recompile; ``grad_scale`` multiplies every
-    gradient, 1 unless a clip was deferred). ``rounding``: "nearest", "kahan" (with ``comps``:
-    the compensations), "stochastic" (16 noise bits per element from a hash of the element's
-    position in the group XOR ``counter``, an int64 holding this call's 32-bit seed, computed
-    in the kernel) or "remainder" (``comps``: the int16 remainders viewed as bf16; the masters
-    are rebuilt and split in the kernel, and ``flags`` (three lists of tensors shaped like the
-    parameters: uint8, uint8, int8) get whether each element is a tie rounded down (nonzero),
-    and the new remainder's low and high byte, for the caller to list and combine: separate
-    tensors, as rows or slices of one buffer written in place would be copied whole each
-    time). ``q8``: the moments are 8-bit codes with their block scales in ``scales`` (one
-    list per moment key) and the lookup ``tables`` of :func:`q8_tables`.
+    gradient, 1 unless a clip was deferred). ``comps``: the Kahan compensations, or the int16
+    remainders viewed as bf16 with ``flags`` for their new bytes and ties
+    (:func:`~mixprec.optim.codecs.fused_remainder_inputs`). ``counter``: an int64 holding this
+    call's 32-bit stochastic-rounding seed, XORed with each element's position in the call.
+    ``q8``: the moments are 8-bit codes with their block scales in ``scales`` (one list per
+    moment key) and the lookup ``tables`` of :func:`~mixprec.optim.codecs.q8_tables`.
     """
     lr, beta1, beta2, eps, wd, step_size, bc2_sqrt, gscale = hyper.unbind(0)
+    h = rule.AdamHyper(lr, beta1, beta2, eps, wd, decoupled=decoupled, amsgrad=amsgrad, maximize=maximize,
+                       decays=weight_decay)
+    signed, unsigned = (tables[:3], tables[3:]) if q8 else ([None] * 3, [None] * 3)  # map, lookup, points
     offset = 0
     for i, p in enumerate(params):
-        w = _join_master(p, comps[i]) if rounding == "remainder" else p.float()
-        if rounding == "kahan":
-            w = w + comps[i].float()
-        g = grads[i].float() * gscale
-        if maximize:
-            g = -g
-        if weight_decay:
-            if decoupled:
-                w = w * (1 - lr * wd)
-            else:
-                g = g + w * wd
-        if q8:
-            m = _q8_load(exp_avgs[i], scales[0][i], tables[0]).lerp(g, 1 - beta1)
-            v = _q8_load(exp_avg_sqs[i], scales[1][i], tables[3]) * beta2 + g * g * (1 - beta2)
-        else:
-            m = exp_avgs[i].float().lerp(g, 1 - beta1)
-            v = exp_avg_sqs[i].float() * beta2 + g * g * (1 - beta2)
+        comp = comps[i] if rounding in ("kahan", "remainder") else None
+        w = codecs.fused_load_weight(rounding, p, comp)
+        sc = [s[i] for s in scales] + [None] * (3 - len(scales))  # 8-bit: each moment's block scales
+        m = codecs.fused_load_state(exp_avgs[i], sc[0], signed[0])
+        v = codecs.fused_load_state(exp_avg_sqs[i], sc[1], unsigned[0])
+        vmax = codecs.fused_load_state(max_exp_avg_sqs[i], sc[2], unsigned[0]) if amsgrad else None
+        w, m, v, vmax = rule.adam(rule.FUSED, h, step_size, bc2_sqrt, w, grads[i].float() * gscale, m, v, vmax)
         if amsgrad:
-            if q8:
-                vmax = torch.maximum(_q8_load(max_exp_avg_sqs[i], scales[2][i], tables[3]), v)
-                _q8_store(vmax, max_exp_avg_sqs[i], scales[2][i], tables[4], tables[5])
-            else:
-                vmax = torch.maximum(max_exp_avg_sqs[i].float(), v)
-                max_exp_avg_sqs[i].copy_(vmax)
-            denom = vmax.sqrt() / bc2_sqrt + eps
-        else:
-            denom = v.sqrt() / bc2_sqrt + eps
-        w = w - step_size * (m / denom)
-        if q8:
-            _q8_store(m, exp_avgs[i], scales[0][i], tables[1], tables[2])
-            _q8_store(v, exp_avg_sqs[i], scales[1][i], tables[4], tables[5])
-        else:
-            exp_avgs[i].copy_(m)
-            exp_avg_sqs[i].copy_(v)
+            codecs.fused_store_state(vmax, max_exp_avg_sqs[i], sc[2], unsigned[1], unsigned[2])
+        codecs.fused_store_state(m, exp_avgs[i], sc[0], signed[1], signed[2])
+        codecs.fused_store_state(v, exp_avg_sqs[i], sc[1], unsigned[1], unsigned[2])
+        position = None
         if rounding == "stochastic":
-            index = torch.arange(p.numel(), device=p.device, dtype=torch.int64).view(p.shape)
-            bits = (w.view(torch.int32) + _hash16((index + offset) ^ counter)) & -65536
-            p.copy_(bits.view(torch.float32))
-        elif rounding == "remainder":
-            bits = w.view(torch.int32)
-            p.copy_(w.to(p.dtype))  # round to nearest even: bf16-master's weight
-            # the tie flag and the new remainder's two bytes (uint8 kernels vectorize, int16 ones do
-            # not; the caller combines them). A tie: low 17 bits 0x8000; (x - 1) >> 31 is -1 (0xFF as a byte) for x == 0, else 0
-            # (for 0 <= x < 2**17): a comparison would cost the loop 20x more on the CPU
-            flags[0][i].copy_(((((bits & 0x1FFFF) ^ 0x8000) - 1) >> 31).to(torch.uint8))
-            flags[1][i].copy_((bits & 0xFF).to(torch.uint8))
-            flags[2][i].copy_(((bits << 16) >> 24).to(torch.int8))  # the high byte, sign-extended
-        else:
-            low = w.to(p.dtype)
-            p.copy_(low)
-            if rounding == "kahan":
-                comps[i].copy_(w - low.float())
+            position = (torch.arange(p.numel(), device=p.device, dtype=torch.int64).view(p.shape) + offset) ^ counter
+        codecs.fused_store_weight(rounding, p, w, comp, [f[i] for f in flags], position)
         offset += p.numel()
-
-
-def _join_master(weight: torch.Tensor, rem: torch.Tensor) -> torch.Tensor:
-    """:func:`mixprec.optim.quant.join_master` without its ties (the caller raised the weights of
-    ties rounded down by one unit first): the weight's bits shifted up 16 (its exact fp32 value),
-    plus the sign-extended remainder. ``rem`` is the int16 remainder viewed as bf16 (by the
-    caller: inductor's CPU kernels do not vectorize int16, so the whole loop would run element
-    by element, 15x slower), whose conversion to fp32 shifts its bits up 16 exactly."""
-    low = rem.float().view(torch.int32) >> 16  # sign-extended
-    return (weight.float().view(torch.int32) + low).view(torch.float32)
-
-
-def _q8_load(codes: torch.Tensor, scales: torch.Tensor, qmap: torch.Tensor) -> torch.Tensor:
-    """fp32 values of 8-bit ``codes`` (:func:`mixprec.optim.quant.dequantize_blockwise`)."""
-    index = torch.arange(codes.numel(), device=codes.device).view(codes.shape) // _BLOCK
-    return qmap[codes.to(torch.int32)] * scales[index]
-
-
-def _q8_store(value: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, table: torch.Tensor,
-              points: torch.Tensor) -> None:
-    """``value`` (whole 8-bit blocks) quantized into ``codes`` and ``scales`` as
-    :func:`mixprec.optim.quant.quantize_flat` does (its lookup table and decision points: the
-    same codes for the same values)."""
-    blocks = value.reshape(-1, _BLOCK)
-    absmax = blocks.abs().amax(1)
-    scaled = blocks / torch.where(absmax > 0, absmax, 1.0).unsqueeze(1)
-    codes.view(-1, _BLOCK).copy_(_nearest(scaled, table, points))
-    scales.copy_(absmax)
-
-
-def _nearest(scaled: torch.Tensor, table: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
-    """uint8 codes of ``scaled`` in [-1, 1] (:func:`mixprec.optim.quant._nearest_codes`)."""
-    run = (scaled.view(torch.int32) >> 16) & 0xFFFF
-    first = table[run]
-    return (first + (scaled >= points[first]).to(torch.int32)).to(torch.uint8)
-
-
-def q8_tables(device: torch.device) -> list[torch.Tensor]:
-    """[signed map, signed lookup, signed points, unsigned map, unsigned lookup, unsigned points]."""
-    out = []
-    for signed in (True, False):
-        out.append(quant.dynamic_map(signed, device))
-        out.extend(quant.lookup_tables(signed, device))
-    return out
-
-
-def seed32(count: int) -> int:
-    """A well-mixed 32-bit seed of a call count (splitmix64's finaliser, top 32 bits)."""
-    z = (count * 0x9E3779B97F4A7C15 + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    return (z ^ (z >> 31)) >> 32
 
 
 def uniform_steps(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> bool:
@@ -310,17 +221,6 @@ def uniform_steps(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tenso
         counts = torch.stack(tensors)  # one comparison, not a host read per parameter
         return bool((counts == counts[0]).all())
     return len({float(s) for s in steps}) <= 1
-
-
-def _hash16(x: torch.Tensor) -> torch.Tensor:
-    """16 well-mixed bits of each int64 ``x`` (a multiply-xorshift hash; products stay below 2**63)."""
-    x = x & 0xFFFFFFFF
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & 0xFFFFFFFF
-    x = x ^ (x >> 15)
-    x = (x * 0x5BD1E995) & 0xFFFFFFFF
-    x = x ^ (x >> 16)
-    return (x & 0xFFFF).to(torch.int32)
 
 
 @dataclass(frozen=True)
@@ -378,18 +278,14 @@ def compiled_adam_step(
         qstates.conform(state, p, state_dtype)
     steps = [s["step"] for s in states]
     step = float(steps[0]) + 1
-    lr = scalar_value(group["lr"])
-    beta1, beta2 = (scalar_value(b) for b in group["betas"])
-    eps, weight_decay = float(group["eps"]), float(group["weight_decay"])
-    decoupled = bool(group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW)))
+    h = rule.adam_hyper(optimizer, group)
     # emulate_precision_casts: keep the bf16/fp16 rounding of the stored weight when the
     # Kahan residual reads it back (inductor otherwise folds to(bf16).float() into a no-op);
     # the 8-bit tables' indices are in range by construction (a code, 16 bits, a block)
     options = {"emulate_precision_casts": True, "assert_indirect_indexing": False}
     device = active[0].device
     hyper = torch.tensor(
-        [lr, beta1, beta2, eps, weight_decay, lr / (1 - beta1**step), (1 - beta2**step) ** 0.5],
-        dtype=torch.float32,
+        [h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, *rule.bias_corrections(h, step)], dtype=torch.float32,
     ).to(device, non_blocking=True)
     scale = torch.ones(1, dtype=torch.float32, device=device)
     for factor in grad_scales:
@@ -399,10 +295,10 @@ def compiled_adam_step(
     if rounding == "stochastic":
         if counter is None:
             raise ValueError("stochastic rounding needs the wrapper's noise counter")
-        seed = seed32(counter[0])
+        seed = codecs.seed32(counter[0])
     keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
     scales = [[s[f"{key}{qstates.ABSMAX}"] for s in states] for key in keys] if q8 else []
-    tables = q8_tables(device) if q8 else []
+    tables = codecs.q8_tables(device) if q8 else []
     raised: list[tuple[torch.Tensor, torch.Tensor]] = []  # (weight, ties) raised so far
     flags: list[list[torch.Tensor]] = []
     comp_list: list[torch.Tensor] = []
@@ -411,15 +307,13 @@ def compiled_adam_step(
     if rounding == "remainder":
         if remainder is None or comps is None:
             raise ValueError("the remainder store needs the wrapper's remainders and ties")
-        comp_list = [comps(p).view(torch.bfloat16) for p in active]
-        flags = [[torch.empty(p.shape, dtype=dtype, device=device) for p in active]
-                 for dtype in (torch.uint8, torch.uint8, torch.int8)]
+        comp_list, flags = codecs.fused_remainder_inputs([comps(p) for p in active])
     try:
         # (an unusable TORCHINDUCTOR_CACHE_DIR raises here: an OSError naming it, a compilation failure)
         fn = compiled(_adam_lists, dynamic=False, options=options)
         for p in active:  # a tie rounded down joins one unit low: raise its weight first
             if remainder is not None and (t := remainder.ties(p)).numel():
-                p.detach().view(torch.int16).view(-1)[t] += 1
+                codecs.shift_ties(p, t, 1)
                 raised.append((p, t))
         with recompile_headroom():  # past 8 layouts dynamo would run it uncompiled
             fn(
@@ -427,56 +321,21 @@ def compiled_adam_step(
                 [s["max_exp_avg_sq"] for s in states] if group["amsgrad"] else [],
                 comp_list,
                 torch.tensor(seed, dtype=torch.int64, device=device), hyper, scales, tables, flags,
-                decoupled=decoupled, amsgrad=bool(group["amsgrad"]), maximize=bool(group["maximize"]),
-                weight_decay=weight_decay != 0, rounding=rounding, q8=q8,
+                decoupled=h.decoupled, amsgrad=h.amsgrad, maximize=h.maximize,
+                weight_decay=h.decays, rounding=rounding, q8=q8,
             )
     except BaseException as exc:
         # Nearly always while compiling (seconds, before anything ran; a Ctrl-C lands there
         # too): the step counts are counted only after the update, so nothing is half-counted.
         for p, t in raised:
-            p.detach().view(torch.int16).view(-1)[t] -= 1
+            codecs.shift_ties(p, t, -1)
         if isinstance(exc, compile_errors()):
             raise CompileRouteFailed(exc) from exc
         raise
     if remainder is not None and rounding == "remainder":
-        rems = [r.view(torch.int16) for r in comp_list]  # high byte * 256 + low byte, in int16
-        torch._foreach_copy_(rems, flags[2])
-        torch._foreach_mul_(rems, 256)
-        torch._foreach_add_(rems, flags[1])
-        for p, f in zip(active, flags[0], strict=True):
-            new = flagged(f.view(-1))
+        for p, new in zip(active, codecs.fused_remainder_finish(comp_list, flags), strict=True):
             if new.numel() or remainder.ties(p).numel():
                 remainder.set_ties(p, new)
     torch._foreach_add_(steps, 1.0)
     if counter is not None and rounding == "stochastic":
         counter[0] += 1
-
-
-#: elements per block of the screens in front of the sparse searches (:func:`screened_nonzero`)
-SCREEN = 1024
-
-
-def screened_nonzero(suspects: torch.Tensor, exact: Callable[[torch.Tensor], torch.Tensor],
-                     tail: torch.Tensor) -> torch.Tensor:
-    """The sorted positions of a sparse property, found without testing every element: ``suspects``
-    (one bool per block of :data:`SCREEN` elements, from a cheap block reduction) says which blocks
-    may hold one, ``exact(blocks)`` tests those blocks element by element (a (k, SCREEN) bool),
-    and ``tail`` is the exact test of the elements after the whole blocks."""
-    found = []
-    blocks = suspects.nonzero().view(-1)
-    if blocks.numel():
-        hit = exact(blocks).nonzero()
-        found.append(blocks[hit[:, 0]] * SCREEN + hit[:, 1])
-    if tail.numel():
-        found.append(tail.nonzero().view(-1) + suspects.numel() * SCREEN)
-    return torch.cat(found) if found else torch.empty(0, dtype=torch.int64, device=suspects.device)
-
-
-def flagged(flags: torch.Tensor) -> torch.Tensor:
-    """The sorted positions of the nonzero bytes of a flat uint8 ``flags``, nearly all zero: on
-    the CPU one block maximum per :data:`SCREEN` elements screens out nearly every block first."""
-    if flags.device.type != "cpu":  # one nonzero, one host sync
-        return flags.nonzero().view(-1)
-    whole = flags.numel() - flags.numel() % SCREEN
-    blocks = flags[:whole].view(-1, SCREEN)
-    return screened_nonzero(blocks.amax(1) != 0, lambda ids: blocks[ids] != 0, flags[whole:] != 0)

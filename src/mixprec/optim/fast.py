@@ -1,13 +1,15 @@
-"""Multi-tensor fast paths of the low-precision optimizer wrappers for torch's Adam, AdamW and SGD.
+"""The eager executor (multi-tensor fast path) of the low-precision wrappers for torch's Adam, AdamW and SGD.
 
 :class:`~mixprec.optim.LowPrecisionOptimizer` and its Kahan / stochastic-rounding
 subclasses run any inner optimizer once per low-precision parameter on fp32
 expansions (the generic path). For ``torch.optim.Adam``, ``AdamW`` and ``SGD`` this
 module does the same arithmetic over all parameters of a group at once, chunk by
 chunk: a chunk's weights, gradients and state are expanded into flat fp32 buffers
-of at most ``chunk_numel`` elements (a larger parameter is cut into pieces),
-the update runs as a handful of ``torch._foreach_*`` / flat kernels, and the results
-are stored back (round to nearest, Kahan residual, or stochastic rounding).
+of at most ``chunk_numel`` elements (a larger parameter is cut into pieces) by their
+codecs (:mod:`mixprec.optim.codecs`), the update rule (:mod:`mixprec.optim.rule`, its
+``FOREACH`` backend: a handful of ``torch._foreach_*`` kernels) or torch's fused kernel
+runs on them, and the results are stored back (round to nearest, Kahan residual,
+stochastic rounding or remainder masters).
 
 Hyperparameters are read from the inner optimizer's ``param_groups`` at every step
 (LR schedulers keep working) and state lives in ``optimizer.state[p]`` under torch's
@@ -15,7 +17,7 @@ key names (``step``, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``,
 ``momentum_buffer``) in the wrapper's ``state_dtype``: a state_dict saved by the fast
 path loads into the generic path and back.
 
-The fp32 operations are torch's own single-tensor ones in torch's order, so on CPU the
+The rule's fp32 operations are torch's own single-tensor ones in torch's order, so on CPU the
 results are bit-identical to the generic path; on CUDA, where torch's own
 ``foreach``/single-tensor kernels may contract operations differently, they agree to
 within fp32 rounding before the final low-precision store (at most one unit in the
@@ -30,7 +32,9 @@ from typing import Any
 
 import torch
 
+from mixprec.optim import codecs, rule
 from mixprec.optim import states as qstates
+from mixprec.optim.rule import scalar_value
 
 __all__ = [
     "CPU_CHUNK_NUMEL",
@@ -67,11 +71,6 @@ def default_chunk_numel(device: torch.device) -> int:
     131072
     """
     return CPU_CHUNK_NUMEL if device.type == "cpu" else DEVICE_CHUNK_NUMEL
-
-
-def scalar_value(value: Any) -> float:
-    """A hyperparameter as a Python float (tensors are read once)."""
-    return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
 
 
 def fused_available(device: torch.device) -> bool:
@@ -167,45 +166,6 @@ def chunks(
     return out
 
 
-def _flat_views(shaped: Sequence[Any], device: torch.device) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """One flat fp32 buffer and a view of it shaped like each of ``shaped`` (tensors or pieces)."""
-    total = sum(p.numel() for p in shaped)
-    flat = torch.empty(total, dtype=torch.float32, device=device)
-    views, offset = [], 0
-    for p in shaped:
-        views.append(flat[offset : offset + p.numel()].view(p.shape))
-        offset += p.numel()
-    return flat, views
-
-
-def _expand_state(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """fp32 working copies of state tensors (the tensors themselves when already fp32)."""
-    if all(t.dtype == torch.float32 for t in tensors):
-        return tensors
-    _, views = _flat_views(tensors, device)
-    torch._foreach_copy_(views, tensors)
-    return views
-
-
-def _store_state(tensors: list[torch.Tensor], values: list[torch.Tensor]) -> None:
-    if values is not tensors:
-        torch._foreach_copy_(tensors, values)
-
-
-def _load_state(
-    pieces: list[Piece], states: list[dict[Any, Any]], key: str, device: torch.device
-) -> tuple[list[torch.Tensor], Callable[[list[torch.Tensor]], None]]:
-    """(fp32 working tensors of ``state[key]`` over ``pieces``, the function that writes them back)."""
-    if states[0][key].dtype == qstates.Q8:  # 8-bit blockwise: dequantize, quantize back
-        views = [qstates.piece_views(s, key, pc.start, pc.end, pc.whole) for pc, s in zip(pieces, states, strict=True)]
-        keys = [key] * len(pieces)
-        _, values = _flat_views(pieces, device)
-        qstates.expand_pieces(views, keys, values)
-        return values, lambda new: qstates.store_pieces(views, keys, new)
-    low = [pc.of(s[key]) for pc, s in zip(pieces, states, strict=True)]
-    return _expand_state(low, device), lambda new: _store_state(low, new)
-
-
 def fast_step(
     optimizer: torch.optim.Optimizer,
     group: dict[str, Any],
@@ -255,12 +215,12 @@ def fast_step(
         else:
             plan = chunks(active, key, chunk_numel, splittable)
         device_steps: dict[tuple[torch.device, float], torch.Tensor] = {}  # one per device and count
+        h = rule.adam_hyper(optimizer, group)
         for chunk in plan:
-            _adam_chunk(optimizer, group, chunk, expand, store, fused=fused, plain_store=plain_store,
-                        device_steps=device_steps, grad_scales=grad_scales)
+            _adam_chunk(h, [optimizer.state[pc.param] for pc in chunk], chunk, expand, store, fused=fused,
+                        plain_store=plain_store, device_steps=device_steps, grad_scales=grad_scales)
     else:
-        momentum = scalar_value(group["momentum"])
-        first = {p: momentum != 0 and optimizer.state.get(p, {}).get("momentum_buffer") is None for p in active}
+        first = {p: scalar_value(group["momentum"]) != 0 and optimizer.state.get(p, {}).get("momentum_buffer") is None for p in active}
 
         def sgd_key(p: torch.Tensor) -> Any:
             return (p.device, p.dtype, p.grad.dtype if p.grad is not None else None, first[p])
@@ -286,10 +246,7 @@ def init_adam_state(optimizer: torch.optim.Optimizer, group: dict[str, Any], par
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
             keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
             for key in keys:
-                if dtype == qstates.Q8:
-                    qstates.put(state, key, torch.zeros(p.shape, dtype=torch.float32, device=p.device), dtype)
-                else:
-                    state[key] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+                codecs.new_state(state, key, p, dtype)
         elif not torch.is_tensor(state["step"]):
             state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
 
@@ -298,9 +255,9 @@ def _expanded(
     pieces: list[Piece], expand: Expand, grad_scales: Sequence[torch.Tensor]
 ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
     device = pieces[0].device
-    flat, values = _flat_views(pieces, device)
+    flat, values = codecs.flat_views(pieces, device)
     expand(pieces, values)
-    _, grads = _flat_views(pieces, device)
+    _, grads = codecs.flat_views(pieces, device)
     torch._foreach_copy_(grads, [pc.of(pc.param.grad) for pc in pieces])  # type: ignore[arg-type]
     for factor in grad_scales:
         torch._foreach_mul_(grads, factor.to(device))
@@ -308,62 +265,33 @@ def _expanded(
 
 
 def _adam_chunk(
-    optimizer: torch.optim.Optimizer, group: dict[str, Any], pieces: list[Piece], expand: Expand, store: Store,
+    h: rule.AdamHyper, states: list[dict[Any, Any]], pieces: list[Piece], expand: Expand, store: Store,
     *, fused: bool, plain_store: bool, device_steps: dict[tuple[torch.device, float], torch.Tensor],
     grad_scales: Sequence[torch.Tensor],
 ) -> None:
-    lr = scalar_value(group["lr"])
-    beta1, beta2 = (scalar_value(b) for b in group["betas"])
-    eps, weight_decay = float(group["eps"]), float(group["weight_decay"])
-    decoupled = bool(group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW)))
+    """One chunk of Adam/AdamW: its codecs' fp32 values, the rule (or torch's fused kernel), stored back."""
     device = pieces[0].device
-    states = [optimizer.state[pc.param] for pc in pieces]
     if fused:
-        _adam_fused_chunk(group, pieces, states, expand, store, plain_store=plain_store, device_steps=device_steps,
-                          grad_scales=grad_scales, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, decoupled=decoupled)
+        _adam_fused_chunk(h, pieces, states, expand, store, plain_store=plain_store, device_steps=device_steps,
+                          grad_scales=grad_scales)
         return
-
     flat, values, grads = _expanded(pieces, expand, grad_scales)
-    if group["maximize"]:
-        torch._foreach_neg_(grads)
-    steps = [s["step"] for s in states]  # already counted by fast_step
-    if weight_decay != 0:
-        if decoupled:
-            torch._foreach_mul_(values, 1 - lr * weight_decay)
-        else:
-            torch._foreach_add_(grads, values, alpha=weight_decay)
-    exp_avgs, store_exp_avgs = _load_state(pieces, states, "exp_avg", device)
-    exp_avg_sqs, store_exp_avg_sqs = _load_state(pieces, states, "exp_avg_sq", device)
-    torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
-    torch._foreach_mul_(exp_avg_sqs, beta2)
-    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
-    step = float(steps[0])  # every parameter of a chunk has the same step (see the chunk key)
-    bias_correction1 = 1 - beta1**step
-    bias_correction2 = 1 - beta2**step
-    step_size = lr / bias_correction1
-    bias_correction2_sqrt = bias_correction2**0.5
-    if group["amsgrad"]:
-        maxes, store_maxes = _load_state(pieces, states, "max_exp_avg_sq", device)
-        torch._foreach_maximum_(maxes, exp_avg_sqs)
-        denom = torch._foreach_sqrt(maxes)
-        store_maxes(maxes)
-    else:
-        denom = torch._foreach_sqrt(exp_avg_sqs)
-    torch._foreach_div_(denom, bias_correction2_sqrt)
-    torch._foreach_add_(denom, eps)
-    torch._foreach_addcdiv_(values, exp_avgs, denom, value=-step_size)
-    store_exp_avgs(exp_avgs)
-    store_exp_avg_sqs(exp_avg_sqs)
+    keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if h.amsgrad else [])
+    loaded = [codecs.load_state(pieces, states, k, device) for k in keys]
+    moments = [v for v, _ in loaded] + [None] * (3 - len(keys))
+    step_size, bc2_sqrt = rule.bias_corrections(h, float(states[0]["step"]))  # one step per chunk (its key)
+    rule.adam(rule.FOREACH, h, step_size, bc2_sqrt, values, grads, *moments)
+    for value, put in loaded:
+        put(value)
     store(pieces, values, flat)
 
 
 def _adam_fused_chunk(
-    group: dict[str, Any], pieces: list[Piece], states: list[dict[Any, Any]], expand: Expand, store: Store, *,
-    plain_store: bool, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, decoupled: bool,
-    device_steps: dict[tuple[torch.device, float], torch.Tensor], grad_scales: Sequence[torch.Tensor],
+    h: rule.AdamHyper, pieces: list[Piece], states: list[dict[Any, Any]], expand: Expand, store: Store, *,
+    plain_store: bool, device_steps: dict[tuple[torch.device, float], torch.Tensor], grad_scales: Sequence[torch.Tensor],
 ) -> None:
-    kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
-    amsgrad = bool(group["amsgrad"])
+    kernel = torch._fused_adamw_ if h.decoupled else torch._fused_adam_
+    amsgrad = h.amsgrad
     steps = [s["step"] for s in states]  # already counted by fast_step
     device = pieces[0].device
     if device.type != "cpu":
@@ -376,8 +304,8 @@ def _adam_fused_chunk(
     keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else [])
     low_state = {k: [pc.of(s[k]) for pc, s in zip(pieces, states, strict=True)] for k in keys}
     dtype = pieces[0].dtype
-    hyper: dict[str, Any] = {"lr": lr, "beta1": beta1, "beta2": beta2, "weight_decay": weight_decay, "eps": eps,
-             "amsgrad": amsgrad, "maximize": bool(group["maximize"])}
+    hyper: dict[str, Any] = {"lr": h.lr, "beta1": h.beta1, "beta2": h.beta2, "weight_decay": h.weight_decay,
+                             "eps": h.eps, "amsgrad": amsgrad, "maximize": h.maximize}
     if plain_store and not grad_scales and all(pc.param.grad is not None and pc.param.grad.dtype == dtype for pc in pieces) and all(
         t.dtype == dtype for ts in low_state.values() for t in ts
     ):
@@ -387,7 +315,7 @@ def _adam_fused_chunk(
                low_state.get("max_exp_avg_sq", []), steps, **hyper)
         return
     flat, values, grads = _expanded(pieces, expand, grad_scales)
-    loaded = {k: _load_state(pieces, states, k, device) for k in keys}
+    loaded = {k: codecs.load_state(pieces, states, k, device) for k in keys}
     state32 = {k: v for k, (v, _) in loaded.items()}
     kernel(values, grads, state32["exp_avg"], state32["exp_avg_sq"], state32.get("max_exp_avg_sq", []), steps, **hyper)
     for k in keys:
@@ -399,35 +327,21 @@ def _sgd_chunk(
     optimizer: torch.optim.Optimizer, group: dict[str, Any], pieces: list[Piece], dtype: torch.dtype,
     expand: Expand, store: Store, *, first: bool, grad_scales: Sequence[torch.Tensor],
 ) -> None:
-    lr = scalar_value(group["lr"])
-    momentum, dampening = scalar_value(group["momentum"]), scalar_value(group["dampening"])
-    weight_decay = float(group["weight_decay"])
+    h = rule.sgd_hyper(group)
     device = pieces[0].device
-
     flat, values, grads = _expanded(pieces, expand, grad_scales)
-    if group["maximize"]:
-        torch._foreach_neg_(grads)
-    if weight_decay != 0:
-        torch._foreach_add_(grads, values, alpha=weight_decay)
-    if momentum != 0:
+    bufs: list[torch.Tensor] | None = None
+    store_bufs: Callable[[list[torch.Tensor]], None] = lambda new: None  # noqa: E731 - no momentum: no buffer
+    if h.momentum != 0:
         states = [optimizer.state[pc.param] for pc in pieces]
         if first:  # first step: the buffer is the gradient (the same for every piece of the chunk)
             for pc, s in zip(pieces, states, strict=True):
                 if s.get("momentum_buffer") is None:
-                    qstates.put(s, "momentum_buffer", torch.zeros(pc.param.shape, device=pc.param.device), dtype)
-            _, store_bufs = _load_state(pieces, states, "momentum_buffer", device)
-            store_bufs(grads)
-            bufs = grads
+                    codecs.new_state(s, "momentum_buffer", pc.param, dtype, like=False)
+            _, store_bufs = codecs.load_state(pieces, states, "momentum_buffer", device)
         else:
-            bufs, store_bufs = _load_state(pieces, states, "momentum_buffer", device)
-            torch._foreach_mul_(bufs, momentum)
-            torch._foreach_add_(bufs, grads, alpha=1 - dampening)
-            store_bufs(bufs)
-        if group["nesterov"]:
-            torch._foreach_add_(grads, bufs, alpha=momentum)
-        else:
-            grads = bufs
-    torch._foreach_add_(values, grads, alpha=-lr)
+            bufs, store_bufs = codecs.load_state(pieces, states, "momentum_buffer", device)
+    rule.sgd(rule.FOREACH, h, values, grads, bufs, store_bufs)
     store(pieces, values, flat)
 
 

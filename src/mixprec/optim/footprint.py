@@ -23,20 +23,22 @@ from __future__ import annotations
 
 import collections
 import copy
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 
 from mixprec.dtypes import LOW_PRECISION_DTYPES
 from mixprec.nested import local_share, shard_local
-from mixprec.optim import native
-from mixprec.optim.compiled import CompileSetting, compiles_param, use_compiled_route
+from mixprec.optim import routing
+from mixprec.optim import states as qstates
+from mixprec.optim.compiled import CompileSetting
 from mixprec.optim.fast import chunks, default_chunk_numel, fast_kind, fused_available
 
 __all__ = [
     "StateLayout",
     "local_share",
+    "low_precision_state_bytes",
     "low_precision_step_transient",
     "nbytes",
     "optimizer_state_bytes",
@@ -232,6 +234,28 @@ def update_transient_bytes(optimizer: torch.optim.Optimizer) -> int:
     return largest + transient
 
 
+def low_precision_state_bytes(
+    optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], low: Sequence[torch.Tensor], state_dtype: torch.dtype | None,
+) -> int:
+    """Bytes of the state of a low-precision wrapper over ``optimizer`` (see
+    :meth:`mixprec.optim.LowPrecisionOptimizer.state_bytes`): the per-element state of the ``low``
+    parameters in ``state_dtype`` (predicted before the first step), the rest as ``optimizer`` keeps it."""
+    low_ids = {id(p) for p in low}
+    layouts = state_layout(optimizer, as_float32=low)
+    total = 0
+    for q in unique_tensors(params):
+        state = optimizer.state.get(q)
+        if state:  # as it is
+            total += sum(nbytes(v) for v in unique_tensors(state_tensors_of(state)))
+            continue
+        for shape, dtype in layouts.get(id(q), {}).values():
+            shaped = id(q) in low_ids and shape == q.shape and dtype.is_floating_point
+            per_element = shape == q.shape  # of an FSDP2 shard: this rank's part (a step count: whole)
+            numel = round(shape.numel() * local_share(q)) if per_element else shape.numel()
+            total += qstates.tensor_bytes(numel, state_dtype) if shaped else numel * dtype.itemsize
+    return total
+
+
 def low_precision_step_transient(
     optimizer: torch.optim.Optimizer,
     *,
@@ -244,8 +268,21 @@ def low_precision_step_transient(
     snapshot_extra: int = 0,
 ) -> int:
     """Peak temporaries of one step of a low-precision wrapper over ``optimizer`` with these
-    settings (see :meth:`mixprec.optim.LowPrecisionOptimizer.step_transient_bytes`);
-    ``snapshot_extra``: bytes of the wrapper's state-kind tensors a guarded step copies too."""
+    settings (:meth:`mixprec.optim.LowPrecisionOptimizer.step_transient_bytes`), on the routes
+    :func:`mixprec.optim.routing.plan` picks for it:
+
+    - fp32 parameters (norm layers) are stepped by the inner optimizer as usual;
+    - low-precision ones on the fast path (:func:`mixprec.optim.fast.fast_step`) are expanded
+      chunk by chunk (at most ``chunk_numel`` elements; a larger contiguous parameter is cut into
+      pieces, another one goes alone): fp32 values and gradients, fp32 copies of low-precision
+      state, the foreach path's denominator, stochastic rounding's noise. Round-to-nearest stores
+      with everything in the parameters' dtype run torch's fused kernel in place (no scratch);
+      the compiled and native routes materialise nothing in fp32;
+    - on the generic path, one parameter at a time on reused fp32 scratch;
+    - with fp16 parameters, the step first snapshots every parameter and state tensor and
+      ``snapshot_extra`` bytes of its state kinds' tensors (kept for the whole step, so a
+      non-finite update can be undone).
+    """
     inner = optimizer
     store_dtype = state_dtype or torch.float32
     state_low = store_dtype != torch.float32
@@ -276,16 +313,11 @@ def low_precision_step_transient(
             continue
         kind = fast_kind(inner, group) if fast else None
         n_low_state = n_state if state_low else 0
-        if kind == "adam" and native.use_native_route(compile, rounding, state_dtype, build=False):
-            low = [q for q in low if not native.takes_param(rounding, q)]  # a 256-element block at a time, on the stack
-            if not low:
-                continue
-        taken = [q for q in low if compiles_param(rounding, state_dtype, q)]
-        if kind == "adam" and taken and use_compiled_route(compile, rounding, taken, probe=False,
-                                                           state_dtype=state_dtype):
-            if rounding == "remainder":  # one fused loop per parameter; a tie flag and two remainder bytes per element
-                scratch = max(scratch, 3 * sum(q.numel() for q in taken))
-            low = [q for q in low if not compiles_param(rounding, state_dtype, q)]  # these step eagerly
+        if kind == "adam":  # the step's own route decision, predicted (nothing built or compiled)
+            routes = routing.plan(rounding, state_dtype, compile, low, predict=True)
+            if rounding == "remainder" and routes.compiled:  # one fused loop per parameter; a tie flag and two remainder bytes per element
+                scratch = max(scratch, 3 * sum(q.numel() for q in routes.compiled))
+            low = routes.eager  # the native kernel steps a 256-element block at a time, on the stack
             if not low:
                 continue
         if kind is not None:

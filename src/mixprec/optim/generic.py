@@ -4,7 +4,8 @@ The inner optimizer steps an fp32 proxy of one low-precision parameter: its valu
 wrapper's expansion: plus Kahan compensation, or rebuilt from a remainder), its gradient and
 its per-element state expanded to fp32 on scratch buffers reused from parameter to
 parameter; the result is stored back by the wrapper's rounding and the state in the
-wrapper's ``state_dtype`` (8-bit blockwise through :mod:`mixprec.optim.states`).
+wrapper's ``state_dtype``, both by the state codecs (:func:`mixprec.optim.states.expand_for_step`,
+:func:`~mixprec.optim.states.keep_after_step`).
 """
 
 from __future__ import annotations
@@ -16,17 +17,9 @@ import torch
 
 from mixprec.optim import states as qstates
 
-__all__ = ["is_param_state", "step_one"]
+__all__ = ["step_one"]
 
 Scratch = dict[tuple[int, torch.device], torch.Tensor]
-
-
-def is_param_state(key: Any, value: Any, param: torch.Tensor) -> bool:
-    """A per-element state tensor of ``param`` (kept in ``state_dtype``); never the step count
-    (8-bit codes count too; their per-block scales do not)."""
-    if key == "step" or not isinstance(value, torch.Tensor) or value.shape != param.shape:
-        return False
-    return value.is_floating_point() or value.dtype == qstates.Q8
 
 
 def step_one(
@@ -53,22 +46,9 @@ def step_one(
     for factor in grad_scales:
         proxy.grad.mul_(factor.to(p.device))
     state = optimizer.state.pop(p, None)
-    stored: dict[Any, torch.Tensor] = {}
-    scales: dict[Any, torch.Tensor] = {}  # 8-bit states' block scales, kept beside their codes
-    if state:
-        expanded: dict[Any, Any] = {}
-        for slot, (key, value) in enumerate(list(state.items()), start=2):
-            if qstates.is_scale_key(key):
-                scales[key] = value
-            elif is_param_state(key, value, p) and value.dtype == qstates.Q8:
-                stored[key] = value
-                expanded[key] = qstates.value(state, key, out=buffer(slot))
-            elif is_param_state(key, value, p) and value.dtype != torch.float32:
-                stored[key] = value
-                expanded[key] = buffer(slot).copy_(value)
-            else:
-                expanded[key] = value
-        optimizer.state[proxy] = expanded
+    held = qstates.expand_for_step(state, p, buffer) if state else None
+    if held is not None:
+        optimizer.state[proxy] = held.expanded
     group["params"] = [proxy]
     try:
         optimizer.step()
@@ -78,22 +58,4 @@ def step_one(
         new = optimizer.state.pop(proxy, None)
         if new is not None:
             scratch_ptrs = {buf.untyped_storage().data_ptr() for buf in scratch.values()}
-            out: dict[Any, Any] = {}
-            for key, value in list(new.items()):
-                if key in stored and stored[key].dtype == qstates.Q8:
-                    held = {key: stored[key], f"{key}{qstates.ABSMAX}": scales[f"{key}{qstates.ABSMAX}"]}
-                    qstates.put(held, key, value, qstates.Q8)
-                    out.update(held)
-                elif key in stored:
-                    out[key] = stored[key].copy_(value)
-                elif is_param_state(key, value, p):
-                    target = value.dtype if state_dtype is None else state_dtype
-                    if target == qstates.Q8:
-                        qstates.put(out, key, value, target)  # created by this step
-                    elif value.dtype != target or value.untyped_storage().data_ptr() in scratch_ptrs:
-                        out[key] = value.to(target, copy=True)  # created by this step
-                    else:
-                        out[key] = value
-                else:
-                    out[key] = value
-            optimizer.state[p] = out
+            optimizer.state[p] = qstates.keep_after_step(new, held, p, state_dtype, scratch_ptrs)

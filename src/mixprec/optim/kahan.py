@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from mixprec.optim import shards
+from mixprec.optim import codecs, shards
 from mixprec.optim.compiled import CompileSetting
 from mixprec.optim.fast import Piece
 from mixprec.optim.follow import WriteWatch, load_compensation, register
@@ -139,23 +139,11 @@ class KahanOptimizer(LowPrecisionOptimizer):
         for p in params:
             self._compensation_for(p)
 
-    def _expand_into(self, param: torch.Tensor, out: torch.Tensor) -> None:
-        out.copy_(param).add_(self._compensation_for(param))
-
-    def _store(self, param: torch.Tensor, value32: torch.Tensor) -> None:
-        param.copy_(value32)
-        # value32 is scratch of this step: reuse it for the residual
-        self._compensation_for(param).copy_(value32.sub_(param))
-
     def _expand_many(self, pieces: list[Piece], values: list[torch.Tensor]) -> None:
-        torch._foreach_copy_(values, [pc.value for pc in pieces])
-        torch._foreach_add_(values, [pc.of(self._compensation_for(pc.param)) for pc in pieces])
+        codecs.kahan_load(pieces, values, [pc.of(self._compensation_for(pc.param)) for pc in pieces])
 
     def _store_many(self, pieces: list[Piece], values: list[torch.Tensor], flat: torch.Tensor) -> None:
-        targets = [pc.value for pc in pieces]
-        torch._foreach_copy_(targets, values)
-        torch._foreach_sub_(values, targets)
-        torch._foreach_copy_([pc.of(self._compensation_for(pc.param)) for pc in pieces], values)
+        codecs.kahan_store(pieces, values, [pc.of(self._compensation_for(pc.param)) for pc in pieces])
 
     def _compiled_rounding_inputs(self) -> tuple[Callable[[torch.Tensor], torch.Tensor] | None, list[int] | None]:
         return self._compensation_for, None

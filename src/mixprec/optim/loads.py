@@ -28,7 +28,6 @@ import torch
 
 from mixprec.dtypes import LOW_PRECISION_DTYPES
 from mixprec.optim import states as qstates
-from mixprec.optim.generic import is_param_state
 from mixprec.optim.snapshot import all_or_nothing
 
 __all__ = ["keep_state_dtype", "load_inner"]
@@ -61,7 +60,7 @@ def keep_state_dtype(
             continue
         live = optimizer.state.get(param, {})
         for key, value in saved.items():
-            if qstates.is_scale_key(key) or not is_param_state(key, value, param):
+            if qstates.is_scale_key(key) or not qstates.is_param_state(key, value, param):
                 continue
             scale_key = f"{key}{qstates.ABSMAX}"
             if dtype == qstates.Q8 and value.dtype == qstates.Q8 and scale_key in saved:

@@ -41,28 +41,11 @@ import torch
 
 from mixprec.compiling import check_environment
 from mixprec.dtypes import LOW_PRECISION_DTYPES
-from mixprec.optim import footprint, generic, routing, shards
+from mixprec.optim import checks, codecs, footprint, generic, routing, shards
 from mixprec.optim import states as qstates
 from mixprec.optim.base import WrappedOptimizer
-from mixprec.optim.checks import (
-    KINDS_KEY,
-    check_inner_state_dict,
-    check_kind_state,
-    check_rounding_state,
-    check_state_shapes,
-    lift_wrapper_state,
-    split_wrapper_state,
-)
 from mixprec.optim.compiled import CompileSetting, RemainderIO, check_compile_setting
-from mixprec.optim.fast import (
-    Piece,
-    default_chunk_numel,
-    fast_kind,
-    fast_step,
-    fused_available,
-    init_adam_state,
-    scalar_value,
-)
+from mixprec.optim.fast import Piece, default_chunk_numel, fast_kind
 from mixprec.optim.loads import keep_state_dtype
 from mixprec.optim.snapshot import Snapshot, all_or_nothing
 
@@ -97,21 +80,16 @@ class LowPrecisionOptimizer(WrappedOptimizer):
             generic path on CPU, several passes). Fused results equal the generic path's
             within fp32 rounding: a stored weight or moment can differ by one unit in the
             last place of its dtype where the fp32 result lies next to a rounding boundary.
-        compile: on the fast path, run Adam/AdamW groups through ``torch.compile``
-            (:func:`~mixprec.optim.compiled.compiled_adam_step`): expansion, update and store
-            fuse into one loop per parameter, nothing is materialised in fp32; the first
-            step compiles (seconds to a minute). Within fp32 rounding of the generic
-            path, like ``fused``. ``"auto"`` (the default) compiles the Kahan and
-            stochastic-rounding stores and 8-bit moments of groups with at least 2**20
-            low-precision elements when torch.compile works on their device (several
-            times faster than the eager fast path there), and falls back to the eager fast path, with
-            one warning, if compilation fails (see
-            :func:`~mixprec.optim.compiled.use_compiled_route`). Even with ``True`` a group
-            steps eagerly when its parameters have different step counts (the compiled
-            update takes one) or once the process has compiled 48 layouts. On the CPU,
-            ``"auto"`` steps 8-bit moments (and remainder masters with bf16 moments)
-            on the native route instead (:mod:`mixprec.optim.native`: a C loop per weight,
-            the eager path's bits, no compilation per layout), where it is available.
+        compile: which executor steps Adam/AdamW groups (:func:`mixprec.optim.routing.plan`):
+            ``True`` the compiled route (:func:`~mixprec.optim.compiled.compiled_adam_step`: one
+            ``torch.compile``-d loop per parameter, nothing materialised in fp32, within fp32
+            rounding of the generic path; the first step compiles), ``False`` the eager fast path,
+            ``"auto"`` (the default) the native C kernel on the CPU for 8-bit moments and remainder
+            masters with bf16 moments (:func:`~mixprec.optim.native.use_native_route`) and the
+            compiled route for the Kahan and stochastic-rounding stores and 8-bit moments of large
+            groups (:func:`~mixprec.optim.compiled.use_compiled_route`), falling back to the eager
+            path, with one warning, if compilation fails. Parameters with different step counts,
+            or past 48 compiled layouts per process, step eagerly.
 
     The wrapper never changes a parameter's ``data`` or ``grad`` (DDP's gradient hooks
     and bucket views stay attached): the generic path runs the inner optimizer on fp32
@@ -122,8 +100,7 @@ class LowPrecisionOptimizer(WrappedOptimizer):
     """
 
     _STATE_KEY = "mixprec_lowbit"
-    #: how updated weights are stored: ``"nearest"`` (fused kernels may then update the
-    #: low-precision tensors in place), ``"kahan"`` or ``"stochastic"``
+    #: how updated weights are stored (:mod:`mixprec.optim.codecs`): nearest, kahan, stochastic, remainder
     rounding: ClassVar[str] = "nearest"
     #: the least the fast path expands at a time on the CPU when ``chunk_numel`` is None
     #: (the CPU default keeps a chunk in the caches; a wrapper with more host work per chunk
@@ -174,18 +151,18 @@ class LowPrecisionOptimizer(WrappedOptimizer):
     def _low_params(self) -> list[torch.nn.Parameter]:
         return [p for p in self.params() if p.dtype in LOW_PRECISION_DTYPES]
 
-    # ------------------------------------------------- expand / store (one parameter or many)
+    # ------------------------------------ expand / store: the weight codec, many pieces or one parameter
     def _expand_into(self, param: torch.Tensor, out: torch.Tensor) -> None:
-        out.copy_(param)
+        self._expand_many([Piece(param, 0, param.numel())], [out])
 
     def _store(self, param: torch.Tensor, value32: torch.Tensor) -> None:
-        param.copy_(value32)
+        self._store_many([Piece(param, 0, param.numel())], [value32], value32.view(-1))  # contiguous scratch
 
     def _expand_many(self, pieces: list[Piece], values: list[torch.Tensor]) -> None:
-        torch._foreach_copy_(values, [pc.value for pc in pieces])
+        codecs.nearest_load(pieces, values)
 
     def _store_many(self, pieces: list[Piece], values: list[torch.Tensor], flat: torch.Tensor) -> None:
-        torch._foreach_copy_([pc.value for pc in pieces], values)
+        codecs.nearest_store(pieces, values)
 
     # ------------------------------------------------------------------------------ step
     @torch.no_grad()
@@ -200,7 +177,7 @@ class LowPrecisionOptimizer(WrappedOptimizer):
         """
         if closure is not None:
             raise ValueError(f"{type(self).__name__}.step() does not take a closure; compute the loss before step()")
-        if self._state_init_only():
+        if shards.zero_step(self):  # an FSDP2 checkpoint's step that only creates state
             return None
         guarded = any(p.dtype == torch.float16 for p in self._low_params())
         self.follow_writes(self._low_params())  # before the snapshot: an undo must not bring back a stale residual
@@ -216,50 +193,9 @@ class LowPrecisionOptimizer(WrappedOptimizer):
                 self._restore(self._snapshot)
         return result
 
-    def _state_init_only(self) -> bool:
-        """Over FSDP2 shards, a step with every learning rate 0 and every gradient zero only
-        creates state: torch.distributed.checkpoint's get/set_optimizer_state_dict take such a
-        step to give an optimizer whose ``state`` is empty (SGD without momentum keeps none) the
-        tensors to save or load into, every time. A real step would round weight + compensation
-        again, draw rounding noise or change the moments of the weights just loaded."""
-        groups = self.optimizer.param_groups
-        if "lr" in groups[0] and scalar_value(groups[0]["lr"]) != 0.0:
-            return False  # (every real step: decided from the first group alone)
-        low = [p for p in self._low_params() if p.grad is not None]
-        if not low or not any(shards.is_dtensor(p) for p in low) or not shards.is_zero_step(groups):
-            return False
-        dtype = torch.float32 if self.state_dtype is None else self.state_dtype
-        generic: list[torch.Tensor] = []  # stepped on the generic path (fused, other optimizers): its own zero step
-        for group in groups:
-            mine = [p for p in group["params"] if p.dtype in LOW_PRECISION_DTYPES and p.grad is not None]
-            kind = self._fast_kind(group) if mine else None
-            if mine and kind is None:
-                generic.extend(mine)
-            if kind == "adam":
-                init_adam_state(self.optimizer, group, mine, dtype)
-            elif kind == "sgd" and group.get("momentum", 0) != 0:  # torch's SGD would keep zero buffers
-                for p in mine:  # (8-bit state is refused on shards: a float dtype here)
-                    state = self.optimizer.state[p]
-                    if state.get("momentum_buffer") is None:
-                        state["momentum_buffer"] = torch.zeros_like(p, dtype=dtype)
-        # the fp32 parameters (norm layers): the inner optimizer's own zero step, as torch's would be
-        saved = [group["params"] for group in groups]
-        try:
-            for group, params in zip(groups, saved, strict=True):
-                group["params"] = [p for p in params if p.dtype not in LOW_PRECISION_DTYPES]
-            if any(p.grad is not None for group in groups for p in group["params"]):
-                self._step_full_precision()
-        finally:
-            for group, params in zip(groups, saved, strict=True):
-                group["params"] = params
-        if generic:  # lr 0 and zero gradients: the weights (and compensation) come back as they were
-            self.step_selected(set(generic))
-        self._init_kinds(low)
-        return True
-
     def _init_kinds(self, params: list[torch.nn.Parameter]) -> None:
         """Create what a first step creates beside the optimizer's state for ``params``
-        (compensation, rounding noise), changing nothing (see :meth:`_state_init_only`)."""
+        (compensation, rounding noise), changing nothing (see :func:`mixprec.optim.shards.zero_step`)."""
 
     @torch.no_grad()
     def step_selected(self, selected: set[torch.Tensor] | None) -> Any:
@@ -295,19 +231,7 @@ class LowPrecisionOptimizer(WrappedOptimizer):
                     if not active:
                         group["params"] = []
                         continue
-                if kind == "adam":  # the compiled route (mixprec.optim.routing) steps what it takes
-                    active = group["params"] = routing.compiled_route(self, group, active, whole_step=selected is None)
-                if active and kind is not None:
-                    fast_step(
-                        self.optimizer, group, active, kind=kind, state_dtype=self.state_dtype,
-                        expand=self._expand_many, store=self._store_many,
-                        chunk_numel=qstates.chunk_numel(self._chunk_limit(active[0].device), self.state_dtype),
-                        fused=self.fused and fused_available(active[0].device), plain_store=self.rounding == "nearest",
-                        grad_scales=self._pending_grad_scales(),
-                    )
-                else:
-                    for p in active:  # none left when the compiled route stepped them all
-                        self._step_one(p, group, scratch)
+                routing.run_group(self, group, active, kind, scratch, whole_step=selected is None)
                 group["params"] = []
         finally:
             for group, params in zip(groups, saved, strict=True):
@@ -329,22 +253,7 @@ class LowPrecisionOptimizer(WrappedOptimizer):
             )
         with shards.ShardViews(self.optimizer, active, self._shard_cache()) as views:
             group["params"] = views
-            if kind == "adam":
-                views = group["params"] = routing.compiled_route(self, group, views, whole_step=True)
-            if not views:
-                return
-            if kind is not None:
-                fast_step(
-                    self.optimizer, group, views, kind=kind, state_dtype=self.state_dtype,
-                    expand=self._expand_many, store=self._store_many,
-                    chunk_numel=self._chunk_limit(views[0].device),
-                    fused=self.fused and fused_available(views[0].device), plain_store=self.rounding == "nearest",
-                    grad_scales=self._pending_grad_scales(),
-                )
-            else:
-                for view in views:
-                    if view.grad is not None:
-                        self._step_one(view, group, scratch)
+            routing.run_group(self, group, views, kind, scratch, whole_step=True)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(super().__getstate__())
@@ -356,7 +265,6 @@ class LowPrecisionOptimizer(WrappedOptimizer):
         if cache is None:  # (a wrapper pickled before shards were stepped)
             cache = self._shard_views = {}
         return cache
-
 
     def _chunk_limit(self, device: torch.device) -> int:
         """Elements the fast path expands at a time on ``device``: ``chunk_numel``, else the
@@ -473,7 +381,7 @@ class LowPrecisionOptimizer(WrappedOptimizer):
         self.follow_writes(self._low_params())  # a weight written since its last step: its kinds follow first
         out = {**self.rounding_state(), **self.kinds.state(list(self.params()))}
         if self.kinds:
-            out[KINDS_KEY] = sorted(self.kinds.kinds)
+            out[checks.KINDS_KEY] = sorted(self.kinds.kinds)
         return out
 
     def load_extra_state(self, extra: dict[str, Any]) -> None:
@@ -499,11 +407,11 @@ class LowPrecisionOptimizer(WrappedOptimizer):
         """Everything :meth:`load_state_dict` checks, changing nothing; returns (the inner
         optimizer's state_dict, this wrapper's own entry)."""
         owner, params = type(self).__name__, list(self.params())
-        sd, extra = split_wrapper_state(lift_wrapper_state(state_dict, self._STATE_KEY), self._STATE_KEY, owner)
-        check_rounding_state(extra, self.rounding, owner)
-        check_kind_state(self.kinds, extra, params, owner)
-        check_inner_state_dict(self.optimizer, sd)
-        check_state_shapes(params, sd)
+        sd, extra = checks.split_wrapper_state(checks.lift_wrapper_state(state_dict, self._STATE_KEY), self._STATE_KEY, owner)
+        checks.check_rounding_state(extra, self.rounding, owner)
+        checks.check_kind_state(self.kinds, extra, params, owner)
+        checks.check_inner_state_dict(self.optimizer, sd)
+        checks.check_state_shapes(params, sd)
         return sd, extra
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -523,42 +431,19 @@ class LowPrecisionOptimizer(WrappedOptimizer):
     def state_bytes(self) -> dict[str, int]:
         """The inner optimizer's state: low-precision parameters' per-element state in
         ``state_dtype`` (predicted before the first step), the rest as the optimizer keeps it."""
-        low = self._low_params()
-        low_ids = {id(p) for p in low}
-        layouts = footprint.state_layout(self.optimizer, as_float32=low)
-        total = 0
-        for q in footprint.unique_tensors(self.params()):
-            state = self.optimizer.state.get(q)
-            if state:  # as it is
-                total += sum(footprint.nbytes(v) for v in footprint.unique_tensors(footprint.state_tensors_of(state)))
-                continue
-            for shape, dtype in layouts.get(id(q), {}).values():
-                shaped = id(q) in low_ids and shape == q.shape and dtype.is_floating_point
-                per_element = shape == q.shape  # of an FSDP2 shard: this rank's part (a step count: whole)
-                numel = round(shape.numel() * footprint.local_share(q)) if per_element else shape.numel()
-                total += qstates.tensor_bytes(numel, self.state_dtype) if shaped else numel * dtype.itemsize
+        total = footprint.low_precision_state_bytes(self.optimizer, list(self.params()), self._low_params(), self.state_dtype)
         return self.kind_bytes({"optimizer_state": total})
 
     def step_transient_bytes(self) -> int:
-        """Peak temporaries of one :meth:`step`, as it runs them:
-
-        - fp32 parameters (norm layers) are stepped by the inner optimizer as usual;
-        - low-precision ones on the fast path (:func:`mixprec.optim.fast.fast_step`) are
-          expanded chunk by chunk (at most ``chunk_numel`` elements; a larger contiguous
-          parameter is cut into pieces, another one goes alone): fp32 values and gradients, fp32 copies of low-precision state, the
-          foreach path's denominator, stochastic rounding's noise. Round-to-nearest stores
-          with everything in the parameters' dtype run torch's fused kernel in place (no
-          scratch); the compiled route materialises nothing in fp32;
-        - on the generic path, one parameter at a time on reused fp32 scratch;
-        - with fp16 parameters, the step first snapshots every parameter and state tensor
-          and its state kinds' tensors (kept for the whole step, so a non-finite update can be undone).
-        """
+        """Peak temporaries of one :meth:`step`, as it runs them
+        (:func:`mixprec.optim.footprint.low_precision_step_transient`)."""
         return footprint.low_precision_step_transient(
             self.optimizer, state_dtype=self.state_dtype, fast=self.fast, fused=self.fused, compile=self.compile,
             chunk_numel=self._chunk_limit(low[0].device) if (low := self._low_params()) else self.chunk_numel,
             rounding=self.rounding,
             snapshot_extra=sum(self.kinds.bytes_by_category(self.params()).values()),
         )
+
 
 def _holds(saved: list[list[torch.Tensor]], where: tuple[int, int], param: torch.Tensor) -> bool:
     group, position = where

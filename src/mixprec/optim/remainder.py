@@ -34,18 +34,14 @@ from typing import Any, ClassVar
 import torch
 
 from mixprec.nested import by_device_dtype
-from mixprec.optim import shards
-from mixprec.optim.compiled import SCREEN, CompileSetting, RemainderIO, screened_nonzero
+from mixprec.optim import codecs, shards
+from mixprec.optim.compiled import CompileSetting, RemainderIO
 from mixprec.optim.fast import Piece, prefer_fast_update
 from mixprec.optim.follow import Seeds, WriteWatch, master_value, register
 from mixprec.optim.kinds import StateKind
 from mixprec.optim.lowbit import LowPrecisionOptimizer
-from mixprec.optim.quant import join_master, split_master
 
 __all__ = ["REMAINDER", "REMAINDER_TIES", "RemainderOptimizer"]
-
-_TIE_FIX = 1 << 16  # a tie rounded down decodes one bf16 unit low: its bits are 0x10000 higher
-
 
 def _bf16(param: torch.Tensor) -> bool:
     return param.dtype == torch.bfloat16
@@ -175,7 +171,7 @@ class RemainderOptimizer(LowPrecisionOptimizer):
         rem = self.kinds.get(REMAINDER.name, param)
         if rem is None:
             return param.detach().float()
-        return join_master(param.detach(), rem, self._ties(param))
+        return codecs.remainder_master(param.detach(), rem, self._ties(param))
 
     def master_of(self, param: torch.Tensor) -> torch.Tensor | None:
         """The fp32 master of a bf16 model parameter this wrapper steps, rebuilt exactly (a new
@@ -190,9 +186,8 @@ class RemainderOptimizer(LowPrecisionOptimizer):
     @torch.no_grad()
     def _set_master(self, param: torch.Tensor, master: torch.Tensor) -> None:
         """Store ``master`` (which rounds to ``param``'s weight) as its remainder and ties."""
-        weight, rem, ties = split_master(master.contiguous())
-        same = weight.view(torch.int16) == param.detach().contiguous().view(torch.int16)
-        if not bool((same | (weight.isnan() & param.detach().isnan())).all()):  # NaN bits may differ
+        weight, rem, ties = codecs.remainder_split(master.contiguous())
+        if not codecs.same_weight(weight, param.detach()):  # NaN bits may differ
             raise ValueError("a master value that does not round to its weight")  # pragma: no cover - callers ensure
         self.kinds.set(REMAINDER.name, param, rem)
         self.kinds.set(REMAINDER_TIES.name, param, ties)
@@ -299,44 +294,26 @@ class RemainderOptimizer(LowPrecisionOptimizer):
         with _as_master_update(self.optimizer, [group]):
             super()._step_one(p, group, scratch)
 
-    # ------------------------------------------------------- expand / store
+    # ------------------------------------------------------- expand / store (mixprec.optim.codecs)
     def _expand_into(self, param: torch.Tensor, out: torch.Tensor) -> None:
         if not out.is_contiguous():  # pragma: no cover - the scratch buffers are contiguous
             raise ValueError("the fp32 scratch of a remainder step must be contiguous")
-        join_master(param.detach().contiguous(), self._remainder_for(param), self._ties(param), out=out)
+        codecs.remainder_master(param.detach().contiguous(), self._remainder_for(param), self._ties(param), out=out)
 
     def _store(self, param: torch.Tensor, value32: torch.Tensor) -> None:
-        weight, rem, ties = split_master(value32)
+        weight, rem, ties = codecs.remainder_split(value32)
         param.copy_(weight)
         self._remainder_for(param).copy_(rem)
         self.kinds.set(REMAINDER_TIES.name, param, ties)
 
     def _expand_many(self, pieces: list[Piece], values: list[torch.Tensor]) -> None:
-        torch._foreach_copy_(values, [pc.value for pc in pieces])  # exact: the weight's bits, shifted up 16
-        ints = [v.view(torch.int32) for v in values]
-        torch._foreach_add_(ints, [pc.of(self._remainder_for(pc.param)) for pc in pieces])  # int16, sign-extended
-        for pc, v in zip(pieces, ints, strict=True):
-            ties = self._ties(pc.param)
-            if ties.numel():  # rare: most weights have none (no device sync then)
-                inside = ties if pc.whole else _between(ties, pc.start, pc.end) - pc.start
-                v.view(-1)[inside] += _TIE_FIX
+        codecs.remainder_load(pieces, values, [pc.of(self._remainder_for(pc.param)) for pc in pieces],
+                              [self._ties(pc.param) for pc in pieces])
 
     def _store_many(self, pieces: list[Piece], values: list[torch.Tensor], flat: torch.Tensor) -> None:
-        torch._foreach_copy_([pc.value for pc in pieces], values)  # round to nearest even
-        low = torch.empty(flat.numel(), dtype=torch.int16, device=flat.device)
-        low.copy_(flat.view(torch.int32))  # int32 -> int16 keeps the low half, bit for bit
-        offsets = [0]
-        for pc in pieces:
-            offsets.append(offsets[-1] + pc.end - pc.start)
-        torch._foreach_copy_(
-            [pc.of(self._remainder_for(pc.param)).view(-1) for pc in pieces],
-            [low[offsets[i] : offsets[i + 1]] for i in range(len(pieces))],
-        )
-        tied = _ties_of(flat, low)
-        cuts = torch.searchsorted(tied, torch.tensor(offsets, device=tied.device)).tolist() if tied.numel() else None
-        for i, pc in enumerate(pieces):
+        rems = [pc.of(self._remainder_for(pc.param)).view(-1) for pc in pieces]
+        for pc, new in zip(pieces, codecs.remainder_store(pieces, values, flat, rems), strict=True):
             old = self._ties(pc.param)
-            new = tied[cuts[i] : cuts[i + 1]] - offsets[i] + pc.start if cuts is not None else tied
             if not (old.numel() or new.numel()):
                 continue
             if pc.whole:
@@ -359,28 +336,3 @@ def _as_master_update(optimizer: torch.optim.Optimizer, groups: list[dict[str, A
     finally:
         for group, (foreach, fused) in zip(groups, saved, strict=True):
             group["foreach"], group["fused"] = foreach, fused
-
-
-def _ties_of(flat: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
-    """The sorted positions of the fp32 values in ``flat`` exactly halfway between two bf16
-    values and rounded down to even: low 17 bits 0x8000. ``low`` holds their low halves (int16).
-
-    A tie's low half is 0x8000, int16's minimum: one block minimum per 1024 elements (a fast
-    reduction) screens out nearly every block; only the few left are tested element by element.
-    """
-    bits = flat.view(torch.int32)
-    if flat.device.type != "cpu":  # one nonzero, one host sync per chunk: the screen would cost three
-        return ((bits & 0x1FFFF) == 0x8000).nonzero().view(-1)
-    whole = low.numel() - low.numel() % SCREEN
-    blocks = bits[:whole].view(-1, SCREEN)
-    return screened_nonzero(
-        low[:whole].view(-1, SCREEN).amin(1) == -32768,
-        lambda ids: (blocks[ids] & 0x1FFFF) == 0x8000,
-        (bits[whole:] & 0x1FFFF) == 0x8000,
-    )
-
-
-def _between(ties: torch.Tensor, start: int, end: int) -> torch.Tensor:
-    """The sorted ``ties`` in ``[start, end)``."""
-    lo, hi = torch.searchsorted(ties, torch.tensor([start, end], device=ties.device)).tolist()
-    return ties[lo:hi]

@@ -1,7 +1,11 @@
-"""Which Adam/AdamW groups of a low-precision wrapper take the compiled route, and the layout keys it records.
+"""Which executor steps each weight of a low-precision wrapper's Adam/AdamW groups, and the layout keys it records.
 
-:class:`~mixprec.optim.LowPrecisionOptimizer` asks :func:`compiled_route` once per param
-group and step; the compiled update itself is :func:`~mixprec.optim.compiled.compiled_adam_step`.
+:func:`plan` is the one route decision: :class:`~mixprec.optim.LowPrecisionOptimizer`'s step
+asks it through :func:`compiled_route` once per param group and step, and the memory estimate
+(:func:`mixprec.optim.footprint.low_precision_step_transient`) asks it too; the executors each
+device type offers are listed in :data:`EXECUTORS`. The compiled update itself is
+:func:`~mixprec.optim.compiled.compiled_adam_step`, the native one
+:func:`~mixprec.optim.native.native_adam_step`.
 A layout (shapes, dtypes, options, rounding, state dtype, device type) is compiled once and
 recorded by its key in the wrapper's ``_compiled_layouts`` (checkpointed, so a resumed run
 takes the routes it took before); :func:`upgraded_layout` reads the keys of earlier builds.
@@ -16,13 +20,15 @@ takes the routes it took before); :func:`upgraded_layout` reads the keys of earl
 from __future__ import annotations
 
 import ast
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
 from mixprec.compiling import mark_compile_failed
 from mixprec.optim import native
+from mixprec.optim import states as qstates
 from mixprec.optim.compiled import (
     CompileRouteFailed,
     CompileSetting,
@@ -35,10 +41,11 @@ from mixprec.optim.compiled import (
     uniform_steps,
     use_compiled_route,
 )
+from mixprec.optim.fast import Piece, fast_step, fused_available
 
 __all__ = [
-    "compiled_layout_ok", "compiled_route", "compiled_step", "layout_key_suffix", "loaded_layouts", "native_route",
-    "upgraded_layout",
+    "EXECUTORS", "Routes", "compiled_layout_ok", "compiled_route", "compiled_step", "executors", "layout_key_suffix",
+    "loaded_layouts", "plan", "run_group", "upgraded_layout",
 ]
 
 
@@ -60,51 +67,124 @@ class Routed(Protocol):
 
     def _pending_grad_scales(self) -> list[torch.Tensor]: ...
 
+    fused: bool
+
+    def _expand_many(self, pieces: list[Piece], values: list[torch.Tensor]) -> None: ...
+
+    def _store_many(self, pieces: list[Piece], values: list[torch.Tensor], flat: torch.Tensor) -> None: ...
+
+    def _chunk_limit(self, device: torch.device) -> int: ...
+
+    def _step_one(self, p: torch.nn.Parameter, group: dict[str, Any], scratch: dict[Any, torch.Tensor]) -> None: ...
+
 
 #: the stores the compiled update implements
 COMPILED_ROUNDINGS = ("nearest", "kahan", "stochastic", "remainder")
 
+#: the executors an Adam/AdamW group's low-precision weights are offered to on each device type,
+#: in order: a weight steps on the first that takes it (``"eager"``: the fast path, which takes all)
+EXECUTORS: dict[str, tuple[str, ...]] = {
+    "cpu": ("native", "compiled", "eager"),  # native: the C kernel (mixprec.optim.native)
+    "default": ("compiled", "eager"),
+}
+
+
+def executors(device_type: str) -> tuple[str, ...]:
+    """The executors of :data:`EXECUTORS` for ``device_type``."""
+    return EXECUTORS.get(device_type, EXECUTORS["default"])
+
+
+@dataclass(frozen=True)
+class Routes:
+    """Which executor steps each weight of an Adam/AdamW group (each list in the group's order)."""
+
+    native: list[Any]
+    compiled: list[Any]
+    eager: list[Any]  # what is left for the eager fast path when the compiled route runs
+    rest: list[Any]  # what is left when it does not: every weight but the native ones
+
+
+def plan(
+    rounding: str, state_dtype: torch.dtype | None, setting: CompileSetting, params: Sequence[torch.Tensor], *,
+    whole_step: bool = True, comps: Callable[[torch.Tensor], torch.Tensor] | None = None, predict: bool = False,
+    native_first: bool = True,
+) -> Routes:
+    """The one route decision of an Adam/AdamW group's low-precision ``params``, for the step
+    and for the memory estimate (``predict``: nothing is built or compiled to decide, and a weight's
+    gradient and compensation are not looked at). A weight goes native where the device's
+    :data:`EXECUTORS` list it, :func:`~mixprec.optim.native.use_native_route` allows and
+    :func:`~mixprec.optim.native.takes` (predicting: ``takes_param``) admits it; of the others, the
+    ones :func:`~mixprec.optim.compiled.compiles_param` admits go compiled if
+    :func:`~mixprec.optim.compiled.use_compiled_route` says so; the rest step eagerly. The step
+    also asks for one step count and a layout budget (:func:`compiled_layout_ok`) before it
+    compiles; ``native_first=False`` plans what the native kernel left."""
+    params = list(params)
+    if rounding not in COMPILED_ROUNDINGS:
+        return Routes([], [], params, params)
+    native_ids: set[int] = set()
+    if native_first and native.use_native_route(setting, rounding, state_dtype, build=not predict):
+        with_comp = comps is not None and rounding in ("kahan", "remainder")
+        for p in params:
+            if "native" not in executors(p.device.type):
+                continue
+            if native.takes_param(rounding, p) if predict else native.takes(rounding, p, comps(p) if with_comp else None):  # type: ignore[misc]
+                native_ids.add(id(p))
+    left = [p for p in params if id(p) not in native_ids]
+    taken = [p for p in left if "compiled" in executors(p.device.type) and compiles_param(rounding, state_dtype, p)]
+    compiled: list[Any] = []
+    if taken and use_compiled_route(
+        setting, rounding, taken, whole_step=whole_step, probe=not predict, state_dtype=state_dtype
+    ):
+        compiled = taken
+    compiled_ids = {id(p) for p in compiled}
+    return Routes(
+        [p for p in params if id(p) in native_ids], compiled, [p for p in left if id(p) not in compiled_ids], left,
+    )
+
+
+def run_group(opt: Routed, group: dict[str, Any], active: list[torch.nn.Parameter], kind: str | None,
+              scratch: dict[Any, torch.Tensor], *, whole_step: bool) -> None:
+    """Step ``active`` (the low-precision parameters of ``group`` with gradients, which ``group``
+    holds now) on their executors: an Adam/AdamW group's on those :func:`plan` picks
+    (:func:`compiled_route`), the rest of a fast kind (``"adam"``, ``"sgd"``) on the eager fast path
+    (:func:`~mixprec.optim.fast.fast_step`: the codecs' chunks, the rule), any other one parameter
+    at a time on the generic path (the inner optimizer on fp32 proxies)."""
+    if kind == "adam":
+        active = group["params"] = compiled_route(opt, group, active, whole_step=whole_step)
+    if active and kind is not None:
+        device = active[0].device
+        fast_step(
+            opt.optimizer, group, active, kind=kind, state_dtype=opt.state_dtype, expand=opt._expand_many,
+            store=opt._store_many, chunk_numel=qstates.chunk_numel(opt._chunk_limit(device), opt.state_dtype),
+            fused=opt.fused and fused_available(device), plain_store=opt.rounding == "nearest",
+            grad_scales=opt._pending_grad_scales(),
+        )
+        return
+    for p in active:  # none left when the compiled route stepped them all
+        if p.grad is not None:
+            opt._step_one(p, group, scratch)
+
 
 def compiled_route(opt: Routed, group: dict[str, Any], active: list[torch.nn.Parameter], *, whole_step: bool) -> list[torch.nn.Parameter]:
     """Step an Adam/AdamW group's ``active`` parameters on the native or the compiled route
-    where one is taken; returns those left for the eager path (``active`` itself when
-    neither is taken). The native route (:func:`native_route`) goes first, also for a step
-    of some parameters (``whole_step=False``: it compiles nothing per layout); of the rest,
-    only the weights :func:`~mixprec.optim.compiled.compiles_param` admits take the compiled
-    route, the others step eagerly."""
-    if opt.rounding not in COMPILED_ROUNDINGS:
-        return active
-    active = native_route(opt, group, active)
-    if not active:
-        return active
-    taken: list[torch.nn.Parameter] = []
-    rest: list[torch.nn.Parameter] = []
-    for p in active:
-        (taken if compiles_param(opt.rounding, opt.state_dtype, p) else rest).append(p)
-    if taken and use_compiled_route(
-        opt.compile, opt.rounding, taken, whole_step=whole_step, state_dtype=opt.state_dtype
-    ) and (reserved := compiled_layout_ok(opt, group, taken)):
-        return compiled_step(opt, group, taken, reserved) + rest
-    return active
-
-
-def native_route(opt: Routed, group: dict[str, Any], active: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
-    """Step the parameters of ``active`` that the native kernel takes
-    (:func:`~mixprec.optim.native.use_native_route`, :func:`~mixprec.optim.native.takes`);
-    returns the others, in order."""
-    if not native.use_native_route(opt.compile, opt.rounding, opt.state_dtype):
-        return active
+    where :func:`plan` sends them; returns those left for the eager path (``active`` itself when
+    neither is taken). The native route goes first, also for a step of some parameters
+    (``whole_step=False``: it compiles nothing per layout)."""
     comps, counter = opt._compiled_rounding_inputs()
-    with_comp = comps is not None and opt.rounding in ("kahan", "remainder")
-    taken = [p for p in active if native.takes(opt.rounding, p, comps(p) if with_comp else None)]  # type: ignore[misc]
-    if not taken:
-        return active
-    left = native.native_adam_step(
-        opt.optimizer, group, taken, state_dtype=opt.state_dtype, rounding=opt.rounding, comps=comps,
-        counter=counter, grad_scales=opt._pending_grad_scales(), remainder=opt._compiled_remainder(),
-    )
-    stepped = {id(p) for p in taken} - {id(p) for p in left}
-    return [p for p in active if id(p) not in stepped]
+    routes = plan(opt.rounding, opt.state_dtype, opt.compile, active, whole_step=whole_step, comps=comps)
+    if routes.native:
+        left = native.native_adam_step(
+            opt.optimizer, group, routes.native, state_dtype=opt.state_dtype, rounding=opt.rounding, comps=comps,
+            counter=counter, grad_scales=opt._pending_grad_scales(), remainder=opt._compiled_remainder(),
+        )
+        stepped = {id(p) for p in routes.native} - {id(p) for p in left}
+        active = [p for p in active if id(p) not in stepped]
+        if not active:
+            return active
+        routes = plan(opt.rounding, opt.state_dtype, opt.compile, active, whole_step=whole_step, native_first=False)
+    if routes.compiled and (reserved := compiled_layout_ok(opt, group, routes.compiled)):
+        return compiled_step(opt, group, routes.compiled, reserved) + routes.eager
+    return active
 
 
 def compiled_layout_ok(opt: Routed, group: dict[str, Any], active: list[torch.nn.Parameter]) -> LayoutReservation | None:

@@ -27,10 +27,13 @@ from typing import Any
 
 import torch
 
+from mixprec.dtypes import LOW_PRECISION_DTYPES
 from mixprec.nested import shard_local
+from mixprec.optim.fast import init_adam_state
+from mixprec.optim.rule import scalar_value
 
 __all__ = ["ELEMENTWISE", "ShardViews", "check_shardable", "is_dtensor", "is_zero_step", "local_of", "owner_of",
-           "shard_index", "wrap_like"]
+           "shard_index", "wrap_like", "zero_step"]
 
 #: torch optimizers whose update of an element reads only that element's weight, gradient and state
 ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
@@ -175,3 +178,46 @@ class ShardViews:
                 else:
                     out[key] = value  # step counts, scalars
             state[p] = out
+
+
+def zero_step(opt: Any) -> bool:
+    """Over FSDP2 shards, a step with every learning rate 0 and every gradient zero only
+    creates state: torch.distributed.checkpoint's get/set_optimizer_state_dict take such a
+    step to give an optimizer whose ``state`` is empty (SGD without momentum keeps none) the
+    tensors to save or load into, every time. A real step would round weight + compensation
+    again, draw rounding noise or change the moments of the weights just loaded. ``opt``: a
+    :class:`~mixprec.optim.LowPrecisionOptimizer`; True when the step was such a step (taken here)."""
+    groups = opt.optimizer.param_groups
+    if "lr" in groups[0] and scalar_value(groups[0]["lr"]) != 0.0:
+        return False  # (every real step: decided from the first group alone)
+    low = [p for p in opt._low_params() if p.grad is not None]
+    if not low or not any(is_dtensor(p) for p in low) or not is_zero_step(groups):
+        return False
+    dtype = torch.float32 if opt.state_dtype is None else opt.state_dtype
+    generic: list[torch.Tensor] = []  # stepped on the generic path (fused, other optimizers): its own zero step
+    for group in groups:
+        mine = [p for p in group["params"] if p.dtype in LOW_PRECISION_DTYPES and p.grad is not None]
+        kind = opt._fast_kind(group) if mine else None
+        if mine and kind is None:
+            generic.extend(mine)
+        if kind == "adam":
+            init_adam_state(opt.optimizer, group, mine, dtype)
+        elif kind == "sgd" and group.get("momentum", 0) != 0:  # torch's SGD would keep zero buffers
+            for p in mine:  # (8-bit state is refused on shards: a float dtype here)
+                state = opt.optimizer.state[p]
+                if state.get("momentum_buffer") is None:
+                    state["momentum_buffer"] = torch.zeros_like(p, dtype=dtype)
+    # the fp32 parameters (norm layers): the inner optimizer's own zero step, as torch's would be
+    saved = [group["params"] for group in groups]
+    try:
+        for group, params in zip(groups, saved, strict=True):
+            group["params"] = [p for p in params if p.dtype not in LOW_PRECISION_DTYPES]
+        if any(p.grad is not None for group in groups for p in group["params"]):
+            opt._step_full_precision()
+    finally:
+        for group, params in zip(groups, saved, strict=True):
+            group["params"] = params
+    if generic:  # lr 0 and zero gradients: the weights (and compensation) come back as they were
+        opt.step_selected(set(generic))
+    opt._init_kinds(low)
+    return True

@@ -22,8 +22,8 @@ scale, against 4 (fp32) or 2 (bf16).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import torch
 
@@ -35,9 +35,13 @@ __all__ = [
     "BLOCK",
     "FP16_REFUSAL",
     "Q8",
+    "Held",
     "describe",
     "element_bytes",
+    "expand_for_step",
+    "is_param_state",
     "is_scale_key",
+    "keep_after_step",
     "parse_state_dtype",
     "put",
     "signed_key",
@@ -236,3 +240,61 @@ def store_pieces(pieces: Sequence[tuple[torch.Tensor, torch.Tensor | None]], key
     torch._foreach_copy_([c.view(-1) for c, _ in pieces], [codes[a:e] for a, e in spans])
     torch._foreach_copy_([_scales(sc) for _, sc in pieces],
                          [scales[b : b + _blocks(c.numel())] for b, (c, _) in zip(starts, pieces, strict=True)])
+
+
+def is_param_state(key: Any, value: Any, param: torch.Tensor) -> bool:
+    """A per-element state tensor of ``param`` (kept in ``state_dtype``); never the step count
+    (8-bit codes count too; their per-block scales do not)."""
+    if key == "step" or not isinstance(value, torch.Tensor) or value.shape != param.shape:
+        return False
+    return value.is_floating_point() or value.dtype == Q8
+
+
+class Held(NamedTuple):
+    """One parameter's state during a generic-path step: what the inner optimizer sees (fp32), the
+    low-precision tensors it came from (by key), and the 8-bit block scales kept beside them."""
+
+    expanded: dict[Any, Any]
+    stored: dict[Any, torch.Tensor]
+    scales: dict[Any, torch.Tensor]
+
+
+def expand_for_step(state: dict[Any, Any], param: torch.Tensor, buffer: Callable[[int], torch.Tensor]) -> Held:
+    """``param``'s state expanded for an fp32 step of the inner optimizer: each per-element
+    low-precision state into the fp32 scratch ``buffer(slot)`` (8-bit decoded, bf16 cast), the rest as it is."""
+    held = Held({}, {}, {})
+    for slot, (key, low) in enumerate(list(state.items()), start=2):
+        if is_scale_key(key):
+            held.scales[key] = low
+        elif is_param_state(key, low, param) and low.dtype != torch.float32:
+            held.stored[key] = low
+            held.expanded[key] = value(state, key, out=buffer(slot)) if low.dtype == Q8 else buffer(slot).copy_(low)
+        else:
+            held.expanded[key] = low
+    return held
+
+
+def keep_after_step(new: dict[Any, Any], held: Held | None, param: torch.Tensor, dtype: torch.dtype | None,
+                    scratch_ptrs: set[int]) -> dict[Any, Any]:
+    """The inner optimizer's state after an fp32 step, stored back: into the tensors it was expanded
+    from (``held``), state the step created in ``dtype`` (None: as created; copied off the scratch)."""
+    stored, scales = (held.stored, held.scales) if held is not None else ({}, {})
+    out: dict[Any, Any] = {}
+    for key, value32 in list(new.items()):
+        if key in stored and stored[key].dtype == Q8:
+            kept = {key: stored[key], f"{key}{ABSMAX}": scales[f"{key}{ABSMAX}"]}
+            put(kept, key, value32, Q8)
+            out.update(kept)
+        elif key in stored:
+            out[key] = stored[key].copy_(value32)
+        elif is_param_state(key, value32, param):
+            target = value32.dtype if dtype is None else dtype
+            if target == Q8:
+                put(out, key, value32, target)  # created by this step
+            elif value32.dtype != target or value32.untyped_storage().data_ptr() in scratch_ptrs:
+                out[key] = value32.to(target, copy=True)  # created by this step
+            else:
+                out[key] = value32
+        else:
+            out[key] = value32
+    return out

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from mixprec.optim import shards
+from mixprec.optim import codecs, shards
 from mixprec.optim.compiled import CompileSetting
 from mixprec.optim.fast import Piece
 from mixprec.optim.lowbit import LowPrecisionOptimizer
@@ -32,10 +32,7 @@ def stochastic_round(x: torch.Tensor, dtype: torch.dtype = torch.bfloat16, gener
     """
     if dtype != torch.bfloat16:
         raise ValueError(f"stochastic_round supports dtype=torch.bfloat16 only, got {dtype}")
-    x = x.to(torch.float32)
-    noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=generator)
-    bits = (x.view(torch.int32) + noise) & -65536  # keep the top 16 bits: exactly a bf16 value
-    return bits.view(torch.float32).to(torch.bfloat16)
+    return codecs.stochastic_round(x, generator)
 
 
 
@@ -105,17 +102,8 @@ class StochasticRoundingOptimizer(LowPrecisionOptimizer):
         self._shard_offset = shards.shard_index(active[0])
         super()._step_shards(group, active, kind, scratch)
 
-    def _store(self, param: torch.Tensor, value32: torch.Tensor) -> None:
-        param.copy_(stochastic_round(value32, generator=self._generator(value32.device)))
-
     def _store_many(self, pieces: list[Piece], values: list[torch.Tensor], flat: torch.Tensor) -> None:
-        # ``values`` are consecutive views of ``flat``: one draw of noise for the chunk
-        noise = torch.randint(
-            0, 1 << 16, flat.shape, dtype=torch.int32, device=flat.device, generator=self._generator(flat.device)
-        )
-        bits = flat.view(torch.int32)
-        bits.add_(noise).bitwise_and_(-65536)  # keep the top 16 bits: exactly a bf16 value
-        torch._foreach_copy_([pc.value for pc in pieces], values)
+        codecs.stochastic_store(pieces, values, flat, self._generator(flat.device))
 
     def _compiled_rounding_inputs(self) -> tuple[Callable[[torch.Tensor], torch.Tensor] | None, list[int] | None]:
         return None, self._counter
