@@ -40,200 +40,32 @@ which gives the eager quantiser's numbers exactly.
 True
 """
 
+
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from mixprec.dtypes import Format
 from mixprec.fp8.formats import TENSOR_KINDS
-from mixprec.fp8.fused import FUSED_CASTS, CastSlots, fused_cast, fused_scale, triton_available
-from mixprec.fp8.gemm import native_fp8_available, scaled_mm
+from mixprec.fp8.fused import CastSlots, fused_cast, fused_scale, triton_available
+from mixprec.fp8.gemm import native_fp8_available
+from mixprec.fp8.linear_autograd import (
+    Fp8FusedLinearFunction,
+    Fp8LinearFunction,
+    compute_dtype,
+    tensor_amax,
+)
+from mixprec.fp8.linear_state import CASTS, SCALE_UPDATES, Fp8TensorState, check_cast, fold_scales
 from mixprec.fp8.quantize import Quantized, fused_quantize, quantize, quantize_with_stats
 from mixprec.fp8.recipe import CurrentScaling, DelayedScaling, Fp8Recipe
-from mixprec.fp8.scaling import FP32_MAX, MIN_SCALE, history_amax, record_amax
+from mixprec.fp8.scaling import record_amax
 
 __all__ = ["CASTS", "SCALE_UPDATES", "Fp8Linear", "Fp8TensorState", "update_scales"]
 
-_INPUT, _WEIGHT, _GRAD = range(3)
 _PERSISTENT_STATE = ("fp8_scale", "fp8_amax_history")
-
-#: What ``Fp8Linear(cast=...)`` takes: "auto" (a fused cast where the native fp8 GEMM runs,
-#: "triton" where Triton is installed, else "compile"; "eager" elsewhere), "eager" (the
-#: unfused quantiser), or one of the fused casts of :data:`mixprec.fp8.fused.FUSED_CASTS`.
-CASTS: tuple[str, ...] = ("auto", "eager", *FUSED_CASTS)
-
-#: What ``Fp8Linear(scale_update=...)`` takes: "layer" (a fused layer folds its pending
-#: amaxes itself at its next forward: the eager quantiser's numbers) or "step" (the owner
-#: calls :func:`update_scales` once per step for all layers; micro-batches of one step
-#: share the step's scales and their amaxes are reduced, TransformerEngine's convention).
-SCALE_UPDATES: tuple[str, ...] = ("layer", "step")
-
-
-@dataclass(frozen=True)
-class Fp8TensorState:
-    """fp8 state of one tensor kind of one layer (tensors are live views of the buffers).
-
-    Attributes:
-        format: the fp8 format this tensor is quantised to.
-        scale: the scale used at the most recent training iteration (1.0 before any).
-        amax_history: past amaxes, most recent first (length ``recipe.history_len``).
-        next_scale: the scale the next iteration will use (delayed scaling), or None
-            where it depends on the next tensor (current scaling).
-        saturation: fraction of elements clamped at ``±fmt_max`` in the last iteration.
-        underflow: fraction of non-zero elements flushed to zero in the last iteration.
-    """
-
-    format: Format
-    scale: torch.Tensor
-    amax_history: torch.Tensor
-    next_scale: torch.Tensor | None
-    saturation: torch.Tensor
-    underflow: torch.Tensor
-
-
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    device_type = x.device.type
-    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
-        return torch.get_autocast_dtype(device_type)
-    return x.dtype
-
-
-def _no_autocast(device_type: str) -> contextlib.AbstractContextManager[Any]:
-    """The fp8 GEMM picks its own dtypes: autocast must not recast its fp32 emulation."""
-    if torch.amp.is_autocast_available(device_type):
-        return torch.autocast(device_type, enabled=False)
-    return contextlib.nullcontext()
-
-
-def _amax(t: torch.Tensor) -> torch.Tensor:
-    """max |t| as a 0-dim fp32 tensor (one pass: aminmax; NaN propagates; 0 when empty)."""
-    if t.numel() == 0:
-        return torch.zeros((), dtype=torch.float32, device=t.device)
-    lo, hi = torch.aminmax(t)
-    return torch.maximum(-lo, hi).float()
-
-
-class _Fp8LinearFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        layer: Fp8Linear,
-        out_dtype: torch.dtype,
-        native: bool,
-        update: bool,
-    ) -> torch.Tensor:
-        with _no_autocast(x.device.type):
-            x2 = x.reshape(x.shape[:-1].numel(), x.shape[-1])  # (not -1: a dimension may be 0)
-            qx, wide_x = layer._quantize(_INPUT, x2, update, wide=not native)
-            qw, wide_w = layer._quantize(_WEIGHT, weight, update, wide=not native)
-            a = qx.data if wide_x is None else wide_x
-            b = qw.data if wide_w is None else wide_w
-            out = scaled_mm(a, b.t(), qx.inv_scale, qw.inv_scale, out_dtype, bias, native=native)
-        # The fp8 input is needed only for the weight gradient (a frozen weight needs none).
-        ctx.save_for_backward(qx.data if weight.requires_grad else None, qx.inv_scale, qw.data, qw.inv_scale)
-        ctx.layer, ctx.native, ctx.update = layer, native, update
-        ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
-        ctx.b_dtype = None if bias is None else bias.dtype
-        return out.reshape(*x.shape[:-1], out.shape[-1])
-
-    @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        qx_data, qx_inv, qw_data, qw_inv = ctx.saved_tensors
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        grad_x = grad_w = grad_b = None
-        with _no_autocast(grad_out.device.type):
-            g2 = grad_out.reshape(grad_out.shape[:-1].numel(), grad_out.shape[-1])
-            if need_x or need_w:
-                qg, wide_g = ctx.layer._quantize(_GRAD, g2, ctx.update, wide=not ctx.native)
-                # The emulation widens the fp8 gradient once for both GEMMs (exact either way).
-                g_data = qg.data if wide_g is None else wide_g
-                if need_x:
-                    grad_x = scaled_mm(g_data, qw_data, qg.inv_scale, qw_inv, ctx.x_dtype, native=ctx.native)
-                    grad_x = grad_x.reshape(*grad_out.shape[:-1], grad_x.shape[-1])
-                if need_w:
-                    grad_w = scaled_mm(g_data.t(), qx_data, qg.inv_scale, qx_inv, ctx.w_dtype, native=ctx.native)
-            if need_b:
-                grad_b = g2.sum(0, dtype=torch.float32).to(ctx.b_dtype)  # fp32 sum, no fp32 copy
-        return grad_x, grad_w, grad_b, None, None, None, None
-
-
-class _Fp8FusedLinearFunction(torch.autograd.Function):
-    """The fp8 linear layer with one fused cast per tensor per pass (:mod:`mixprec.fp8.fused`).
-
-    Natively, each cast also writes the transposed codes the backward GEMMs take (the
-    column-major operands of ``_scaled_mm``: no ``contiguous()`` copies) and the output
-    gradient's cast writes the bias gradient. Emulated, the GEMMs take the same views as the
-    eager function (so the numbers equal it bit for bit) and the bias gradient is the same sum.
-    """
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        layer: Fp8Linear,
-        out_dtype: torch.dtype,
-        native: bool,
-        update: bool,
-        backend: str,
-    ) -> torch.Tensor:
-        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        with _no_autocast(x.device.type):
-            x2 = x.reshape(x.shape[:-1].numel(), x.shape[-1])  # (not -1: a dimension may be 0)
-            lowered = native and bias is not None and out_dtype == torch.bfloat16
-            xd, xt, x_inv, _, _ = layer._fused(_INPUT, x2, update, backend, cols=native and need_w)
-            wd, wt, w_inv, bias_low, _ = layer._fused(
-                _WEIGHT, weight, update, backend, cols=native and need_x, bias=bias if lowered else None
-            )
-            assert xd is not None and wd is not None
-            out = scaled_mm(xd, wd.t(), x_inv, w_inv, out_dtype, bias_low if lowered else bias, native=native)
-        if native:  # the transposed codes, row-major: the backward GEMMs' column-major operands
-            ctx.save_for_backward(xt, x_inv, wt, w_inv)
-        else:
-            ctx.save_for_backward(xd if need_w else None, x_inv, wd, w_inv)
-        ctx.layer, ctx.native, ctx.update, ctx.backend = layer, native, update, backend
-        ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
-        ctx.b_dtype = None if bias is None else bias.dtype
-        return out.reshape(*x.shape[:-1], out.shape[-1])
-
-    @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x_saved, x_inv, w_saved, w_inv = ctx.saved_tensors
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        native = ctx.native
-        grad_x = grad_w = grad_b = column_sums = None
-        with _no_autocast(grad_out.device.type):
-            g2 = grad_out.reshape(grad_out.shape[:-1].numel(), grad_out.shape[-1])
-            if need_x or need_w:  # (a fused call has tokens: an empty input takes the eager function)
-                gd, gt, g_inv, _, column_sums = ctx.layer._fused(
-                    _GRAD, g2, ctx.update, ctx.backend,
-                    rows=need_x or not native, cols=native and need_w, dbias=native and need_b,
-                )
-                if need_x:
-                    b = w_saved.t() if native else w_saved  # (out, in) as a column-major (out, in) operand
-                    grad_x = scaled_mm(gd, b, g_inv, w_inv, ctx.x_dtype, native=native)
-                    grad_x = grad_x.reshape(*grad_out.shape[:-1], grad_x.shape[-1])
-                if need_w:
-                    if native:
-                        grad_w = scaled_mm(gt, x_saved.t(), g_inv, x_inv, ctx.w_dtype, native=True)
-                    else:
-                        grad_w = scaled_mm(gd.t(), x_saved, g_inv, x_inv, ctx.w_dtype, native=False)
-            if need_b:
-                if column_sums is not None:
-                    grad_b = column_sums.to(ctx.b_dtype)
-                else:
-                    grad_b = g2.sum(0, dtype=torch.float32).to(ctx.b_dtype)  # fp32 sum, no fp32 copy
-        return grad_x, grad_w, grad_b, None, None, None, None, None
 
 
 class Fp8Linear(nn.Linear):
@@ -390,7 +222,7 @@ class Fp8Linear(nn.Linear):
         history, prev = self.fp8_amax_history[kind], self.fp8_scale[kind]
         with torch.no_grad():
             t = t.detach()
-            amax = _amax(t)
+            amax = tensor_amax(t)
             finite = torch.isfinite(amax)
             scale = self.recipe.select_scale(history, amax, fmt.max, prev)
             stats = update and self.track_stats
@@ -474,18 +306,18 @@ class Fp8Linear(nn.Linear):
             _update([self], fold=False)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        out_dtype = _compute_dtype(input)
+        out_dtype = compute_dtype(input)
         native = self._use_native(input)
         backend = self._resolve_cast(native, input.device)
         if backend == "eager" or input.dim() == 0 or self.weight.numel() == 0 or input.shape[:-1].numel() == 0:
             if self._pending:  # (a switch from a fused cast: its amaxes first)
                 _update([self], fold=True)
-            out = _Fp8LinearFunction.apply(
+            out = Fp8LinearFunction.apply(
                 input, self.weight, self.bias, self, out_dtype, native, self.training
             )
         else:
             self._prepare_fused()
-            out = _Fp8FusedLinearFunction.apply(
+            out = Fp8FusedLinearFunction.apply(
                 input, self.weight, self.bias, self, out_dtype, native, self.training, backend
             )
         return out  # type: ignore[no-any-return]
@@ -563,58 +395,14 @@ class Fp8Linear(nn.Linear):
         return f"{super().extra_repr()}, recipe={self.recipe!r}, gemm={mode}, cast={self.cast}"
 
 
-def check_cast(cast: object, scale_update: object, owner: str) -> None:
-    """TypeError / ValueError naming ``owner``'s bad ``cast`` or ``scale_update`` and what works."""
-    if not isinstance(cast, str) or cast not in CASTS:
-        raise (ValueError if isinstance(cast, str) else TypeError)(
-            f"{owner}(cast={cast!r}): expected one of {CASTS} ('auto': fused where the native fp8 GEMM "
-            "runs, 'eager' elsewhere)"
-        )
-    if not isinstance(scale_update, str) or scale_update not in SCALE_UPDATES:
-        raise (ValueError if isinstance(scale_update, str) else TypeError)(
-            f"{owner}(scale_update={scale_update!r}): expected 'layer' (each fused layer folds its amaxes "
-            "at its next forward) or 'step' (mixprec.fp8.update_scales once per step)"
-        )
-
-
-_NUMERATORS: dict[tuple[torch.device, tuple[float, ...]], torch.Tensor] = {}
-
-
-def _numerator(device: torch.device, values: tuple[float, ...]) -> torch.Tensor:
-    """``fmt_max / 2**margin`` per tensor kind on ``device``, made once (no copy to the device per step)."""
-    key = (device, values)
-    out = _NUMERATORS.get(key)
-    if out is None:
-        out = _NUMERATORS[key] = torch.tensor(values, dtype=torch.float32, device=device)
-    return out
-
-
 def _update(layers: list[Fp8Linear], *, fold: bool) -> None:
     """Fold the pending amaxes of ``layers`` (all with the same recipe, on one device) into
     their histories (``fold``) and compute their next scales (delayed scaling): a fixed
-    number of ops for all of them, on stacked copies of their buffers."""
-    recipe, device = layers[0].recipe, layers[0].fp8_scale.device
+    number of ops for all of them, on stacked copies of their buffers (:func:`fold_scales`)."""
     histories = [layer.fp8_amax_history for layer in layers]
     scales = [layer.fp8_scale for layer in layers]
-    with torch.no_grad():
-        history = torch.stack(histories)  # (layers, kinds, history_len)
-        if fold:
-            pending = [layer.fp8_pending for layer in layers]
-            latest = torch.stack(pending)
-            seen = ~(latest < 0)  # a kind quantised since the last fold (NaN: seen, not finite)
-            latest = torch.where(torch.isfinite(latest), latest, torch.zeros_like(latest))  # as record_amax
-            rolled = torch.cat([latest.unsqueeze(-1), history[..., :-1]], dim=-1)
-            history = torch.where(seen.unsqueeze(-1), rolled, history)
-            torch._foreach_copy_(histories, list(history.unbind(0)))
-            torch._foreach_copy_(pending, list(torch.full_like(latest, -1.0).unbind(0)))
-        if isinstance(recipe, DelayedScaling):
-            reduced = history_amax(history, recipe.amax_compute_algo)  # (layers, kinds)
-            numerator = _numerator(device, tuple(f.max / 2.0**recipe.margin for f in layers[0]._formats))
-            prev = torch.stack(scales)
-            # compute_scale's arithmetic (one division, the clamps, the previous scale kept)
-            new = torch.clamp(numerator / reduced, min=MIN_SCALE, max=FP32_MAX)
-            new = torch.where(torch.isfinite(reduced) & (reduced > 0), new, prev)
-            torch._foreach_copy_(scales, list(new.unbind(0)))
+    pending = [layer.fp8_pending for layer in layers] if fold else None
+    fold_scales(layers[0].recipe, layers[0]._formats, histories, scales, pending)
     for layer in layers:
         layer._stale = False
         if fold:

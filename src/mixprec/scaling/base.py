@@ -35,7 +35,7 @@ from typing import Any, TypeVar
 import torch
 
 from mixprec.nested import first_tensor, map_tensors
-from mixprec.process_groups import all_reduce_max, check_group
+from mixprec.process_groups import check_group
 from mixprec.scaling._checks import (
     SCALE_CEILING,
     SCALE_FLOOR,
@@ -45,14 +45,12 @@ from mixprec.scaling._checks import (
     parse_device,
     scale_value,
 )
-from mixprec.scaling.compat import GradScalerCompat
-from mixprec.scaling.grads import grad_tensors, unscale_and_check
+from mixprec.scaling.grads import grad_tensors
+from mixprec.scaling.state import ScalerState
 
 __all__ = ["SCALE_CEILING", "SCALE_FLOOR", "LossScaler", "OptState", "ScaleRefused", "grad_tensors"]
 
 T = TypeVar("T")
-
-_FP64_RECIPROCAL_UNSUPPORTED = ("mps",)
 
 
 class ScaleRefused(RuntimeError):
@@ -76,7 +74,7 @@ class _OptimizerRecord:
     host_found: bool | None = None
 
 
-class LossScaler(GradScalerCompat):
+class LossScaler(ScalerState):
     """Base class: the state machine shared by dynamic, constant and no-op scalers.
 
     Subclasses implement :meth:`_update_scale` (and usually ``__init__``,
@@ -117,17 +115,6 @@ class LossScaler(GradScalerCompat):
     def device(self) -> torch.device:
         """Where the state tensors live now (the loss's device after the first ``scale()``)."""
         return self._scale.device
-
-    def _tensors(self) -> dict[str, torch.Tensor]:
-        """Every state tensor, by attribute name (moved together to the loss's device)."""
-        return {"_scale": self._scale}
-
-    def _to_device(self, device: torch.device) -> None:
-        if device == self._scale.device:
-            return
-        for name, tensor in self._tensors().items():
-            setattr(self, name, tensor.to(device))
-        self._overflow_steps = self._overflow_steps.to(device)
 
     def get_scale(self) -> float:
         """The current scale as a Python float. This synchronises with the device."""
@@ -188,24 +175,6 @@ class LossScaler(GradScalerCompat):
 
     def _set_found_inf(self, optimizer: torch.optim.Optimizer, flag: torch.Tensor) -> None:
         self._record(optimizer).found_inf = flag
-
-    def _check_grads(
-        self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, sync: bool = True
-    ) -> torch.Tensor:
-        """Multiply every gradient by ``inv_scale`` in place; return a 0/1 found-inf flag.
-
-        With ``sync`` the flag is all-reduced, so all ranks agree; without, the caller does.
-        """
-        found_inf = unscale_and_check(optimizer, inv_scale, self._scale.device)
-        if sync:
-            all_reduce_max(found_inf, self._process_group)
-        return found_inf
-
-    def _inv_scale(self) -> torch.Tensor:
-        if self._scale.device.type in _FP64_RECIPROCAL_UNSUPPORTED:
-            return self._scale.reciprocal()
-        # fp32 division can be imprecise under some compile options: take the reciprocal in fp64.
-        return self._scale.double().reciprocal().float()
 
     def unscale_(self, optimizer: torch.optim.Optimizer, *, sync: bool = True) -> None:
         """Divide ``optimizer``'s gradients by the scale, in place, and record whether any is inf/NaN.
@@ -419,9 +388,6 @@ class LossScaler(GradScalerCompat):
         value = self._clamped(float(scale))
         self._scale.copy_(torch.where(flag.to(self._scale.device), torch.full_like(self._scale, value), self._scale))
 
-    def _clamped(self, value: float) -> float:
-        return value
-
     def counted(self, reason: str | None) -> None:
         """The host's side of :meth:`settle`, once it knows the outcome (``reason``: None for a step,
         else the skip reason): the iteration and, for a skip that keeps the scale, the skip are
@@ -447,30 +413,7 @@ class LossScaler(GradScalerCompat):
         self._forced_skips += 1
         self._last_skipped = True
 
-    def _set_scale(self, value: float, from_tensor: bool) -> None:
-        """Set the scale to an already checked value (subclasses add their bounds)."""
-        self._scale.fill_(value)
-
-    def _update_scale(self, found_inf: torch.Tensor, found_bool: torch.Tensor, keep: torch.Tensor | None = None) -> None:
-        """Evolve the scale given this iteration's found-inf count (fp32) and flag (bool); ``keep``
-        (a bool tensor, from :meth:`settle`) where the caller puts the old state back afterwards
-        (a check that would refuse the update ignores those iterations)."""
-
     # ------------------------------------------------------------- checkpoint
-    def _counter_state(self) -> dict[str, int]:
-        overflows = int(self._overflow_steps.item())
-        return {"steps": self._steps, "skipped_steps": self._forced_skips + overflows, "overflow_steps": overflows}
-
-    def _apply_counters(self, counters: tuple[int, int, int]) -> None:
-        self._steps, self._forced_skips, overflows = counters
-        self._overflow_steps = torch.tensor(overflows, dtype=torch.int64, device=self._scale.device)
-
-    def state_dict(self) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        raise NotImplementedError
-
     def validate_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Raise what :meth:`load_state_dict` would raise for ``state_dict``, changing nothing.
 
@@ -481,4 +424,3 @@ class LossScaler(GradScalerCompat):
         probe.__dict__.update({k: v.clone() for k, v in self.__dict__.items() if isinstance(v, torch.Tensor)})
         probe._records = defaultdict(_OptimizerRecord)
         probe.load_state_dict(state_dict)
-

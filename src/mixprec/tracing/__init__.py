@@ -53,23 +53,25 @@ from torch import nn
 
 from mixprec.dtypes import dtype_name
 from mixprec.formatting import display_name, format_number
-from mixprec.nested import floating_tensors, shard_local
+from mixprec.tracing.records import (
+    BWD_OUT,
+    BWD_PARAM,
+    FWD_IN,
+    FWD_OUT,
+    MODEL_INPUT,
+    WHAT,
+    Record,
+    read_records,
+    tensor_amax,
+)
+from mixprec.tracing.sites import UNTRACED, Site, Untraced, untraced_site
 
 __all__ = ["OverflowFinding", "OverflowTracer", "trace_overflow"]
 
-Direction = Literal["forward", "backward"]
+# Pickled models name _Site and _untraced_site (see mixprec.tracing.sites): keep the names.
+_Site, _Untraced, _UNTRACED, _untraced_site = Site, Untraced, UNTRACED, untraced_site
 
-# Event codes: what a record measured.
-_FWD_OUT, _BWD_OUT, _BWD_IN, _BWD_PARAM, _FWD_IN = 0, 1, 2, 3, 4
-#: what a finding names when the model's input itself held inf/NaN (the data, not the precision)
-MODEL_INPUT = "the model's input"
-_WHAT = {
-    _FWD_OUT: "output",
-    _FWD_IN: MODEL_INPUT,
-    _BWD_OUT: "gradient of its output",
-    _BWD_IN: "gradient of its input",
-    _BWD_PARAM: "gradient of its parameters",
-}
+Direction = Literal["forward", "backward"]
 
 
 @dataclass(frozen=True)
@@ -134,36 +136,6 @@ class OverflowFinding:
         )
 
 
-def _amax(t: torch.Tensor) -> torch.Tensor | None:
-    """Largest |value| of ``t`` as a 0-dim tensor (inf/NaN propagate), without a sync. A DTensor
-    (tensor parallelism) is measured on this rank's shard: no collective inside a hook, and a
-    plain tensor to read back."""
-    t = shard_local(t)
-    if t.numel() == 0 or t.is_complex():
-        return None
-    try:
-        mn, mx = torch.aminmax(t.detach())
-    except (RuntimeError, NotImplementedError):  # a dtype without a reduction kernel (fp8)
-        return None
-    return torch.maximum(mx, mn.neg())
-
-
-_Record = tuple[int, int, int, torch.dtype, torch.Tensor]  # module, event code, call, dtype, amax
-
-
-def _read(records: list[_Record]) -> list[float]:
-    """The amax of every record as Python floats: one host transfer per device."""
-    by_device: dict[torch.device, list[int]] = {}
-    for pos, r in enumerate(records):
-        by_device.setdefault(r[4].device, []).append(pos)
-    values = [0.0] * len(records)
-    for positions in by_device.values():
-        stacked = torch.stack([records[p][4].to(torch.float32) for p in positions])
-        for p, v in zip(positions, stacked.tolist(), strict=True):
-            values[p] = v
-    return values
-
-
 class OverflowTracer:
     """Hooks ``model`` and finds the first module whose activations or gradients overflow.
 
@@ -198,15 +170,15 @@ class OverflowTracer:
         self._names: list[str] = []
         self._types: list[str] = []
         self._calls: list[int] = []
-        self._records: list[_Record] = []
-        self._previous: list[_Record] = []
+        self._records: list[Record] = []
+        self._previous: list[Record] = []
         self._finding: OverflowFinding | None = None
         self._found = False
         self._removed = False
         self._reported = False
         self._peaks: dict[tuple[int, int], float] = {}
         self._out_bad: set[tuple[int, int]] = set()
-        self._fallback: tuple[_Record, float] | None = None
+        self._fallback: tuple[Record, float] | None = None
         self._handles: list[Any] = []
         self._last: tuple[weakref.ref[torch.Tensor], int, torch.Tensor | None] | None = None
         self._entered = False
@@ -219,14 +191,14 @@ class OverflowTracer:
             self._types.append(type(module).__name__)
             self._calls.append(0)
             if index == 0:  # the model's own inputs, as the caller passed them (before any input cast)
-                self._handles.append(module.register_forward_pre_hook(_Site(self, 0).inputs, with_kwargs=True,
+                self._handles.append(module.register_forward_pre_hook(Site(self, 0).inputs, with_kwargs=True,
                                                                       prepend=True))
             if self.backward or index == 0:
                 self._handles.append(module.register_forward_pre_hook(self._pre_hook(index)))
             if self.backward:
                 for p in module.parameters(recurse=False):
                     if p.requires_grad:
-                        self._handles.append(p.register_hook(self._grad_hook(index, _BWD_PARAM, 0)))
+                        self._handles.append(p.register_hook(self._grad_hook(index, BWD_PARAM, 0)))
             self._handles.append(module.register_forward_hook(self._post_hook(index)))
 
     @property
@@ -239,7 +211,7 @@ class OverflowTracer:
         last = self._last
         if last is not None and last[0]() is t and last[1] == t._version:
             return last[2]
-        amax = _amax(t)
+        amax = tensor_amax(t)
         self._last = (weakref.ref(t), t._version, amax)
         return amax
 
@@ -252,10 +224,10 @@ class OverflowTracer:
             self._resolve()
 
     def _pre_hook(self, index: int) -> Any:
-        return _Site(self, index).pre
+        return Site(self, index).pre
 
     def _post_hook(self, index: int) -> Any:
-        return _Site(self, index).post
+        return Site(self, index).post
 
     def _grad_hook(self, index: int, code: int, call: int) -> Any:
         # A tensor hook: torch copies and pickles no tensor hooks, so a closure is fine here.
@@ -273,30 +245,30 @@ class OverflowTracer:
         self._last = None
         if self._found or not records:
             return
-        values = _read(records)
+        values = read_records(records)
         culprit = self._scan(records, values)
         if culprit is not None:
             self._finding = self._make_finding(records[culprit], values[culprit])
             self._found = True
 
-    def _scan(self, records: list[_Record], values: list[float]) -> int | None:
+    def _scan(self, records: list[Record], values: list[float]) -> int | None:
         """Position of the first culprit record; remembers peaks and fallbacks on the way."""
         for pos, (module, code, call, _, _) in enumerate(records):
             value = values[pos]
-            if code == _FWD_IN:  # the model's input: its largest element NaN or +inf (-inf: a mask)
+            if code == FWD_IN:  # the model's input: its largest element NaN or +inf (-inf: a mask)
                 if math.isnan(value) or value == math.inf:
                     return pos
                 continue
             if math.isfinite(value):
-                key = (module, 0 if code == _FWD_OUT else 1)
+                key = (module, 0 if code == FWD_OUT else 1)
                 if value > self._peaks.get(key, -1.0):
                     self._peaks[key] = value
                 continue
-            if code == _FWD_OUT:
+            if code == FWD_OUT:
                 return pos
-            if code == _BWD_OUT:
+            if code == BWD_OUT:
                 self._out_bad.add((module, call))
-            elif code == _BWD_PARAM:
+            elif code == BWD_PARAM:
                 # Parameter gradients are per module: produced here unless an output
                 # gradient of this module was already non-finite.
                 if not any(m == module for m, _ in self._out_bad):
@@ -307,19 +279,19 @@ class OverflowTracer:
                 self._fallback = (records[pos], value)
         return None
 
-    def _make_finding(self, record: _Record, value: float) -> OverflowFinding:
+    def _make_finding(self, record: Record, value: float) -> OverflowFinding:
         module, code, call, dtype, _ = record
-        direction: Direction = "forward" if code in (_FWD_OUT, _FWD_IN) else "backward"
+        direction: Direction = "forward" if code in (FWD_OUT, FWD_IN) else "backward"
         return OverflowFinding(
             module=self._names[module],
             module_type=self._types[module],
             direction=direction,
-            what=_WHAT[code],
+            what=WHAT[code],
             step=self.step,
             call=call,
             dtype=dtype,
             kind="nan" if math.isnan(value) else "inf",
-            max_abs=None if code == _FWD_IN else self._peaks.get((module, 0 if code == _FWD_OUT else 1)),
+            max_abs=None if code == FWD_IN else self._peaks.get((module, 0 if code == FWD_OUT else 1)),
         )
 
     # --------------------------------------------------------------- public
@@ -334,10 +306,10 @@ class OverflowTracer:
         if not self._found:
             if self._previous:  # the previous step's peaks, so max_abs covers it too
                 previous, self._previous = self._previous, []
-                values = _read(previous)
+                values = read_records(previous)
                 for pos, (module, code, _, _, _) in enumerate(previous):
-                    if code != _FWD_IN and math.isfinite(values[pos]):
-                        key = (module, 0 if code == _FWD_OUT else 1)
+                    if code != FWD_IN and math.isfinite(values[pos]):
+                        key = (module, 0 if code == FWD_OUT else 1)
                         self._peaks[key] = max(self._peaks.get(key, -1.0), values[pos])
             self._resolve()
         if not self._found and self._fallback is not None:
@@ -388,87 +360,6 @@ class OverflowTracer:
     def __repr__(self) -> str:
         state = "active" if self.active else "removed"
         return f"OverflowTracer({type(self.model).__name__}, {len(self._names)} modules, step {self.step}, {state})"
-
-
-# ------------------------------------------------------------ module hooks
-# Pickled models name _Site and _untraced_site: keep the names.
-class _Site:
-    """One :class:`OverflowTracer` at one module of the traced model; its bound methods
-    :meth:`pre` and :meth:`post` are the module's forward hooks (as fast as closures, and
-    picklable).
-
-    The tracer belongs to the run that reads it (the front door resets it at each step), so
-    a copy of the model (``copy.deepcopy``, ``torch.save`` then ``torch.load``) is not
-    traced: a site copies and pickles as :data:`_UNTRACED`, whose tracer is idle, and the
-    original's tracer never sees the copy's calls. (Tensor hooks on parameters are dropped
-    by torch's own copies and pickles.)
-    """
-
-    __slots__ = ("index", "tracer")
-
-    def __init__(self, tracer: OverflowTracer | _Untraced, index: int) -> None:
-        self.tracer: OverflowTracer = tracer  # type: ignore[assignment]  # _Untraced: idle, never past the checks
-        self.index = index
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_untraced_site, ())
-
-    def pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        tracer, index = self.tracer, self.index
-        if index == 0 and tracer._reported:
-            tracer.reset()  # a finding was handed out: this forward starts the next step
-        if tracer._idle or not tracer.backward or not torch.is_grad_enabled():
-            return
-        call = tracer._calls[index]
-        for t in floating_tensors(args):
-            if t.requires_grad:
-                t.register_hook(tracer._grad_hook(index, _BWD_IN, call))
-
-    def inputs(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """The model's floating inputs, positional and keyword: a NaN or +inf there is the data's
-        (-inf alone is not counted: additive attention masks hold it by design)."""
-        tracer = self.tracer
-        if tracer._reported:
-            tracer.reset()  # a finding was handed out: this forward starts the next step
-        if tracer._idle:
-            return
-        for t in floating_tensors((args, kwargs)):
-            t = shard_local(t)  # (a DTensor input: this rank's shard)
-            try:
-                largest = t.detach().amax() if t.numel() else None
-            except (RuntimeError, NotImplementedError):  # a dtype without a reduction kernel (fp8)
-                largest = None
-            if largest is not None:
-                tracer._records.append((0, _FWD_IN, tracer._calls[0], t.dtype, largest))
-        if len(tracer._records) >= tracer.max_records:
-            tracer._resolve()
-
-    def post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        tracer, index = self.tracer, self.index
-        if tracer._idle:
-            return
-        call = tracer._calls[index]
-        tracer._calls[index] = call + 1
-        for t in floating_tensors(output):
-            tracer._record(index, _FWD_OUT, call, t)
-            if tracer.backward and t.requires_grad:
-                t.register_hook(tracer._grad_hook(index, _BWD_OUT, call))
-
-
-class _Untraced:
-    """Stands for the tracer in a copy of a traced model: idle, so the hooks return at once."""
-
-    __slots__ = ()
-    _reported = False
-    _idle = True
-    backward = False
-
-
-_UNTRACED = _Site(_Untraced(), -1)
-
-
-def _untraced_site() -> _Site:
-    return _UNTRACED
 
 
 class _TraceContext:
