@@ -35,7 +35,6 @@ from typing import Any, ClassVar
 
 import torch
 
-from mixprec.nested import shard_local
 from mixprec.optim import footprint
 from mixprec.optim.checks import (
     KINDS_KEY,
@@ -52,6 +51,7 @@ from mixprec.optim.follow import Seeds, WriteWatch, follow_masters, register, se
 from mixprec.optim.kinds import MASTER, StateKind
 from mixprec.optim.master_grads import MasterGrads
 from mixprec.optim.master_params import MasterParams
+from mixprec.optim.shards import is_dtensor, local_of
 from mixprec.optim.snapshot import DeviceSnapshot, Snapshot, all_or_nothing, masters_nonfinite
 
 __all__ = ["MasterWeightOptimizer"]
@@ -203,7 +203,7 @@ class MasterWeightOptimizer(MasterParams):
         if self._pairs:
             params: list[torch.Tensor] = [p for p, _ in self._pairs]
             # (DTensors of tensor parallelism: their local shards, which DTensor's foreach rules need)
-            torch._foreach_copy_([shard_local(p) for p in params], [shard_local(m) for _, m in self._pairs])
+            torch._foreach_copy_([local_of(p) for p in params], [local_of(m) for _, m in self._pairs])
             self._watch.record(params)
 
     def step(self, closure: Callable[[], float] | None = None) -> Any:  # type: ignore[override]
@@ -384,8 +384,8 @@ class MasterWeightOptimizer(MasterParams):
         with torch.no_grad():
             targets: list[torch.Tensor] = list(self.masters)
             # (DTensor masters of tensor parallelism by their local shards: no foreach rule mixes them with plain ones)
-            torch._foreach_copy_([shard_local(m) for m in targets],
-                                 [shard_local(t).to(m.device) for t, m in zip(masters, targets, strict=True)])
+            torch._foreach_copy_([local_of(m) for m in targets],
+                                 [local_of(t).to(m.device) for t, m in zip(masters, targets, strict=True)])
         self.sync_model()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -441,6 +441,6 @@ class MasterWeightOptimizer(MasterParams):
 def _whole(flag: torch.Tensor) -> torch.Tensor:
     """A flag measured over DTensor masters (tensor parallelism) as a plain tensor every rank of
     their mesh agrees on (a device collective, no host read); a plain flag as it is."""
-    if shard_local(flag) is flag:
+    if not is_dtensor(flag):
         return flag
     return flag.full_tensor()  # type: ignore[attr-defined,no-any-return]

@@ -23,32 +23,17 @@ from typing import Any
 
 import torch
 
-from mixprec.nested import shard_local
 from mixprec.optim.footprint import nbytes
 from mixprec.optim.scratch import FlatViews
+from mixprec.optim.shards import is_dtensor, local_of, wrap_like
 
 __all__ = ["MasterGrads"]
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    return shard_local(t) is not t
-
-
-def _like(local: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """``local`` (this rank's part) as a DTensor sharded as ``ref`` is (tensor parallelism), or
-    ``local`` itself where ``ref`` is a plain tensor."""
-    if not _is_dtensor(ref):
-        return local
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.from_local(local, ref.device_mesh, ref.placements, run_check=False,  # type: ignore[attr-defined]
-                              shape=ref.shape, stride=ref.stride())
 
 
 def _placed_as(g: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     """``g`` placed as ``ref`` (a DTensor gradient whose placement differs from its parameter's,
     e.g. a partial sum, is redistributed once: a collective over the mesh); else ``g``."""
-    if _is_dtensor(g) and _is_dtensor(ref):
+    if is_dtensor(g) and is_dtensor(ref):
         dt: Any = g
         if tuple(dt.placements) != tuple(ref.placements):  # type: ignore[attr-defined]
             return dt.redistribute(ref.device_mesh, ref.placements)  # type: ignore[attr-defined,no-any-return]
@@ -58,11 +43,11 @@ def _placed_as(g: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 def _foreach_copy_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
     """One foreach copy over this rank's parts (DTensors of tensor parallelism by their local
     shards: DTensor has no rule for a list mixing them with plain tensors)."""
-    torch._foreach_copy_([shard_local(t) for t in dst], [shard_local(t) for t in src])
+    torch._foreach_copy_([local_of(t) for t in dst], [local_of(t) for t in src])
 
 
 def _foreach_add_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-    torch._foreach_add_([shard_local(t) for t in dst], [shard_local(t) for t in src])
+    torch._foreach_add_([local_of(t) for t in dst], [local_of(t) for t in src])
 
 
 @dataclass
@@ -145,7 +130,7 @@ class MasterGrads:
                 dense_src.append(g)
             read.append((p.grad, acc is not None))
         if flat:  # the same views every step while the same masters have gradients: no per-parameter work
-            views = self._scratch.take([shard_local(m) for m in flat])  # (a DTensor master: its local shard)
+            views = self._scratch.take([local_of(m) for m in flat])  # (a DTensor master: its local shard)
             for m, grad in zip(flat, self._wrapped(flat, views), strict=True):
                 m.grad = grad
             dense_dst, dense_src = [*views, *dense_dst], [*flat_src, *dense_src]
@@ -158,11 +143,11 @@ class MasterGrads:
     def _wrapped(self, masters: list[torch.nn.Parameter], views: list[torch.Tensor]) -> list[torch.Tensor]:
         """The scratch ``views`` as the masters' gradients: plain views as they are, and for DTensor
         masters (tensor parallelism) DTensors over them, made once while the views stay."""
-        if not any(map(_is_dtensor, masters)):
+        if not any(map(is_dtensor, masters)):
             return views
         cached = getattr(self, "_wrappers", None)
         if cached is None or len(cached[0]) != len(views) or any(a is not b for a, b in zip(cached[0], views, strict=True)):
-            cached = (list(views), [_like(v, m) for v, m in zip(views, masters, strict=True)])
+            cached = (list(views), [wrap_like(v, m) if is_dtensor(m) else v for v, m in zip(views, masters, strict=True)])
             self._wrappers = cached
         return cached[1]
 
@@ -209,7 +194,7 @@ class MasterGrads:
             if m.grad is None:
                 p.grad = None
             elif (m.grad.is_sparse or p.grad is None or p.grad.is_sparse or p.grad.shape != p.shape
-                  or shard_local(p.grad).shape != shard_local(m.grad).shape):
+                  or local_of(p.grad).shape != local_of(m.grad).shape):
                 p.grad = m.grad.to(p.dtype)
             else:
                 dst.append(p.grad)

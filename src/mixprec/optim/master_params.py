@@ -17,11 +17,11 @@ from typing import Any
 import torch
 
 from mixprec.dtypes import LOW_PRECISION_DTYPES
-from mixprec.nested import shard_local
 from mixprec.optim.base import WrappedOptimizer
 from mixprec.optim.fast import prefer_fast_update
 from mixprec.optim.follow import Seeds, WriteWatch, register, seed_master
 from mixprec.optim.master_grads import MasterGrads
+from mixprec.optim.shards import is_dtensor
 
 __all__ = ["MasterParams"]
 
@@ -159,7 +159,7 @@ def _mixes_dtensors(params: list[torch.Tensor]) -> bool:
     """A group of DTensors (tensor parallelism) and plain tensors (a replicated norm layer's fp32
     weight, its own master): torch's fused and foreach kernels take one or the other, so the group
     keeps torch's default (one tensor at a time), as torch itself chooses for such a group."""
-    kinds = {shard_local(q) is q for q in params}
+    kinds = {is_dtensor(q) for q in params}
     return len(kinds) > 1
 
 
