@@ -50,6 +50,13 @@ def test_a_scheduler_over_a_float_lr_is_refused_naming_a_device_tensor_lr() -> N
         capture_step(mp, _noop, torch.ones(1))
 
 
+@pytest.mark.parametrize("plan", ["bf16-pure", "bf16-kahan", "bf16-sr"])
+def test_the_low_precision_wrappers_are_refused_for_their_host_step_counts(plan: str) -> None:
+    mp, _, _ = _prepared(plan)
+    with pytest.raises(ValueError, match=r"counts its steps on the host.*Train these plans eagerly"):
+        capture_step(mp, _noop, torch.ones(1))
+
+
 def test_the_optimizer_in_backward_is_refused() -> None:
     mp = MixedPrecision("bf16-sr", optimizer_in_backward=True)
     model = torch.nn.Linear(4, 4)

@@ -18,7 +18,7 @@ replay, as after an eager step: counters, ``max_consecutive_skips``, the LR sche
 What a graph cannot hold is refused before anything is captured, naming the way that works:
 a CPU model, an optimizer that needs the decision on the host (use torch's
 ``AdamW(fused=True)``; mixprec sets ``capturable=True`` on its fused groups), the pure,
-Kahan and stochastic-rounding wrappers (they read the decision once per step),
+Kahan and stochastic-rounding wrappers (their step counts and bias corrections are host numbers),
 ``optimizer_in_backward``, the overflow tracer (its hooks are Python, which a replay does
 not run), ``raise_at_min_scale`` (a host check), and a scheduler over a float learning
 rate. The overflow explainer is switched off for the session (it would arm such hooks);
@@ -152,6 +152,14 @@ def _check_capturable(mp: Any, inputs: Sequence[torch.Tensor], *, state_ready: b
             "MixedPrecision(..., trace_overflow=False) for a captured step (skips are still counted, and "
             "max_consecutive_skips still stops the run), or trace an eager step"
         )
+    for opt in mp.optimizers:
+        if getattr(opt, "host_step_counts", False):
+            raise ValueError(
+                f"{_CALLER}: {type(opt).__name__} counts its steps on the host (the bias corrections of bf16-pure, "
+                "bf16-kahan and bf16-sr are host numbers at every step), which a graph would capture as constants. "
+                "Train these plans eagerly (their steady step reads nothing back either), or capture a mixed or "
+                "master plan (bf16-mixed, bf16-master)"
+            )
     if getattr(mp.scaler, "_raise_at_min_scale", False):
         raise ValueError(f"{_CALLER}: raise_at_min_scale=True checks the scale on the host every step; use "
                          "raise_at_min_scale=False (max_consecutive_skips stops a run whose scale collapsed)")
@@ -177,9 +185,8 @@ def _check_capturable(mp: Any, inputs: Sequence[torch.Tensor], *, state_ready: b
         for opt in mp.optimizers:
             if not skips_on_device(opt):
                 raise ValueError(
-                    f"{_CALLER}: {type(opt).__name__} needs the skip decision on the host (a non-fused optimizer, or a "
-                    "plan whose update reads it: bf16-pure, bf16-kahan, bf16-sr). Use torch.optim.AdamW(..., "
-                    "fused=True) (or SGD/Adam with fused=True) with a mixed or master plan"
+                    f"{_CALLER}: {type(opt).__name__} needs the skip decision on the host (a non-fused optimizer). "
+                    "Use torch.optim.AdamW(..., fused=True) (or SGD/Adam with fused=True) with a mixed or master plan"
                 )
 
 

@@ -19,10 +19,11 @@ True
 from __future__ import annotations
 
 import weakref
+from typing import Any
 
 import torch
 
-__all__ = ["HostCopy", "is_host_copy"]
+__all__ = ["HostCopy", "host_float", "is_host_copy"]
 
 _HOST_COPIES: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()  # by id
 
@@ -31,6 +32,17 @@ def is_host_copy(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is the host memory of a :class:`HostCopy`: reading it reads the host,
     not the device (the sync counters of the tests skip it)."""
     return _HOST_COPIES.get(id(tensor)) is tensor
+
+
+def host_float(tensor: Any) -> float:
+    """The value of a one-element tensor kept in host memory by design, whatever device the model is
+    on (the step counts of torch's non-fused optimizers and of mixprec's low-precision wrappers: CPU
+    tensors beside parameters on any device): reading it waits for no device, so the sync counters
+    skip it. A Python number is returned as a float; a tensor on a device (a fused optimizer's
+    state loaded beside its parameters) is read from there, a wait the counters see."""
+    if isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu":
+        _HOST_COPIES[id(tensor)] = tensor
+    return float(tensor)
 
 
 class HostCopy:

@@ -242,17 +242,26 @@ def fused_load_weight(rounding: str, p: torch.Tensor, comp: torch.Tensor | None)
     return w + comp.float() if rounding == "kahan" and comp is not None else w
 
 
+def kept(keep: torch.Tensor | None, held: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """What a compiled loop writes into ``held``: ``new``, or ``held`` itself where ``keep`` (a 0-dim
+    bool: the step is skipped, decided on the device) is set."""
+    return new if keep is None else torch.where(keep, held, new.to(held.dtype))
+
+
 def fused_store_weight(rounding: str, p: torch.Tensor, w: torch.Tensor, comp: torch.Tensor | None,
-                       flags: list[torch.Tensor], position: torch.Tensor | None) -> None:
+                       flags: list[torch.Tensor], position: torch.Tensor | None,
+                       keep: torch.Tensor | None = None) -> None:
     """The new fp32 weight ``w`` stored inside a compiled loop. Stochastic: 16 noise bits of
     :func:`hash16` of each element's ``position`` (its index in the call XOR the seed).
     Remainder: the weight rounded to nearest even, and ``flags`` (uint8, uint8, int8 shaped like
     ``p``) get whether each element is a tie rounded down and the new remainder's low and high
-    byte, for :func:`fused_remainder_finish` (uint8 kernels vectorize, int16 ones do not)."""
+    byte, for :func:`fused_remainder_finish` (uint8 kernels vectorize, int16 ones do not).
+    ``keep``: see :func:`kept` (not for remainders, whose ties the host lists)."""
     if rounding == "stochastic":
         assert position is not None
-        p.copy_(((w.view(torch.int32) + hash16(position)) & -65536).view(torch.float32))
+        p.copy_(kept(keep, p, ((w.view(torch.int32) + hash16(position)) & -65536).view(torch.float32)))
     elif rounding == "remainder":
+        assert keep is None, "a remainder step is not masked on the device"
         bits = w.view(torch.int32)
         p.copy_(w.to(p.dtype))  # round to nearest even: bf16-master's weight
         # a tie: low 17 bits 0x8000; (x - 1) >> 31 is -1 (0xFF as a byte) for x == 0, else 0
@@ -262,9 +271,9 @@ def fused_store_weight(rounding: str, p: torch.Tensor, w: torch.Tensor, comp: to
         flags[2].copy_(((bits << 16) >> 24).to(torch.int8))  # the high byte, sign-extended
     else:
         low = w.to(p.dtype)
-        p.copy_(low)
+        p.copy_(kept(keep, p, low))
         if rounding == "kahan" and comp is not None:
-            comp.copy_(w - low.float())
+            comp.copy_(kept(keep, comp, w - low.float()))
 
 
 def shift_ties(p: torch.Tensor, ties: torch.Tensor, units: int) -> None:
@@ -298,12 +307,13 @@ def fused_load_state(held: torch.Tensor, scales: torch.Tensor | None, qmap: torc
 
 
 def fused_store_state(value: torch.Tensor, held: torch.Tensor, scales: torch.Tensor | None,
-                      table: torch.Tensor | None, points: torch.Tensor | None) -> None:
-    """The new fp32 moment stored inside a compiled loop: 8-bit (:func:`q8_store`), or cast."""
+                      table: torch.Tensor | None, points: torch.Tensor | None, keep: torch.Tensor | None = None) -> None:
+    """The new fp32 moment stored inside a compiled loop: 8-bit (:func:`q8_store`), or cast;
+    ``keep``: see :func:`kept`."""
     if table is None or scales is None or points is None:
-        held.copy_(value)
+        held.copy_(kept(keep, held, value))
     else:
-        q8_store(value, held, scales, table, points)
+        q8_store(value, held, scales, table, points, keep)
 
 
 def q8_load(codes: torch.Tensor, scales: torch.Tensor, qmap: torch.Tensor) -> torch.Tensor:
@@ -313,7 +323,7 @@ def q8_load(codes: torch.Tensor, scales: torch.Tensor, qmap: torch.Tensor) -> to
 
 
 def q8_store(value: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, table: torch.Tensor,
-             points: torch.Tensor) -> None:
+             points: torch.Tensor, keep: torch.Tensor | None = None) -> None:
     """``value`` (whole 8-bit blocks) quantized into ``codes`` and ``scales`` as
     :func:`mixprec.optim.quant.quantize_flat` does (its lookup table and decision points: the
     same codes for the same values)."""
@@ -322,8 +332,9 @@ def q8_store(value: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, tab
     scaled = blocks / torch.where(absmax > 0, absmax, 1.0).unsqueeze(1)
     run = (scaled.view(torch.int32) >> 16) & 0xFFFF  # the nearest code: quant._nearest_codes
     first = table[run]
-    codes.view(-1, _BLOCK).copy_((first + (scaled >= points[first]).to(torch.int32)).to(torch.uint8))
-    scales.copy_(absmax)
+    new = (first + (scaled >= points[first]).to(torch.int32)).to(torch.uint8)
+    codes.view(-1, _BLOCK).copy_(kept(keep, codes.view(-1, _BLOCK), new))
+    scales.copy_(kept(keep, scales, absmax))
 
 
 def q8_tables(device: torch.device) -> list[torch.Tensor]:

@@ -17,6 +17,7 @@ from typing import Any, Literal
 import torch
 
 from mixprec.compiling import compile_errors, compile_works, compiled, recompile_headroom
+from mixprec.lagged import host_float
 from mixprec.optim import codecs, rule
 from mixprec.optim import states as qstates
 from mixprec.optim.fast import init_adam_state
@@ -169,7 +170,7 @@ class CompileRouteFailed(RuntimeError):
 def _adam_lists(
     params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor],
     max_exp_avg_sqs: list[torch.Tensor], comps: list[torch.Tensor], counter: torch.Tensor, hyper: torch.Tensor,
-    scales: list[list[torch.Tensor]], tables: list[torch.Tensor], flags: list[list[torch.Tensor]],
+    scales: list[list[torch.Tensor]], tables: list[torch.Tensor], flags: list[list[torch.Tensor]], skip: torch.Tensor,
     *, decoupled: bool, amsgrad: bool, maximize: bool, weight_decay: bool, rounding: str, q8: bool,
 ) -> None:
     """Adam/AdamW on low-precision tensors, one fused loop per parameter under ``torch.compile``:
@@ -183,8 +184,10 @@ def _adam_lists(
     (:func:`~mixprec.optim.codecs.fused_remainder_inputs`). ``counter``: an int64 holding this
     call's 32-bit stochastic-rounding seed, XORed with each element's position in the call.
     ``q8``: the moments are 8-bit codes with their block scales in ``scales`` (one list per
-    moment key) and the lookup ``tables`` of :func:`~mixprec.optim.codecs.q8_tables`.
+    moment key) and the lookup ``tables`` of :func:`~mixprec.optim.codecs.q8_tables`. ``skip``: a
+    0-dim flag; where it is 1 every stored tensor keeps what it held (a step skipped on the device).
     """
+    keep = None if rounding == "remainder" else skip > 0
     lr, beta1, beta2, eps, wd, step_size, bc2_sqrt, gscale = hyper.unbind(0)
     h = rule.AdamHyper(lr, beta1, beta2, eps, wd, decoupled=decoupled, amsgrad=amsgrad, maximize=maximize,
                        decays=weight_decay)
@@ -199,13 +202,13 @@ def _adam_lists(
         vmax = codecs.fused_load_state(max_exp_avg_sqs[i], sc[2], unsigned[0]) if amsgrad else None
         w, m, v, vmax = rule.adam(rule.FUSED, h, step_size, bc2_sqrt, w, grads[i].float() * gscale, m, v, vmax)
         if amsgrad:
-            codecs.fused_store_state(vmax, max_exp_avg_sqs[i], sc[2], unsigned[1], unsigned[2])
-        codecs.fused_store_state(m, exp_avgs[i], sc[0], signed[1], signed[2])
-        codecs.fused_store_state(v, exp_avg_sqs[i], sc[1], unsigned[1], unsigned[2])
+            codecs.fused_store_state(vmax, max_exp_avg_sqs[i], sc[2], unsigned[1], unsigned[2], keep)
+        codecs.fused_store_state(m, exp_avgs[i], sc[0], signed[1], signed[2], keep)
+        codecs.fused_store_state(v, exp_avg_sqs[i], sc[1], unsigned[1], unsigned[2], keep)
         position = None
         if rounding == "stochastic":
             position = (torch.arange(p.numel(), device=p.device, dtype=torch.int64).view(p.shape) + offset) ^ counter
-        codecs.fused_store_weight(rounding, p, w, comp, [f[i] for f in flags], position)
+        codecs.fused_store_weight(rounding, p, w, comp, [f[i] for f in flags], position, keep)
         offset += p.numel()
 
 
@@ -216,11 +219,7 @@ def uniform_steps(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tenso
     got gradients at different times (a mixture of experts) is stepped eagerly instead.
     """
     steps = [state.get("step", 0) if (state := optimizer.state.get(p)) else 0 for p in params]
-    tensors = [s for s in steps if isinstance(s, torch.Tensor)]
-    if tensors and len(tensors) == len(steps):
-        counts = torch.stack(tensors)  # one comparison, not a host read per parameter
-        return bool((counts == counts[0]).all())
-    return len({float(s) for s in steps}) <= 1
+    return len({host_float(s) for s in steps}) <= 1  # (host memory: torch keeps non-fused step counts on the CPU)
 
 
 @dataclass(frozen=True)
@@ -243,6 +242,7 @@ def compiled_adam_step(
     counter: list[int] | None = None,
     grad_scales: Sequence[torch.Tensor] = (),
     remainder: RemainderIO | None = None,
+    skip: torch.Tensor | None = None,
 ) -> None:
     """Adam/AdamW for the low-precision ``params`` of ``group`` in one ``torch.compile``-d call.
 
@@ -259,7 +259,9 @@ def compiled_adam_step(
     remainders, ``remainder`` the ties) are rebuilt and split in the loop; the few ties
     rounded down are raised one unit in the weight before it (so the loop needs no list)
     and found again after it from one flag byte per element, screened a block at a time.
-    ``grad_scales`` multiply the gradients in fp32 (a deferred clip).
+    ``grad_scales`` multiply the gradients in fp32 (a deferred clip). ``skip`` (a 0-dim fp32 device
+    flag, not with remainders): where it is 1 nothing is written (the step counts and the noise counter
+    advance all the same: :mod:`mixprec.optim.skipping` puts them back).
 
     A failure while compiling (an error, or an interrupt: nearly all of a first step's
     time) changes nothing (the step counts are counted after the update, raised ties are
@@ -267,6 +269,8 @@ def compiled_adam_step(
     in the milliseconds after the loop ran, while remainders, ties and step counts are
     written, is not undone.
     """
+    if skip is not None and rounding == "remainder":
+        raise ValueError("a remainder step is not masked on the device: decide it on the host")
     active = [p for p in params if p.grad is not None]
     if not active:
         return
@@ -277,7 +281,7 @@ def compiled_adam_step(
     for p, state in zip(active, states, strict=True):  # state held in another dtype (wrapped later, loaded)
         qstates.conform(state, p, state_dtype)
     steps = [s["step"] for s in states]
-    step = float(steps[0]) + 1
+    step = host_float(steps[0]) + 1
     h = rule.adam_hyper(optimizer, group)
     # emulate_precision_casts: keep the bf16/fp16 rounding of the stored weight when the
     # Kahan residual reads it back (inductor otherwise folds to(bf16).float() into a no-op);
@@ -321,6 +325,7 @@ def compiled_adam_step(
                 [s["max_exp_avg_sq"] for s in states] if group["amsgrad"] else [],
                 comp_list,
                 torch.tensor(seed, dtype=torch.int64, device=device), hyper, scales, tables, flags,
+                torch.zeros((), device=device) if skip is None else skip.reshape(()),
                 decoupled=h.decoupled, amsgrad=h.amsgrad, maximize=h.maximize,
                 weight_decay=h.decays, rounding=rounding, q8=q8,
             )

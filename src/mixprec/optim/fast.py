@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from mixprec.lagged import host_float
 from mixprec.optim import codecs, rule
 from mixprec.optim import states as qstates
 from mixprec.optim.rule import scalar_value
@@ -78,16 +79,19 @@ def fused_available(device: torch.device) -> bool:
     return device.type in ("cpu", "cuda")
 
 
-def fast_kind(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> str | None:
+def fast_kind(optimizer: torch.optim.Optimizer, group: dict[str, Any], *, fused: bool = False) -> str | None:
     """``"adam"`` or ``"sgd"`` when ``group`` of ``optimizer`` can take the fast path, else None.
 
     Only the exact torch classes qualify (a subclass may change ``step``), without
-    ``capturable``, ``differentiable`` or ``fused`` and with a tensor-free weight decay.
+    ``capturable`` or ``differentiable`` and with a tensor-free weight decay; a ``fused`` group
+    only where the fast path runs torch's fused kernel itself (``fused``: Adam/AdamW chunks).
     """
     kind = type(optimizer)
     if kind not in FAST_OPTIMIZERS:
         return None
-    if group.get("differentiable") or group.get("fused") or group.get("capturable"):
+    if group.get("fused") and not (fused and kind is not torch.optim.SGD):
+        return None
+    if group.get("differentiable") or group.get("capturable"):
         return None
     if isinstance(group.get("weight_decay"), torch.Tensor):
         return None
@@ -179,6 +183,7 @@ def fast_step(
     fused: bool = False,
     plain_store: bool = False,
     grad_scales: Sequence[torch.Tensor] = (),
+    found_inf: torch.Tensor | None = None,
 ) -> None:
     """One step of ``optimizer``'s math for the low-precision ``params`` of ``group``, chunk by chunk.
 
@@ -189,7 +194,11 @@ def fast_step(
     low-precision tensors directly, with no fp32 expansion at all. ``grad_scales``: factors
     (a clip's, one-element fp32 tensors) the expanded fp32 gradients are multiplied by, in
     order, before the update: as an fp32-master optimizer multiplies its fp32 gradients.
+    ``found_inf`` (fused Adam/AdamW only): torch's kernel writes nothing where this device flag is 1
+    (the step counts are counted all the same, see :mod:`mixprec.optim.skipping`).
     """
+    if found_inf is not None and not (fused and kind == "adam"):
+        raise ValueError("found_inf masks only fused Adam/AdamW chunks")
     active = [p for p in params if p.grad is not None]
     if not active:
         return
@@ -202,7 +211,7 @@ def fast_step(
 
         def key(p: torch.Tensor) -> Any:
             return (p.device, p.dtype, p.grad.dtype if p.grad is not None else None,
-                    float(optimizer.state[p]["step"]))
+                    host_float(optimizer.state[p]["step"]))
 
         def splittable(p: torch.Tensor) -> bool:
             return _contiguous(p, p.grad, *(v for v in optimizer.state[p].values() if torch.is_tensor(v) and v.dim()))
@@ -218,7 +227,7 @@ def fast_step(
         h = rule.adam_hyper(optimizer, group)
         for chunk in plan:
             _adam_chunk(h, [optimizer.state[pc.param] for pc in chunk], chunk, expand, store, fused=fused,
-                        plain_store=plain_store, device_steps=device_steps, grad_scales=grad_scales)
+                        plain_store=plain_store, device_steps=device_steps, grad_scales=grad_scales, found_inf=found_inf)
     else:
         first = {p: scalar_value(group["momentum"]) != 0 and optimizer.state.get(p, {}).get("momentum_buffer") is None for p in active}
 
@@ -267,19 +276,19 @@ def _expanded(
 def _adam_chunk(
     h: rule.AdamHyper, states: list[dict[Any, Any]], pieces: list[Piece], expand: Expand, store: Store,
     *, fused: bool, plain_store: bool, device_steps: dict[tuple[torch.device, float], torch.Tensor],
-    grad_scales: Sequence[torch.Tensor],
+    grad_scales: Sequence[torch.Tensor], found_inf: torch.Tensor | None = None,
 ) -> None:
     """One chunk of Adam/AdamW: its codecs' fp32 values, the rule (or torch's fused kernel), stored back."""
     device = pieces[0].device
     if fused:
         _adam_fused_chunk(h, pieces, states, expand, store, plain_store=plain_store, device_steps=device_steps,
-                          grad_scales=grad_scales)
+                          grad_scales=grad_scales, found_inf=found_inf)
         return
     flat, values, grads = _expanded(pieces, expand, grad_scales)
     keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if h.amsgrad else [])
     loaded = [codecs.load_state(pieces, states, k, device) for k in keys]
     moments = [v for v, _ in loaded] + [None] * (3 - len(keys))
-    step_size, bc2_sqrt = rule.bias_corrections(h, float(states[0]["step"]))  # one step per chunk (its key)
+    step_size, bc2_sqrt = rule.bias_corrections(h, host_float(states[0]["step"]))  # one step per chunk (its key)
     rule.adam(rule.FOREACH, h, step_size, bc2_sqrt, values, grads, *moments)
     for value, put in loaded:
         put(value)
@@ -289,6 +298,7 @@ def _adam_chunk(
 def _adam_fused_chunk(
     h: rule.AdamHyper, pieces: list[Piece], states: list[dict[Any, Any]], expand: Expand, store: Store, *,
     plain_store: bool, device_steps: dict[tuple[torch.device, float], torch.Tensor], grad_scales: Sequence[torch.Tensor],
+    found_inf: torch.Tensor | None = None,
 ) -> None:
     kernel = torch._fused_adamw_ if h.decoupled else torch._fused_adam_
     amsgrad = h.amsgrad
@@ -297,7 +307,7 @@ def _adam_fused_chunk(
     if device.type != "cpu":
         # the kernel reads the step counts on the parameters' device (torch keeps them on
         # the CPU for non-fused Adam); every parameter of a chunk has the same count
-        count = float(steps[0])
+        count = host_float(steps[0])
         if (device, count) not in device_steps:
             device_steps[(device, count)] = torch.tensor(count, dtype=torch.float32, device=device)
         steps = [device_steps[(device, count)]] * len(pieces)
@@ -305,7 +315,7 @@ def _adam_fused_chunk(
     low_state = {k: [pc.of(s[k]) for pc, s in zip(pieces, states, strict=True)] for k in keys}
     dtype = pieces[0].dtype
     hyper: dict[str, Any] = {"lr": h.lr, "beta1": h.beta1, "beta2": h.beta2, "weight_decay": h.weight_decay,
-                             "eps": h.eps, "amsgrad": amsgrad, "maximize": h.maximize}
+                             "eps": h.eps, "amsgrad": amsgrad, "maximize": h.maximize, "found_inf": found_inf}
     if plain_store and not grad_scales and all(pc.param.grad is not None and pc.param.grad.dtype == dtype for pc in pieces) and all(
         t.dtype == dtype for ts in low_state.values() for t in ts
     ):

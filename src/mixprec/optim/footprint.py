@@ -311,7 +311,7 @@ def low_precision_step_transient(
         low = [q for q in params if q.dtype in LOW_PRECISION_DTYPES and q.requires_grad]
         if not low:
             continue
-        kind = fast_kind(inner, group) if fast else None
+        kind = fast_kind(inner, group, fused=fused and rounding != "remainder") if fast else None
         n_low_state = n_state if state_low else 0
         if kind == "adam":  # the step's own route decision, predicted (nothing built or compiled)
             routes = routing.plan(rounding, state_dtype, compile, low, predict=True)

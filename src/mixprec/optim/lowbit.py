@@ -17,9 +17,9 @@ inner optimizer runs its usual fp32 math on the proxy, and the result is stored 
 low precision; the parameters' ``data`` and ``grad`` are never swapped (DDP's hooks stay
 attached). ``torch.optim.Adam``, ``AdamW`` and ``SGD`` take a multi-tensor fast path
 (:mod:`mixprec.optim.fast`) with the same results and state. Between steps optimizer
-state is kept in ``state_dtype`` (bf16 by default, halving its memory).
-
-The rounding variants live in :mod:`mixprec.optim.kahan` and :mod:`mixprec.optim.stochastic`.
+state is kept in ``state_dtype`` (bf16 by default, halving its memory). The rounding variants
+live in :mod:`mixprec.optim.kahan` and :mod:`mixprec.optim.stochastic`, steps skipped on the device
+in :mod:`mixprec.optim.skipping`.
 
 >>> import torch
 >>> from mixprec.optim import KahanOptimizer
@@ -47,12 +47,13 @@ from mixprec.optim.base import WrappedOptimizer
 from mixprec.optim.compiled import CompileSetting, RemainderIO, check_compile_setting
 from mixprec.optim.fast import Piece, default_chunk_numel, fast_kind
 from mixprec.optim.loads import keep_state_dtype
+from mixprec.optim.skipping import DeviceSkipping
 from mixprec.optim.snapshot import Snapshot, all_or_nothing
 
 __all__ = ["LowPrecisionOptimizer"]
 
 
-class LowPrecisionOptimizer(WrappedOptimizer):
+class LowPrecisionOptimizer(DeviceSkipping, WrappedOptimizer):
     """Low-precision weights and state, fp32 arithmetic inside ``step()``, round-to-nearest store.
 
     The inner optimizer's math runs on fp32 expansions of the bf16/fp16 parameters,
@@ -164,7 +165,6 @@ class LowPrecisionOptimizer(WrappedOptimizer):
     def _store_many(self, pieces: list[Piece], values: list[torch.Tensor], flat: torch.Tensor) -> None:
         codecs.nearest_store(pieces, values)
 
-    # ------------------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> Any:  # type: ignore[override]
         """One optimizer step: fp32 parameters by the inner optimizer, low-precision ones expanded.
@@ -201,6 +201,7 @@ class LowPrecisionOptimizer(WrappedOptimizer):
     def step_selected(self, selected: set[torch.Tensor] | None) -> Any:
         """Step every parameter with a gradient, or only those in ``selected`` (no overflow
         guard, no snapshot: :class:`~mixprec.optim.InBackwardOptimizer` keeps its own copies)."""
+        self.settle()  # a step decided on the device before: counted first
         groups = self.optimizer.param_groups
         saved = [group["params"] for group in groups]
         picked = saved if selected is None else self._pick(saved, selected)
@@ -256,6 +257,7 @@ class LowPrecisionOptimizer(WrappedOptimizer):
             routing.run_group(self, group, views, kind, scratch, whole_step=True)
 
     def __getstate__(self) -> dict[str, Any]:
+        self.settle()
         state = dict(super().__getstate__())
         state["_shard_views"] = {}  # stand-ins of this run's shards: a copy makes its own
         return state
@@ -276,11 +278,7 @@ class LowPrecisionOptimizer(WrappedOptimizer):
         return max(default, self.cpu_chunk_numel) if device.type == "cpu" else default
 
     def _fast_kind(self, group: dict[str, Any]) -> str | None:
-        return fast_kind(self.optimizer, group) if self.fast else None
-
-    def _step_full_precision(self) -> Any:
-        """The inner optimizer's step of the fp32 parameters (norm layers), unexpanded."""
-        return self.optimizer.step()
+        return fast_kind(self.optimizer, group, fused=self.fused) if self.fast else None
 
     def follow_writes(self, params: Sequence[torch.Tensor]) -> None:
         """Before an update: bring what this wrapper keeps beside ``params`` in line with
@@ -378,7 +376,8 @@ class LowPrecisionOptimizer(WrappedOptimizer):
     def extra_state(self) -> dict[str, Any]:
         """This wrapper's own state besides the inner optimizer's (the rounding noise, the
         tensors of its state kinds by kind name): what :meth:`state_dict` stores under its own key."""
-        self.follow_writes(self._low_params())  # a weight written since its last step: its kinds follow first
+        self.settle()  # then, a weight written since its last step: its kinds follow
+        self.follow_writes(self._low_params())
         out = {**self.rounding_state(), **self.kinds.state(list(self.params()))}
         if self.kinds:
             out[checks.KINDS_KEY] = sorted(self.kinds.kinds)
@@ -395,6 +394,7 @@ class LowPrecisionOptimizer(WrappedOptimizer):
         the first param group instead, where ``torch.distributed.checkpoint``'s
         ``get_optimizer_state_dict`` (Fabric's and Lightning's sharded checkpoints) keeps it: it
         keeps only ``state`` and ``param_groups``. :meth:`load_state_dict` reads either place."""
+        self.settle()  # (the step counts of a step skipped on the device)
         sd = self.optimizer.state_dict()
         extra = {**self.extra_state(), "compiled_layouts": sorted(self._compiled_layouts)}
         if sd.get("param_groups") and any(shards.is_dtensor(p) for p in self._low_params()):
@@ -424,7 +424,7 @@ class LowPrecisionOptimizer(WrappedOptimizer):
             keep_state_dtype(self.optimizer, params, sd, self.state_dtype)  # torch cast it to the params' dtype
             self._compiled_layouts = routing.loaded_layouts(self, extra.get("compiled_layouts", []), params)
             self.load_extra_state(extra)
-        self._snapshot = None
+        self._snapshot = self._unsettled = None
         self.note_written(self._low_params())  # the loaded compensation stands for the weights as they are
 
     # ------------------------------------------------------------------ memory facts

@@ -49,6 +49,7 @@ from typing import Any
 
 import torch
 
+from mixprec.lagged import host_float
 from mixprec.optim import rule
 from mixprec.optim import states as qstates
 from mixprec.optim.checks import check_moment_layout
@@ -155,6 +156,7 @@ def native_adam_step(
     counter: list[int] | None = None,
     grad_scales: Sequence[torch.Tensor] = (),
     remainder: RemainderIO | None = None,
+    skip: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     """Adam/AdamW for the low-precision ``params`` of ``group`` natively (each with its own
     step count); every one must pass :func:`takes`. Returns the ones it left for another route:
@@ -164,7 +166,9 @@ def native_adam_step(
     here). The kernels run on worker threads (torch's thread count; a weight of more than
     :data:`PARALLEL_NUMEL` elements in ranges) and the call's weights are counted only once
     all of them have finished: an interrupt arriving meanwhile waits for them and is raised
-    after the bookkeeping (the groups after this one are then not stepped)."""
+    after the bookkeeping (the groups after this one are then not stepped). ``skip`` (a 0-dim fp32
+    flag, not with remainders): where it is 1 the kernel writes nothing (the step counts and the
+    noise counter advance all the same: :mod:`mixprec.optim.skipping` puts them back)."""
     lib = library()
     if lib is None:
         raise RuntimeError(f"the native optimizer kernel is not available: {status()[1]}")
@@ -189,6 +193,9 @@ def native_adam_step(
         return left
     states = [optimizer.state[p] for p in active]
     h = rule.adam_hyper(optimizer, group)
+    if skip is not None and rounding == "remainder":
+        raise ValueError("a remainder step is not masked on the device: decide it on the host")
+    flag = None if skip is None else skip.detach().to(device="cpu", dtype=torch.float32).reshape(1).contiguous()
     factors = torch.cat([f.detach().to(device="cpu", dtype=torch.float32).reshape(1) for f in grad_scales]) if grad_scales else None
     seed = 0
     if rounding == "stochastic":
@@ -203,13 +210,13 @@ def native_adam_step(
         wd_mode=0 if not h.decays else (2 if h.decoupled else 1), amsgrad=int(h.amsgrad),
         maximize=int(h.maximize), lerp_weight=1 - h.beta1, beta2=h.beta2, one_minus_beta2=1 - h.beta2, eps=h.eps,
         decay=(1 - h.lr * h.weight_decay) if h.decoupled else h.weight_decay,
-        gscales=_ptr(factors), n_gscales=0 if factors is None else factors.numel(),
+        gscales=_ptr(factors), n_gscales=0 if factors is None else factors.numel(), skip=_ptr(flag),
     )
     jobs: list[_Job] = []
     written: list[torch.Tensor] = []
     offset = 0
     for p, state in zip(active, states, strict=True):
-        step_size, bc2_sqrt = rule.bias_corrections(h, float(state["step"]) + 1)  # each weight its own count
+        step_size, bc2_sqrt = rule.bias_corrections(h, host_float(state["step"]) + 1)  # each weight its own count
         grad = p.grad
         assert grad is not None
         comp = comps(p) if comps is not None and rounding in ("kahan", "remainder") else None
@@ -228,7 +235,7 @@ def native_adam_step(
             comp_kind=_KINDS.get(comp.dtype, 0) if comp is not None else 0,  # (an int16 remainder: unread)
             step_size=step_size, bc2_sqrt=bc2_sqrt,
         )
-        keep = (p, grad, comp, ties, factors, *moments, *scales)
+        keep = (p, grad, comp, ties, factors, flag, *moments, *scales)
         written += [t for t in (p, comp, *moments, *scales) if t is not None]
         n = p.numel()
         pieces = max(1, min(threads, -(-n // PARALLEL_NUMEL)))

@@ -53,6 +53,7 @@ typedef struct {
     float step_size, bc2_sqrt;
     const float *gscales;           /* factors the gradient is multiplied by, in turn (deferred clips) */
     int64_t n_gscales;
+    const float *skip;              /* a step decided on the device: 1 writes nothing (NULL: none) */
 } mp_args;
 
 static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
@@ -254,7 +255,7 @@ static void push_tie(ties_out *t, int64_t i) {
     t->data[t->n++] = i;
 }
 
-int mp_abi_version(void) { return 6; }
+int mp_abi_version(void) { return 7; }
 
 int mp_has_f16(void) {
 #ifdef MP_F16
@@ -289,6 +290,7 @@ int64_t mp_adam(const mp_args *a, int64_t **ties_found) {
         ((a->rounding == R_STOCHASTIC || a->rounding == R_REMAINDER) && a->w_kind != K_BF16) ||
         a->rounding < R_NEAREST || a->rounding > R_REMAINDER || a->begin % BLOCK != 0)
         return -2;
+    if (a->skip && *a->skip != 0.0f) return 0; /* a skipped step: nothing written, no ties */
     ties_out found = {0, 0, 0, 0};
     q8_tables qs, qu;
     if (a->s_kind == K_Q8) {

@@ -36,7 +36,7 @@ ENV = NATIVE_ENV
 #: the target flags the kernel is built with (default ``-march=native``: this machine's
 #: instructions; ``-march=x86-64-v3`` builds its AVX2 loops, ``-march=x86-64`` its plain C ones)
 FLAGS_ENV = "MIXPREC_NATIVE_TARGET"
-_ABI = 6
+_ABI = 7
 
 class Args(ctypes.Structure):
     """native_adam.c's ``mp_args``, field for field."""
@@ -58,7 +58,7 @@ class Args(ctypes.Structure):
         ("lerp_weight", ctypes.c_float), ("beta2", ctypes.c_float), ("one_minus_beta2", ctypes.c_float),
         ("eps", ctypes.c_float), ("decay", ctypes.c_float), ("step_size", ctypes.c_float),
         ("bc2_sqrt", ctypes.c_float),
-        ("gscales", ctypes.c_void_p), ("n_gscales", ctypes.c_int64),
+        ("gscales", ctypes.c_void_p), ("n_gscales", ctypes.c_int64), ("skip", ctypes.c_void_p),
     ]
 
 

@@ -44,7 +44,7 @@ from mixprec.optim.compiled import (
 from mixprec.optim.fast import Piece, fast_step, fused_available
 
 __all__ = [
-    "EXECUTORS", "Routes", "compiled_layout_ok", "compiled_route", "compiled_step", "executors", "layout_key_suffix",
+    "EXECUTORS", "Routes", "compiled_layout_ok", "compiled_route", "compiled_step", "eager_masks", "executors", "layout_key_suffix",
     "loaded_layouts", "plan", "run_group", "upgraded_layout",
 ]
 
@@ -77,6 +77,10 @@ class Routed(Protocol):
 
     def _step_one(self, p: torch.nn.Parameter, group: dict[str, Any], scratch: dict[Any, torch.Tensor]) -> None: ...
 
+    _skip: torch.Tensor | None  # the device flag of a step decided on the device (mixprec.optim.skipping)
+
+    def skip_on_host(self) -> bool: ...
+
 
 #: the stores the compiled update implements
 COMPILED_ROUNDINGS = ("nearest", "kahan", "stochastic", "remainder")
@@ -92,6 +96,15 @@ EXECUTORS: dict[str, tuple[str, ...]] = {
 def executors(device_type: str) -> tuple[str, ...]:
     """The executors of :data:`EXECUTORS` for ``device_type``."""
     return EXECUTORS.get(device_type, EXECUTORS["default"])
+
+
+def eager_masks(opt: Routed, device: torch.device) -> bool:
+    """Whether the eager fast path's Adam/AdamW chunks of ``opt`` skip from a device flag: they run
+    torch's fused kernel (``fused``), which writes nothing when the flag is set, and their store gives
+    back unchanged values bit for bit (round to nearest, stochastic rounding; float moments). The
+    native and compiled executors mask every store themselves."""
+    return (opt.fused and fused_available(device) and opt.rounding in ("nearest", "stochastic")
+            and opt.state_dtype != qstates.Q8)
 
 
 @dataclass(frozen=True)
@@ -148,16 +161,21 @@ def run_group(opt: Routed, group: dict[str, Any], active: list[torch.nn.Paramete
     holds now) on their executors: an Adam/AdamW group's on those :func:`plan` picks
     (:func:`compiled_route`), the rest of a fast kind (``"adam"``, ``"sgd"``) on the eager fast path
     (:func:`~mixprec.optim.fast.fast_step`: the codecs' chunks, the rule), any other one parameter
-    at a time on the generic path (the inner optimizer on fp32 proxies)."""
+    at a time on the generic path (the inner optimizer on fp32 proxies). In a step decided on the
+    device (``opt._skip``) what no executor masks reads the flag on the host and steps only if it is 0."""
+    skip = opt._skip
     if kind == "adam":
         active = group["params"] = compiled_route(opt, group, active, whole_step=whole_step)
+    masks = bool(active) and skip is not None and kind == "adam" and eager_masks(opt, active[0].device)
+    if active and skip is not None and not masks and opt.skip_on_host():
+        return
     if active and kind is not None:
         device = active[0].device
         fast_step(
             opt.optimizer, group, active, kind=kind, state_dtype=opt.state_dtype, expand=opt._expand_many,
             store=opt._store_many, chunk_numel=qstates.chunk_numel(opt._chunk_limit(device), opt.state_dtype),
             fused=opt.fused and fused_available(device), plain_store=opt.rounding == "nearest",
-            grad_scales=opt._pending_grad_scales(),
+            grad_scales=opt._pending_grad_scales(), found_inf=skip if masks else None,
         )
         return
     for p in active:  # none left when the compiled route stepped them all
@@ -176,6 +194,7 @@ def compiled_route(opt: Routed, group: dict[str, Any], active: list[torch.nn.Par
         left = native.native_adam_step(
             opt.optimizer, group, routes.native, state_dtype=opt.state_dtype, rounding=opt.rounding, comps=comps,
             counter=counter, grad_scales=opt._pending_grad_scales(), remainder=opt._compiled_remainder(),
+            skip=opt._skip,
         )
         stepped = {id(p) for p in routes.native} - {id(p) for p in left}
         active = [p for p in active if id(p) not in stepped]
@@ -233,6 +252,7 @@ def compiled_step(
         compiled_adam_step(
             opt.optimizer, group, active, state_dtype=opt.state_dtype, rounding=opt.rounding,
             comps=comps, counter=counter, grad_scales=opt._pending_grad_scales(), remainder=opt._compiled_remainder(),
+            skip=opt._skip,
         )
     except BaseException as exc:  # nothing was stepped (an interrupt too): the layout is not compiled
         release_layout(opt._compiled_layouts, reserved)
