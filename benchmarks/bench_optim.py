@@ -18,7 +18,8 @@ step). Rows:
   (``... eager``);
 - ``optimi-kahan``: bf16 model, ``optimi.AdamW(..., kahan_sum=True)`` (torch-optimi).
 
-Every optimizer uses lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight decay 0.01.
+Every optimizer uses lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight decay 0.01; ``--fused-inner``
+gives the plans ``AdamW(fused=True)`` (``bench_gpu.py``'s default) instead of torch's default.
 ``--loss-steps N`` also trains every row N steps from the same initial weights on the
 same batches and reports the held-out loss next to fp32's. Medians over ``--repeats``;
 prints Markdown. A benchmark: it never fails on time.
@@ -50,6 +51,7 @@ from mixprec.cli.models import build_task
 from mixprec.optim import LowPrecisionOptimizer
 
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
+INNER: dict[str, Any] = {}  # the plans' torch AdamW options (--fused-inner: fused=True, as bench_gpu.py's default)
 BASELINE = "torch-fp32-foreach"
 
 
@@ -79,7 +81,7 @@ def _torch_fp32(task: Any, device: torch.device, **flags: Any) -> Setup:
 
 def _plan(task: Any, device: torch.device, plan: Any, fast: bool = True, compile: bool | str = "auto") -> Setup:
     mp = MixedPrecision(plan)
-    inner = torch.optim.AdamW(task.model.to(device).parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    inner = torch.optim.AdamW(task.model.to(device).parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, **INNER)
     model, opt, criterion = mp.prepare(task.model, inner, criterion=task.criterion)
     if isinstance(opt, LowPrecisionOptimizer):
         opt.fast, opt.compile = fast, compile
@@ -276,8 +278,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--no-train", dest="train", action="store_false", help="time the optimizer step only")
     parser.add_argument("--loss-steps", type=int, default=0, help="also train N steps and compare held-out loss")
+    parser.add_argument("--fused-inner", action="store_true",
+                        help="the plans wrap torch.optim.AdamW(fused=True) (bench_gpu.py's default) instead of torch's default")
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (CPU; default: torch's)")
     args = parser.parse_args(argv)
+    if args.fused_inner:
+        INNER["fused"] = True
     if args.threads:
         torch.set_num_threads(args.threads)
     print(markdown(bench(args), args))
