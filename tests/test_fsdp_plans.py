@@ -232,25 +232,30 @@ def _refusal_worker(rank: int, world: int, out: str) -> None:
     net(torch.randn(2, 8)).float().sum().backward()
     island_opt.step()
     found["island"] = sorted({str(p.dtype) for p in net[0].parameters()}) + sorted({str(p.dtype) for p in net[1].parameters()})
-    # stochastic rounding: each shard's noise under its own key; a state holding another shard's only
-    # (a whole-model state dict saved from rank 0) starts this shard's noise from the seed, saying so
+    # stochastic rounding: each shard mixes its index into the noise's seed, so two shards holding the
+    # same values round them differently; the state is the seed and the call count, the same on every
+    # rank, so a whole-model state dict saved from rank 0 loads on every rank as it is
     import warnings
 
     from mixprec.optim import StochasticRoundingOptimizer
     from mixprec.optim.checks import lift_wrapper_state
 
-    sr_model = fully_shard_model(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)), "bf16-sr")
+    layers = [torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)]
+    for layer in layers:  # every row of the first weight gets the same gradient
+        torch.nn.init.constant_(layer.weight, 1.0)
+        torch.nn.init.zeros_(layer.bias)
+    sr_model = fully_shard_model(torch.nn.Sequential(*layers), "bf16-sr")
     sr_opt = StochasticRoundingOptimizer(torch.optim.AdamW(sr_model.parameters()))
-    sr_model(torch.randn(2, 8, dtype=torch.bfloat16)).float().sum().backward()
+    sr_model(torch.randn(2, 8, generator=torch.Generator().manual_seed(0)).bfloat16()).float().sum().backward()
     sr_opt.step()
+    found["sr local"] = sr_model[0].weight.to_local().detach().view(torch.int16).clone()
     sd = lift_wrapper_state(sr_opt.state_dict(), "mixprec_lowbit")
-    found["sr keys"] = sorted(sd["mixprec_lowbit"]["generators"])
-    first = next(iter(sd["mixprec_lowbit"]["generators"].values()))
-    rank0_only = {**sd, "mixprec_lowbit": {**sd["mixprec_lowbit"], "generators": {"cpu/shard0": first}}}
+    found["sr keys"] = sorted(k for k in sd["mixprec_lowbit"] if k != "compiled_layouts")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        sr_opt.load_state_dict(rank0_only)
-    found["sr warned"] = any("no rounding noise for this rank's shard" in str(w.message) for w in caught)
+        sr_opt.load_state_dict(sd)
+    found["sr warned"] = [str(w.message) for w in caught]
+    found["sr counter"] = sr_opt.rounding_state()["counter"]
     # fp8: the Linear layers become fp8 layers before sharding, so a model sharded without them is refused
     net = fully_shard(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)))
     try:
@@ -281,8 +286,9 @@ def test_what_cannot_be_sharded_is_refused_with_the_fix(tmp_path):
     run_ranks(_refusal_worker, WORLD, str(tmp_path))
     found = torch.load(tmp_path / "rank0.pt", weights_only=True)
     other = torch.load(tmp_path / "rank1.pt", weights_only=True)
-    assert (found["sr keys"], other["sr keys"]) == (["cpu/shard0"], ["cpu/shard1"])
-    assert (found["sr warned"], other["sr warned"]) == (False, True)
+    assert found["sr keys"] == other["sr keys"] == ["counter", "seed"]
+    assert found["sr warned"] == other["sr warned"] == [] and found["sr counter"] == other["sr counter"] == 1
+    assert not torch.equal(found["sr local"], other["sr local"])  # the same values, each shard's own noise
     assert "was sharded with fp32 weights" in found["fp32 shards"]
     assert "fully_shard_model(model, plan" in found["fp32 shards"]
     assert "Adafactor is not one of them" in found["adafactor"]

@@ -348,7 +348,7 @@ def test_moments_of_another_layout_are_made_contiguous_and_a_wrong_size_is_refus
     state["exp_avg"] = torch.zeros(7, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"exp_avg.*1200 elements"):
         native.native_adam_step(opt8.optimizer, opt8.optimizer.param_groups[0], [p], state_dtype=torch.bfloat16,
-                                rounding="remainder", comps=opt8._compiled_rounding_inputs()[0],
+                                rounding="remainder", comps=opt8._compiled_rounding_inputs(),
                                 remainder=opt8._compiled_remainder())
 
 

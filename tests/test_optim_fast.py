@@ -269,8 +269,8 @@ def test_argument_errors():
 def test_compiled_route_matches_generic_within_rounding(wrapper):
     """``compile=True``: one torch.compile-d loop per parameter (no fp32 copies), within
     FUSED_ULPS of the generic path over 4 steps, state in torch's keys and state_dtype.
-    Stochastic rounding draws other noise bits there (hashed in the kernel): each step's
-    store may land on the other neighbour, one ulp per step."""
+    Stochastic rounding draws the same noise on both routes (mixprec.optim.codecs.Noise), so it is
+    held to the same bound."""
     pytest.importorskip("torch._inductor")
     dtypes = (torch.bfloat16,)
     groups_a, groups_b = _params(11, dtypes), _params(11, dtypes)
@@ -292,7 +292,7 @@ def test_compiled_route_matches_generic_within_rounding(wrapper):
             for key, value in a.state.get(x, {}).items():
                 assert value.dtype == b.state[y][key].dtype
                 worst = max(worst, _ulps(value, b.state[y][key]))
-    assert worst <= (FUSED_ULPS + 4 if wrapper == "sr" else FUSED_ULPS), worst
+    assert worst <= FUSED_ULPS, worst
 
 
 @pytest.mark.slow

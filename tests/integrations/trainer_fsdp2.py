@@ -29,10 +29,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 from transformers_load_sharded import rows  # noqa: E402
 
 #: (plan, the checkpoint's state_dict_type): the Trainer's default keeps the full optimizer state in one
-#: file written by rank 0, with rank 0's stochastic-rounding noise only (the other ranks then
-#: re-seed theirs, with a warning); the sharded one keeps every rank's
+#: file written by rank 0, the sharded one each rank's part (stochastic rounding's noise is a call
+#: count every rank shares: either keeps it)
 RUNS = (("bf16-master", "FULL_STATE_DICT"), ("bf16-kahan", "FULL_STATE_DICT"), ("bf16-kahan", "SHARDED_STATE_DICT"),
-        ("bf16-sr", "SHARDED_STATE_DICT"))
+        ("bf16-sr", "FULL_STATE_DICT"))
 STEPS, PER_RANK = 10, 4
 
 def _run_fsdp_as_on_gpus() -> None:

@@ -122,15 +122,6 @@ def _read_part(path: str, pointer: dict[str, Any], module: torch.nn.Module,
     payload = sharded.reshard(path, parts, module, optimizers, rank)
     for part in parts:  # (``payload`` is one of them)
         _lift_wrapper_entries(part)
-    for i, state in enumerate(payload["optimizers"]):  # stochastic rounding: every saved shard's noise, for
-        rounding = state.get(ROUNDING_KEY)             # the shard this rank holds now to pick
-        if isinstance(rounding, dict) and isinstance(rounding.get("generators"), dict):
-            merged = {}
-            for part in parts:
-                theirs = part["optimizers"][i].get(ROUNDING_KEY)
-                if isinstance(theirs, dict) and isinstance(theirs.get("generators"), dict):
-                    merged.update(theirs["generators"])
-            state[ROUNDING_KEY] = {**rounding, "generators": merged}
     warnings.warn(
         f"checkpoint {path!r} was saved by {saved} ranks and is loaded by {world}"
         + (" sharding it otherwise" if saved == world else "") + ": its sharded tensors were put "

@@ -12,9 +12,10 @@ stored forms are read into them and written back from them, once per encoding:
 Each comes in the forms its executors need: over a chunk of :class:`~mixprec.optim.fast.Piece`
 runs (the eager fast path, a handful of ``_foreach`` kernels; the generic path gives one whole
 piece; remainder masters have a one-tensor form too) and inside one loop a compiler fuses
-(``fused_*``: the compiled route; the native C kernel is their sanctioned mirror). Stochastic rounding on the compiled and native routes
-draws its noise from :func:`hash16` of each element's position and :func:`seed32` of a
-checkpointed call count; the eager routes draw it from the wrapper's ``torch.Generator``.
+(``fused_*``: the compiled route; the native C kernel is their sanctioned mirror). Stochastic
+rounding draws one noise stream on every route (:class:`Noise`): :func:`hash16` of each element's
+position in its param group's call XOR a 32-bit seed mixed from a checkpointed call count, so
+the routes that step an element give it the same noise bits.
 
 >>> import torch
 >>> from mixprec.optim.fast import Piece
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from functools import cache
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -38,12 +39,13 @@ from mixprec.optim import quant
 from mixprec.optim import states as qstates
 
 __all__ = [
-    "SCREEN", "between", "compact_agrees", "compact_codes", "compact_lookup", "compact_q8_tables",
-    "flagged", "flat_views", "fused_load_state", "fused_load_weight", "fused_remainder_finish",
-    "fused_remainder_inputs", "fused_store_state", "fused_store_weight", "hash16", "kahan_load",
-    "kahan_store", "load_state", "nearest_load", "nearest_store", "new_state", "q8_load", "q8_store",
-    "q8_tables", "remainder_load", "remainder_master", "remainder_split", "remainder_store", "same_weight",
-    "screened_nonzero", "seed32", "shift_ties", "stochastic_round", "stochastic_store", "ties_of",
+    "SCREEN", "Noise", "between", "call_noise", "compact_agrees", "compact_codes", "compact_lookup",
+    "compact_q8_tables", "flagged", "flat_views", "fused_load_state", "fused_load_weight",
+    "fused_remainder_finish", "fused_remainder_inputs", "fused_store_state", "fused_store_weight", "hash16",
+    "kahan_load", "kahan_store", "load_state", "nearest_load", "nearest_store", "new_state", "positions",
+    "q8_load", "q8_store", "q8_tables", "remainder_load", "remainder_master", "remainder_split",
+    "remainder_store", "same_weight", "screened_nonzero", "seed32", "shift_ties", "stochastic_round",
+    "stochastic_store", "ties_of",
 ]
 
 _BLOCK = qstates.BLOCK
@@ -116,12 +118,40 @@ def kahan_store(pieces: Sequence[Any], values: list[torch.Tensor], comps: list[t
     torch._foreach_copy_(comps, values)
 
 
-def stochastic_store(pieces: Sequence[Any], values: list[torch.Tensor], flat: torch.Tensor,
-                     generator: torch.Generator) -> None:
-    """bf16 weights rounded up or down at random: 16 noise bits from ``generator`` added below
-    the kept ones, truncated; ``values`` are consecutive views of ``flat`` (one draw per chunk)."""
-    noise = torch.randint(0, 1 << 16, flat.shape, dtype=torch.int32, device=flat.device, generator=generator)
-    flat.view(torch.int32).add_(noise).bitwise_and_(-65536)  # keep the top 16 bits: exactly a bf16 value
+class Noise(NamedTuple):
+    """The stochastic-rounding noise of one call (one param group's step): element ``i`` of a
+    weight gets :func:`hash16` of ``(firsts[id(weight)] + i) ^ seed``, whichever route steps it."""
+
+    seed: int  # 32 bits: :func:`seed32` of the wrapper's call count, the shard index mixed in
+    firsts: dict[int, int]  # id(weight) -> the position of its first element in the call
+
+
+def call_noise(count: int, shard: int, params: Sequence[torch.Tensor]) -> Noise:
+    """The :class:`Noise` of call number ``count`` over ``params`` (in the group's order); ``shard``:
+    the FSDP2 shard index (0 unsharded), so that shards do not round their element ``i`` alike."""
+    firsts, first = {}, 0
+    for p in params:
+        firsts[id(p)] = first
+        first += p.numel()
+    return Noise(seed32(count + (shard << 40)), firsts)
+
+
+def positions(pieces: Sequence[Any], noise: Noise, device: torch.device) -> torch.Tensor:
+    """Each element's position in the call, over a chunk of pieces (flat int64)."""
+    out = torch.empty(sum(pc.numel() for pc in pieces), dtype=torch.int64, device=device)
+    at = 0
+    for pc in pieces:
+        first = noise.firsts[id(pc.param)] + pc.start
+        torch.arange(first, first + pc.numel(), out=out[at : at + pc.numel()])
+        at += pc.numel()
+    return out
+
+
+def stochastic_store(pieces: Sequence[Any], values: list[torch.Tensor], flat: torch.Tensor, noise: Noise) -> None:
+    """bf16 weights rounded up or down at random: 16 noise bits (:class:`Noise`) added below the
+    kept ones, truncated; ``values`` are consecutive views of ``flat``."""
+    bits = hash16_(positions(pieces, noise, flat.device).bitwise_xor_(noise.seed))
+    flat.view(torch.int32).add_(bits).bitwise_and_(-65536)  # keep the top 16 bits: exactly a bf16 value
     torch._foreach_copy_([pc.value for pc in pieces], values)
 
 
@@ -410,4 +440,13 @@ def hash16(x: torch.Tensor) -> torch.Tensor:
     x = x ^ (x >> 15)
     x = (x * 0x5BD1E995) & 0xFFFFFFFF
     x = x ^ (x >> 16)
+    return (x & 0xFFFF).to(torch.int32)
+
+
+def hash16_(x: torch.Tensor) -> torch.Tensor:
+    """:func:`hash16` computed in place in ``x`` (int64 scratch): one temporary of ``x``'s size."""
+    x.bitwise_and_(0xFFFFFFFF)
+    for shift, factor in ((16, 0x7FEB352D), (15, 0x5BD1E995)):
+        x.bitwise_xor_(x >> shift).mul_(factor).bitwise_and_(0xFFFFFFFF)
+    x.bitwise_xor_(x >> 16)
     return (x & 0xFFFF).to(torch.int32)

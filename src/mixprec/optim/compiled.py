@@ -169,7 +169,7 @@ class CompileRouteFailed(RuntimeError):
 
 def _adam_lists(
     params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor],
-    max_exp_avg_sqs: list[torch.Tensor], comps: list[torch.Tensor], counter: torch.Tensor, hyper: torch.Tensor,
+    max_exp_avg_sqs: list[torch.Tensor], comps: list[torch.Tensor], seed: torch.Tensor, firsts: torch.Tensor, hyper: torch.Tensor,
     scales: list[list[torch.Tensor]], tables: list[torch.Tensor], flags: list[list[torch.Tensor]], skip: torch.Tensor,
     *, decoupled: bool, amsgrad: bool, maximize: bool, weight_decay: bool, rounding: str, q8: bool,
 ) -> None:
@@ -181,8 +181,9 @@ def _adam_lists(
     grad_scale] (a tensor, so new values do not recompile; ``grad_scale`` multiplies every
     gradient, 1 unless a clip was deferred). ``comps``: the Kahan compensations, or the int16
     remainders viewed as bf16 with ``flags`` for their new bytes and ties
-    (:func:`~mixprec.optim.codecs.fused_remainder_inputs`). ``counter``: an int64 holding this
-    call's 32-bit stochastic-rounding seed, XORed with each element's position in the call.
+    (:func:`~mixprec.optim.codecs.fused_remainder_inputs`). ``seed``: an int64 holding the call's
+    32-bit stochastic-rounding seed, XORed with each element's position in the call (``firsts``:
+    each weight's first, :class:`~mixprec.optim.codecs.Noise`).
     ``q8``: the moments are 8-bit codes with their block scales in ``scales`` (one list per
     moment key) and the lookup ``tables`` of :func:`~mixprec.optim.codecs.q8_tables`. ``skip``: a
     0-dim flag; where it is 1 every stored tensor keeps what it held (a step skipped on the device).
@@ -192,7 +193,6 @@ def _adam_lists(
     h = rule.AdamHyper(lr, beta1, beta2, eps, wd, decoupled=decoupled, amsgrad=amsgrad, maximize=maximize,
                        decays=weight_decay)
     signed, unsigned = (tables[:3], tables[3:]) if q8 else ([None] * 3, [None] * 3)  # map, lookup, points
-    offset = 0
     for i, p in enumerate(params):
         comp = comps[i] if rounding in ("kahan", "remainder") else None
         w = codecs.fused_load_weight(rounding, p, comp)
@@ -207,9 +207,8 @@ def _adam_lists(
         codecs.fused_store_state(v, exp_avg_sqs[i], sc[1], unsigned[1], unsigned[2], keep)
         position = None
         if rounding == "stochastic":
-            position = (torch.arange(p.numel(), device=p.device, dtype=torch.int64).view(p.shape) + offset) ^ counter
+            position = (torch.arange(p.numel(), device=p.device, dtype=torch.int64).view(p.shape) + firsts[i]) ^ seed
         codecs.fused_store_weight(rounding, p, w, comp, [f[i] for f in flags], position, keep)
-        offset += p.numel()
 
 
 def uniform_steps(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> bool:
@@ -239,7 +238,7 @@ def compiled_adam_step(
     state_dtype: torch.dtype | None,
     rounding: str,
     comps: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    counter: list[int] | None = None,
+    noise: codecs.Noise | None = None,
     grad_scales: Sequence[torch.Tensor] = (),
     remainder: RemainderIO | None = None,
     skip: torch.Tensor | None = None,
@@ -250,18 +249,18 @@ def compiled_adam_step(
     parameter. The first call per group layout compiles (seconds to a minute). Results
     equal the generic path within fp32 rounding (the compiler may reorder and contract
     the fp32 operations). Every parameter must have the same step count (see
-    :func:`uniform_steps`). Stochastic rounding hashes each element's position with a
-    32-bit seed mixed from ``counter[0]`` (the wrapper's checkpointed count of compiled
-    stochastic steps, advanced by one here): no random tensor is drawn or stored, and
-    no element's noise repeats with a short period. 8-bit moments are dequantized and
+    :func:`uniform_steps`). Stochastic rounding draws the call's ``noise``
+    (:class:`~mixprec.optim.codecs.Noise`: a hash of each element's position in its group's call
+    and a seed mixed from the wrapper's checkpointed call count, the same bits as the other routes):
+    no random tensor is drawn or stored. 8-bit moments are dequantized and
     quantized in the same loop, with the eager quantizer's table (the same codes for the
     same values). Remainder masters (``rounding="remainder"``, ``comps`` giving the int16
     remainders, ``remainder`` the ties) are rebuilt and split in the loop; the few ties
     rounded down are raised one unit in the weight before it (so the loop needs no list)
     and found again after it from one flag byte per element, screened a block at a time.
     ``grad_scales`` multiply the gradients in fp32 (a deferred clip). ``skip`` (a 0-dim fp32 device
-    flag, not with remainders): where it is 1 nothing is written (the step counts and the noise counter
-    advance all the same: :mod:`mixprec.optim.skipping` puts them back).
+    flag, not with remainders): where it is 1 nothing is written (the step counts and the wrapper's call
+    count advance all the same: :mod:`mixprec.optim.skipping` puts them back).
 
     A failure while compiling (an error, or an interrupt: nearly all of a first step's
     time) changes nothing (the step counts are counted after the update, raised ties are
@@ -295,11 +294,11 @@ def compiled_adam_step(
     for factor in grad_scales:
         scale = scale * factor.to(device=device, dtype=torch.float32).reshape(1)
     hyper = torch.cat([hyper, scale])
-    seed = 0
+    seed, firsts = 0, [0] * len(active)
     if rounding == "stochastic":
-        if counter is None:
-            raise ValueError("stochastic rounding needs the wrapper's noise counter")
-        seed = codecs.seed32(counter[0])
+        if noise is None:
+            raise ValueError("stochastic rounding needs the call's noise (codecs.Noise)")
+        seed, firsts = noise.seed, [noise.firsts[id(p)] for p in active]
     keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
     scales = [[s[f"{key}{qstates.ABSMAX}"] for s in states] for key in keys] if q8 else []
     tables = codecs.q8_tables(device) if q8 else []
@@ -324,7 +323,8 @@ def compiled_adam_step(
                 active, [p.grad for p in active], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
                 [s["max_exp_avg_sq"] for s in states] if group["amsgrad"] else [],
                 comp_list,
-                torch.tensor(seed, dtype=torch.int64, device=device), hyper, scales, tables, flags,
+                torch.tensor(seed, dtype=torch.int64, device=device), torch.tensor(firsts, dtype=torch.int64, device=device),
+                hyper, scales, tables, flags,
                 torch.zeros((), device=device) if skip is None else skip.reshape(()),
                 decoupled=h.decoupled, amsgrad=h.amsgrad, maximize=h.maximize,
                 weight_decay=h.decays, rounding=rounding, q8=q8,
@@ -342,5 +342,3 @@ def compiled_adam_step(
             if new.numel() or remainder.ties(p).numel():
                 remainder.set_ties(p, new)
     torch._foreach_add_(steps, 1.0)
-    if counter is not None and rounding == "stochastic":
-        counter[0] += 1

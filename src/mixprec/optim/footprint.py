@@ -331,7 +331,7 @@ def low_precision_step_transient(
                 if kind == "adam" and not in_fused:
                     per_element += 4  # the denominator
                 if rounding == "stochastic":
-                    per_element += 4  # int32 noise
+                    per_element += 20  # the noise: int64 positions, hashed in place (a temporary), int32 bits
                 if rounding == "remainder":
                     per_element += 2  # the new remainders, before they are copied out
                 if state_dtype == torch.uint8:

@@ -145,5 +145,5 @@ class KahanOptimizer(LowPrecisionOptimizer):
     def _store_many(self, pieces: list[Piece], values: list[torch.Tensor], flat: torch.Tensor) -> None:
         codecs.kahan_store(pieces, values, [pc.of(self._compensation_for(pc.param)) for pc in pieces])
 
-    def _compiled_rounding_inputs(self) -> tuple[Callable[[torch.Tensor], torch.Tensor] | None, list[int] | None]:
-        return self._compensation_for, None
+    def _compiled_rounding_inputs(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        return self._compensation_for

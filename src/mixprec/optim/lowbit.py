@@ -35,6 +35,7 @@ in :mod:`mixprec.optim.skipping`.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, ClassVar
 
 import torch
@@ -73,9 +74,7 @@ class LowPrecisionOptimizer(DeviceSkipping, WrappedOptimizer):
             key names, so state_dicts move freely between them.
         chunk_numel: the fast path expands at most this many elements to fp32 at a time (a
             larger contiguous parameter is cut into pieces). None: 2**17 on CPU, where small
-            chunks keep the fp32 temporaries in the caches, 2**22 elsewhere. Stochastic
-            rounding draws its noise chunk by chunk, so a different chunk size gives a
-            different (equally unbiased) random stream.
+            chunks keep the fp32 temporaries in the caches, 2**22 elsewhere.
         fused: on the fast path, run Adam/AdamW's arithmetic in torch's fused kernel (one
             pass; CPU and CUDA) rather than torch's foreach sequence (bit-identical to the
             generic path on CPU, several passes). Fused results equal the generic path's
@@ -107,6 +106,7 @@ class LowPrecisionOptimizer(DeviceSkipping, WrappedOptimizer):
     #: (the CPU default keeps a chunk in the caches; a wrapper with more host work per chunk
     #: raises it)
     cpu_chunk_numel: ClassVar[int] = 0
+    _noise: codecs.Noise | None = None  # the stochastic-rounding noise of the call being stepped
 
     def __init__(
         self,
@@ -303,13 +303,16 @@ class LowPrecisionOptimizer(DeviceSkipping, WrappedOptimizer):
             picked[where[0]].append(param)
         return picked
 
-    def _compiled_rounding_inputs(self) -> tuple[Callable[[torch.Tensor], torch.Tensor] | None, list[int] | None]:
-        """(compensation of a parameter, noise counter) the compiled route rounds with; the
-        rounding subclasses provide theirs."""
-        return None, None
+    # what the compiled and native routes round with: the compensation (or remainder) of a weight,
+    # the stochastic-rounding noise of one call over ``params`` (``self._noise`` meanwhile), the ties
+    # of remainder masters (:class:`~mixprec.optim.RemainderOptimizer`); the subclasses give theirs
+    def _compiled_rounding_inputs(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        return None
+
+    def _noise_for(self, params: list[torch.nn.Parameter]) -> AbstractContextManager[codecs.Noise | None]:
+        return nullcontext()
 
     def _compiled_remainder(self) -> RemainderIO | None:
-        """The ties of remainder masters (:class:`~mixprec.optim.RemainderOptimizer`): None here."""
         return None
 
     def _step_one(self, p: torch.nn.Parameter, group: dict[str, Any], scratch: generic.Scratch) -> None:
@@ -353,8 +356,7 @@ class LowPrecisionOptimizer(DeviceSkipping, WrappedOptimizer):
 
     # ------------------------------------------------- compensation and rounding noise
     def compensation(self, param: torch.Tensor) -> torch.Tensor | None:
-        """The Kahan compensation buffer of ``param`` (None: this wrapper keeps none, or
-        ``param`` has not been stepped yet)."""
+        """The Kahan compensation buffer of ``param`` (None: none kept, or ``param`` not stepped yet)."""
         return None
 
     def set_compensation(self, param: torch.Tensor, value: torch.Tensor) -> None:
@@ -362,8 +364,7 @@ class LowPrecisionOptimizer(DeviceSkipping, WrappedOptimizer):
         raise TypeError(f"{type(self).__name__} keeps no compensation buffers; only KahanOptimizer does")
 
     def drop_compensation(self, param: torch.Tensor) -> None:
-        """Forget the compensation buffer of ``param`` (the next step starts it at zero); a
-        no-op for wrappers without compensation."""
+        """Forget the compensation of ``param`` (the next step starts it at zero; no-op without one)."""
 
     def rounding_state(self) -> dict[str, Any]:
         """The state of the rounding noise (small; ``{}`` for deterministic rounding)."""
@@ -404,8 +405,7 @@ class LowPrecisionOptimizer(DeviceSkipping, WrappedOptimizer):
         return sd
 
     def check_state_dict(self, state_dict: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Everything :meth:`load_state_dict` checks, changing nothing; returns (the inner
-        optimizer's state_dict, this wrapper's own entry)."""
+        """What :meth:`load_state_dict` checks, changing nothing: (inner state_dict, this wrapper's entry)."""
         owner, params = type(self).__name__, list(self.params())
         sd, extra = checks.split_wrapper_state(checks.lift_wrapper_state(state_dict, self._STATE_KEY), self._STATE_KEY, owner)
         checks.check_rounding_state(extra, self.rounding, owner)

@@ -17,9 +17,8 @@ What it computes, against the eager fast path:
   decision points: the same codes for the same fp32 values.
 - Remainder masters are rebuilt and split exactly (the ties rounded down included); the
   weight is torch's round-to-nearest-even cast of the new master.
-- Stochastic rounding uses the compiled route's noise (a hash of each element's position and
-  the wrapper's checkpointed call count): the two routes give the same weights up to the
-  fp32 rounding of the update.
+- Stochastic rounding draws the call's noise (:class:`~mixprec.optim.codecs.Noise`, as every
+  route does): the routes give the same weights up to the fp32 rounding of the update.
 - The update gives torch's foreach Adam's bits on the same fp32 values (tested against torch
   2.13's x86-64 CPU build), except in the last ``numel % 16`` elements of each tensor torch's
   vector loop steps, which it computes without fused multiply-adds: there within fp32 rounding.
@@ -53,7 +52,7 @@ from mixprec.lagged import host_float
 from mixprec.optim import rule
 from mixprec.optim import states as qstates
 from mixprec.optim.checks import check_moment_layout
-from mixprec.optim.codecs import compact_q8_tables, seed32
+from mixprec.optim.codecs import Noise, compact_q8_tables
 from mixprec.optim.compiled import CompileSetting, RemainderIO
 from mixprec.optim.fast import init_adam_state
 from mixprec.optim.native_build import ENV, FLAGS_ENV, Args, has_f16, library, status
@@ -153,7 +152,7 @@ def native_adam_step(
     state_dtype: torch.dtype | None,
     rounding: str,
     comps: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    counter: list[int] | None = None,
+    noise: Noise | None = None,
     grad_scales: Sequence[torch.Tensor] = (),
     remainder: RemainderIO | None = None,
     skip: torch.Tensor | None = None,
@@ -162,13 +161,12 @@ def native_adam_step(
     step count); every one must pass :func:`takes`. Returns the ones it left for another route:
     those whose moments are held in another floating dtype than ``state_dtype`` (wrapped after
     the inner optimizer stepped, say: the eager path reads and keeps them as they are).
-    Stochastic rounding draws the compiled route's noise for ``counter[0]`` (advanced by one
-    here). The kernels run on worker threads (torch's thread count; a weight of more than
+    Stochastic rounding draws the call's ``noise``. The kernels run on worker threads (torch's thread count; a weight of more than
     :data:`PARALLEL_NUMEL` elements in ranges) and the call's weights are counted only once
     all of them have finished: an interrupt arriving meanwhile waits for them and is raised
     after the bookkeeping (the groups after this one are then not stepped). ``skip`` (a 0-dim fp32
     flag, not with remainders): where it is 1 the kernel writes nothing (the step counts and the
-    noise counter advance all the same: :mod:`mixprec.optim.skipping` puts them back)."""
+    wrapper's call count advance all the same: :mod:`mixprec.optim.skipping` puts them back)."""
     lib = library()
     if lib is None:
         raise RuntimeError(f"the native optimizer kernel is not available: {status()[1]}")
@@ -199,9 +197,9 @@ def native_adam_step(
     factors = torch.cat([f.detach().to(device="cpu", dtype=torch.float32).reshape(1) for f in grad_scales]) if grad_scales else None
     seed = 0
     if rounding == "stochastic":
-        if counter is None:
-            raise ValueError("stochastic rounding needs the wrapper's noise counter")
-        seed = seed32(counter[0])
+        if noise is None:
+            raise ValueError("stochastic rounding needs the call's noise (codecs.Noise)")
+        seed = noise.seed
     tables = [t.data_ptr() for t in compact_q8_tables(int(lib.mp_compact_e0()))] if q8 else [None] * 8
     threads = max(1, torch.get_num_threads())
     shared = dict(
@@ -214,7 +212,6 @@ def native_adam_step(
     )
     jobs: list[_Job] = []
     written: list[torch.Tensor] = []
-    offset = 0
     for p, state in zip(active, states, strict=True):
         step_size, bc2_sqrt = rule.bias_corrections(h, host_float(state["step"]) + 1)  # each weight its own count
         grad = p.grad
@@ -230,7 +227,8 @@ def native_adam_step(
         own = dict(
             w=p.data_ptr(), g=grad.data_ptr(), m=_ptr(moments[0]), v=_ptr(moments[1]), vmax=_ptr(moments[2]),
             m_scale=_ptr(scales[0]), v_scale=_ptr(scales[1]), vmax_scale=_ptr(scales[2]), comp=_ptr(comp),
-            ties=_ptr(ties), n_ties=0 if ties is None else ties.numel(), offset=offset,
+            ties=_ptr(ties), n_ties=0 if ties is None else ties.numel(),
+            offset=noise.firsts[id(p)] if noise is not None else 0,
             w_kind=_KINDS[p.dtype], g_kind=_KINDS[grad.dtype],
             comp_kind=_KINDS.get(comp.dtype, 0) if comp is not None else 0,  # (an int16 remainder: unread)
             step_size=step_size, bc2_sqrt=bc2_sqrt,
@@ -242,7 +240,6 @@ def native_adam_step(
         bound = max(qstates.BLOCK, -(-n // pieces // qstates.BLOCK) * qstates.BLOCK)  # ranges of whole 8-bit blocks
         for begin in range(0, n, bound):  # (none for an empty weight: only counted)
             jobs.append(_Job(p, Args(begin=begin, end=min(n, begin + bound), **shared, **own), keep))
-        offset += n
     results, interrupt = _run(lib, jobs, threads)
     torch.autograd.graph.increment_version(written)  # written in place: autograd and the undo copies see it
     failed = any(r is None for r in results)
@@ -257,8 +254,6 @@ def native_adam_step(
             if new.numel() or remainder.ties(p).numel():
                 remainder.set_ties(p, new)
     torch._foreach_add_([s["step"] for s in states], 1.0)
-    if counter is not None and rounding == "stochastic":
-        counter[0] += 1
     if failed:  # pragma: no cover - a few bytes for a tie list could not be allocated
         raise MemoryError("the native optimizer kernel could not allocate a list of remainder ties; "
                           "the step was taken, but those weights' ties are lost (their masters are off by 2**-8 ulp)")

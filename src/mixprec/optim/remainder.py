@@ -199,8 +199,8 @@ class RemainderOptimizer(LowPrecisionOptimizer):
     def _remainder_for(self, param: torch.Tensor) -> torch.Tensor:
         return self.kinds.ensure(REMAINDER.name, param)
 
-    def _compiled_rounding_inputs(self) -> tuple[Callable[[torch.Tensor], torch.Tensor] | None, list[int] | None]:
-        return self._remainder_for, None
+    def _compiled_rounding_inputs(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        return self._remainder_for
 
     def _compiled_remainder(self) -> RemainderIO | None:
         return RemainderIO(self._ties, lambda p, ties: self.kinds.set(REMAINDER_TIES.name, p, ties))

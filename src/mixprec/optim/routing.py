@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import ast
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
 from mixprec.compiling import mark_compile_failed
-from mixprec.optim import native
+from mixprec.optim import codecs, native
 from mixprec.optim import states as qstates
 from mixprec.optim.compiled import (
     CompileRouteFailed,
@@ -61,7 +62,11 @@ class Routed(Protocol):
     @property
     def rounding(self) -> str: ...
 
-    def _compiled_rounding_inputs(self) -> tuple[Callable[[torch.Tensor], torch.Tensor] | None, list[int] | None]: ...
+    def _compiled_rounding_inputs(self) -> Callable[[torch.Tensor], torch.Tensor] | None: ...
+
+    def _noise_for(self, params: list[torch.nn.Parameter]) -> AbstractContextManager[codecs.Noise | None]: ...
+
+    _noise: codecs.Noise | None  # the noise of the call being stepped (stochastic rounding)
 
     def _compiled_remainder(self) -> RemainderIO | None: ...
 
@@ -162,7 +167,15 @@ def run_group(opt: Routed, group: dict[str, Any], active: list[torch.nn.Paramete
     (:func:`compiled_route`), the rest of a fast kind (``"adam"``, ``"sgd"``) on the eager fast path
     (:func:`~mixprec.optim.fast.fast_step`: the codecs' chunks, the rule), any other one parameter
     at a time on the generic path (the inner optimizer on fp32 proxies). In a step decided on the
-    device (``opt._skip``) what no executor masks reads the flag on the host and steps only if it is 0."""
+    device (``opt._skip``) what no executor masks reads the flag on the host and steps only if it is 0.
+    Stochastic rounding draws one :class:`~mixprec.optim.codecs.Noise` for the call, whichever
+    executors share it (``opt._noise``)."""
+    with opt._noise_for(active):
+        _run_group(opt, group, active, kind, scratch, whole_step=whole_step)
+
+
+def _run_group(opt: Routed, group: dict[str, Any], active: list[torch.nn.Parameter], kind: str | None,
+               scratch: dict[Any, torch.Tensor], *, whole_step: bool) -> None:
     skip = opt._skip
     if kind == "adam":
         active = group["params"] = compiled_route(opt, group, active, whole_step=whole_step)
@@ -188,12 +201,12 @@ def compiled_route(opt: Routed, group: dict[str, Any], active: list[torch.nn.Par
     where :func:`plan` sends them; returns those left for the eager path (``active`` itself when
     neither is taken). The native route goes first, also for a step of some parameters
     (``whole_step=False``: it compiles nothing per layout)."""
-    comps, counter = opt._compiled_rounding_inputs()
+    comps = opt._compiled_rounding_inputs()
     routes = plan(opt.rounding, opt.state_dtype, opt.compile, active, whole_step=whole_step, comps=comps)
     if routes.native:
         left = native.native_adam_step(
             opt.optimizer, group, routes.native, state_dtype=opt.state_dtype, rounding=opt.rounding, comps=comps,
-            counter=counter, grad_scales=opt._pending_grad_scales(), remainder=opt._compiled_remainder(),
+            noise=opt._noise, grad_scales=opt._pending_grad_scales(), remainder=opt._compiled_remainder(),
             skip=opt._skip,
         )
         stepped = {id(p) for p in routes.native} - {id(p) for p in left}
@@ -247,11 +260,10 @@ def compiled_step(
 ) -> list[torch.nn.Parameter]:
     """The compiled route for ``active``; returns the parameters it left unstepped
     (none, unless compilation failed under ``compile="auto"``)."""
-    comps, counter = opt._compiled_rounding_inputs()
     try:
         compiled_adam_step(
             opt.optimizer, group, active, state_dtype=opt.state_dtype, rounding=opt.rounding,
-            comps=comps, counter=counter, grad_scales=opt._pending_grad_scales(), remainder=opt._compiled_remainder(),
+            comps=opt._compiled_rounding_inputs(), noise=opt._noise, grad_scales=opt._pending_grad_scales(), remainder=opt._compiled_remainder(),
             skip=opt._skip,
         )
     except BaseException as exc:  # nothing was stepped (an interrupt too): the layout is not compiled
