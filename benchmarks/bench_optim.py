@@ -13,8 +13,8 @@ step). Rows:
   this size; the first steps compile, during warm-up); the same wrappers with the fast
   path switched off (``... generic``), never compiled (``... eager``: the multi-tensor
   fast path) and always compiled (``bf16-pure compiled``);
-- ``bf16-master-remainders...``, ``...-8bit``: remainder masters (``bf16-master``
-  with ``remainders=True``) and 8-bit / bf16 moments, by default and never compiled
+- ``bf16-master-remainders...``, ``...-8bit``, ``...-fp8``: remainder masters (``bf16-master``
+  with ``remainders=True``) and 8-bit / fp8 / bf16 moments, by default and never compiled
   (``... eager``);
 - ``optimi-kahan``: bf16 model, ``optimi.AdamW(..., kahan_sum=True)`` (torch-optimi).
 
@@ -153,6 +153,9 @@ ROWS: dict[str, Callable[[Any, torch.device], Setup]] = {
     "bf16-kahan-8bit eager": lambda t, d: _plan(t, d, get_plan("bf16-kahan", state_dtype="8bit"), compile=False),
     "bf16-sr-8bit eager": lambda t, d: _plan(t, d, get_plan("bf16-sr", state_dtype="8bit"), compile=False),
     "bf16-pure-8bit": lambda t, d: _plan(t, d, get_plan("bf16-pure", state_dtype="8bit")),
+    "bf16-kahan-fp8": lambda t, d: _plan(t, d, get_plan("bf16-kahan", state_dtype="fp8")),
+    "bf16-sr-fp8": lambda t, d: _plan(t, d, get_plan("bf16-sr", state_dtype="fp8")),
+    "bf16-kahan-fp8 eager": lambda t, d: _plan(t, d, get_plan("bf16-kahan", state_dtype="fp8"), compile=False),
     # the same on the torch.compile route (the default before the native CPU kernel took them)
     "bf16-master-remainders-bf16-state compiled": lambda t, d: _plan(
         t, d, get_plan("bf16-master", remainders=True, state_dtype="bf16"), compile=True

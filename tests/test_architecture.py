@@ -371,6 +371,29 @@ def test_the_rule_codecs_and_route_decision_are_each_written_once() -> None:
     assert all(op in c for op in ("lerp_(grad", "addcmul_(grad", "addcdiv_(exp_avg")), "native_adam.c no longer cites the rule"
 
 
+#: the modules that may name a block-coded state form itself (``states.Q8``, ``states.FP8``): its codec
+#: module, and the native kernel's binding, which steps the 8-bit form only; everything else reads
+#: the forms from ``states.BLOCKWISE``, so a new form is one codec there (plus its tests)
+FORM_NAMERS = ("states.py", "native.py")
+
+
+def _form_problems(paths: list[pathlib.Path]) -> list[str]:
+    problems = []
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None
+            if name in ("Q8", "FP8") and path.name not in FORM_NAMERS:
+                problems.append(f"{path.name}:{node.lineno} names the state form {name} (ask states.block_codec)")
+    return problems
+
+
+def test_only_the_codec_module_names_a_block_coded_state_form(tmp_path: pathlib.Path) -> None:
+    assert _form_problems([*sorted(OPTIM.glob("*.py")), SRC / "mixprec" / "resume.py"]) == []
+    bad = tmp_path / "bad.py"
+    bad.write_text("from mixprec.optim import states\nif dtype == states.Q8:\n    pass\n")
+    assert _form_problems([bad]) == ["bad.py:2 names the state form Q8 (ask states.block_codec)"]
+
+
 def test_the_room_checker_catches_a_second_rule_codec_or_route(tmp_path: pathlib.Path) -> None:
     bad = tmp_path / "bad.py"
     bad.write_text(

@@ -13,10 +13,9 @@ import torch
 from mixprec import get_plan
 from mixprec.compiling import compile_works
 from mixprec.optim import KahanOptimizer, LowPrecisionOptimizer, RemainderOptimizer
-from mixprec.optim.codecs import q8_store as _q8_store
-from mixprec.optim.codecs import q8_tables
 from mixprec.optim.compiled import use_compiled_route
-from mixprec.optim.quant import join_master, quantize_flat, split_master
+from mixprec.optim.quant import join_master, split_master
+from mixprec.optim.states import BLOCKWISE
 
 pytestmark = pytest.mark.skipif(not compile_works(torch.device("cpu")), reason="torch.compile does not work here")
 
@@ -43,21 +42,30 @@ def _run(make, compile: bool, steps: int = 6, **adam):
     return params, opt
 
 
-def test_the_compiled_8bit_store_gives_the_eager_quantizers_codes_and_scales_bit_for_bit() -> None:
-    tables = q8_tables(torch.device("cpu"))
-    store = torch.compile(_q8_store, dynamic=False)
+@pytest.mark.parametrize("form", [c.name for c in BLOCKWISE.values()])
+def test_the_compiled_block_store_gives_the_eager_encoders_codes_and_scales_bit_for_bit(form) -> None:
+    codec = next(c for c in BLOCKWISE.values() if c.name == form)
+    tables = codec.tables(torch.device("cpu"))
+    store = torch.compile(codec.fused_store, dynamic=False)
+    load = torch.compile(codec.fused_load, dynamic=False)
     g = torch.Generator().manual_seed(0)
     for n in (1024, 256, 4096):
         x = torch.randn(n, generator=g) * torch.rand(n, generator=g) ** 6  # values across the map's decades
         x[::97] = 0.0
-        for signed, (table, points) in ((True, tables[1:3]), (False, tables[4:6])):
+        x[300:556] = 0.0  # an all-zero block
+        for signed in (True, False):
             value = x if signed else x * x
-            codes, scales = torch.empty(n, dtype=torch.uint8), torch.empty(-(-n // 256))
-            store(value, codes, scales, table, points)
+            codes, scales = torch.empty(n, dtype=codec.dtype), torch.empty(-(-n // 256))
+            store(value, codes, scales, signed, tables, None)
             want_codes, want_scales = torch.empty_like(codes), torch.empty_like(scales)
-            quantize_flat(value, want_codes, want_scales, signed, 256)
-            assert torch.equal(codes, want_codes), (n, signed)
+            codec.encode(value, want_codes, want_scales, signed)
+            assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8)), (n, signed)
             assert torch.equal(scales, want_scales), (n, signed)
+            back = codec.decode(codes, scales, signed, None)
+            assert torch.equal(load(codes, scales, signed, tables), back), (n, signed)
+            before = codes.view(torch.uint8).clone(), scales.clone()  # a step skipped on the device writes nothing
+            store(value * 3 + 1, codes, scales, signed, tables, torch.tensor(True))
+            assert torch.equal(codes.view(torch.uint8), before[0]) and torch.equal(scales, before[1])
 
 
 def test_a_compiled_remainder_step_that_changes_nothing_gives_back_every_master_bit_ties_included() -> None:
@@ -107,10 +115,11 @@ def test_compiled_remainder_steps_equal_the_eager_ones_within_rounding(state_dty
     assert set(opt_e.state_dict()["state"][0]) == set(opt_c.state_dict()["state"][0])
 
 
+@pytest.mark.parametrize("form", [c.name for c in BLOCKWISE.values()])
 @pytest.mark.parametrize("wrapper", [KahanOptimizer, LowPrecisionOptimizer])
-def test_compiled_8bit_steps_equal_the_eager_ones_within_the_quantization(wrapper) -> None:
+def test_compiled_block_coded_steps_equal_the_eager_ones_within_the_quantization(wrapper, form) -> None:
     def make(inner, compile):
-        return wrapper(inner, state_dtype="8bit", compile=compile)
+        return wrapper(inner, state_dtype=form, compile=compile)
 
     eager, opt_e = _run(make, False)
     compiled, opt_c = _run(make, True)
@@ -120,7 +129,7 @@ def test_compiled_8bit_steps_equal_the_eager_ones_within_the_quantization(wrappe
         assert float(diff.max()) < 0.1 and float((diff > 1e-2).float().mean()) < 0.01
         sa, sb = opt_e.optimizer.state[a], opt_c.optimizer.state[b]
         assert {k: v.dtype for k, v in sa.items()} == {k: v.dtype for k, v in sb.items()}
-        codes_differ = (sa["exp_avg_sq"] != sb["exp_avg_sq"]).float().mean()
+        codes_differ = (sa["exp_avg_sq"].view(torch.uint8) != sb["exp_avg_sq"].view(torch.uint8)).float().mean()
         assert float(codes_differ) < 0.01
     # a state dict of the compiled route continues on the eager one
     opt_e.load_state_dict(opt_c.state_dict())

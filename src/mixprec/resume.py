@@ -28,6 +28,7 @@ from mixprec.optim import (
     RemainderOptimizer,
     WrappedOptimizer,
 )
+from mixprec.optim import states as qstates
 from mixprec.optim.checks import MASTER_INDEX_KEY, check_inner_state_dict, lift_wrapper_state
 from mixprec.optim.follow import master_value
 from mixprec.optim.loads import load_inner
@@ -243,6 +244,8 @@ def _in_state_dtype(optimizer: LowPrecisionOptimizer, state_dict: Mapping[str, A
         return state  # the load refuses it, naming the difference
     position = {pid: n for n, pid in enumerate(order)}
     dtype = optimizer.state_dtype or torch.float32
+    if qstates.block_codec(dtype) is not None:
+        return state  # block-coded (8-bit, fp8): the wrapper's load encodes the saved fp32 values
     for index, entry in state.items():
         param = params[position[index]] if index in position else None
         if param is None or param.dtype not in LOW_PRECISION_DTYPES or not isinstance(entry, Mapping):

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from mixprec.optim.kinds import MASTER, KindStore
-from mixprec.optim.states import ABSMAX, BLOCK, Q8
+from mixprec.optim.states import ABSMAX, BLOCK, BLOCKWISE
 
 __all__ = [
     "MASTER_INDEX_KEY",
@@ -192,18 +192,20 @@ def check_state_shapes(params: Sequence[torch.Tensor], state_dict: dict[str, Any
         param = params[order.index(pid)]
         for key, value in saved.items():
             codes = saved.get(key[: -len(ABSMAX)]) if isinstance(key, str) and key.endswith(ABSMAX) else None
-            if isinstance(codes, torch.Tensor) and codes.dtype == Q8 and isinstance(value, torch.Tensor):
-                blocks = -(-param.numel() // BLOCK)  # 8-bit state's per-block scales
+            if isinstance(codes, torch.Tensor) and codes.dtype in BLOCKWISE and isinstance(value, torch.Tensor):
+                blocks = -(-param.numel() // BLOCK)  # a block-coded state's per-block scales
                 if value.shape != (blocks,):
                     raise ValueError(
                         f"the optimizer state_dict's state[{pid!r}][{key!r}] has shape {tuple(value.shape)}, but "
-                        f"its parameter's 8-bit state has {blocks} blocks; was it saved from another model?"
+                        f"its parameter's {BLOCKWISE[codes.dtype].label} state has {blocks} blocks; was it saved "
+                        "from another model?"
                     )
                 continue
-            if isinstance(value, torch.Tensor) and value.dtype == Q8 and f"{key}{ABSMAX}" not in saved:
+            if isinstance(value, torch.Tensor) and value.dtype in BLOCKWISE and f"{key}{ABSMAX}" not in saved:
                 raise ValueError(
-                    f"the optimizer state_dict's state[{pid!r}][{key!r}] holds 8-bit codes without their block "
-                    f"scales ({key!r}_absmax): it cannot be read back; save it with the optimizer's state_dict()"
+                    f"the optimizer state_dict's state[{pid!r}][{key!r}] holds {BLOCKWISE[value.dtype].label} codes "
+                    f"without their block scales ({key!r}_absmax): it cannot be read back; save it with the "
+                    "optimizer's state_dict()"
                 )
             if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != param.shape:
                 raise ValueError(
@@ -385,7 +387,7 @@ def check_moment_layout(state: Mapping[str, Any], param: torch.Tensor, dtype: to
     otherwise, before a byte is written (their layout is the caller's to make contiguous)."""
     for key in keys:
         wanted = [(key, dtype, param.numel())]
-        if dtype == Q8:
+        if dtype in BLOCKWISE:
             wanted.append((f"{key}{ABSMAX}", torch.float32, -(-param.numel() // BLOCK)))
         for name, kind, numel in wanted:
             t = state.get(name)

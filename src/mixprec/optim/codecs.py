@@ -37,13 +37,14 @@ import torch
 
 from mixprec.optim import quant
 from mixprec.optim import states as qstates
+from mixprec.optim.states import kept, q8_tables
 
 __all__ = [
     "SCREEN", "Noise", "between", "call_noise", "compact_agrees", "compact_codes", "compact_lookup",
     "compact_q8_tables", "flagged", "flat_views", "fused_load_state", "fused_load_weight",
-    "fused_remainder_finish", "fused_remainder_inputs", "fused_store_state", "fused_store_weight", "hash16",
+    "fused_remainder_finish", "fused_remainder_inputs", "fused_store_state", "fused_store_weight", "hash16", "hash16_",
     "kahan_load", "kahan_store", "load_state", "nearest_load", "nearest_store", "new_state", "positions",
-    "q8_load", "q8_store", "q8_tables", "remainder_load", "remainder_master", "remainder_split",
+    "remainder_load", "remainder_master", "remainder_split",
     "remainder_store", "same_weight", "screened_nonzero", "seed32", "shift_ties", "stochastic_round",
     "stochastic_store", "ties_of",
 ]
@@ -71,7 +72,7 @@ def load_state(
 ) -> tuple[list[torch.Tensor], Callable[[list[torch.Tensor]], None]]:
     """(fp32 working tensors of ``state[key]`` over ``pieces``, the function that writes them back):
     8-bit codes dequantized (quantized back), bf16 expanded, fp32 state itself."""
-    if states[0][key].dtype == qstates.Q8:
+    if qstates.is_coded(states[0], key):
         held = [qstates.piece_views(s, key, pc.start, pc.end, pc.whole) for pc, s in zip(pieces, states, strict=True)]
         keys = [key] * len(pieces)
         _, values = flat_views(pieces, device)
@@ -87,9 +88,9 @@ def load_state(
 
 
 def new_state(state: dict[Any, Any], key: str, param: torch.Tensor, dtype: torch.dtype, *, like: bool = True) -> None:
-    """A zero state tensor of ``param`` under ``key``, stored in ``dtype`` (8-bit: codes and scales;
-    ``like``: laid out as ``param``, else contiguous)."""
-    if dtype == qstates.Q8 or not like:
+    """A zero state tensor of ``param`` under ``key``, stored in ``dtype`` (block-coded: codes and
+    scales; ``like``: laid out as ``param``, else contiguous)."""
+    if qstates.block_codec(dtype) is not None or not like:
         qstates.put(state, key, torch.zeros(param.shape, dtype=torch.float32, device=param.device), dtype)
     else:
         state[key] = torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format)
@@ -272,12 +273,6 @@ def fused_load_weight(rounding: str, p: torch.Tensor, comp: torch.Tensor | None)
     return w + comp.float() if rounding == "kahan" and comp is not None else w
 
 
-def kept(keep: torch.Tensor | None, held: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-    """What a compiled loop writes into ``held``: ``new``, or ``held`` itself where ``keep`` (a 0-dim
-    bool: the step is skipped, decided on the device) is set."""
-    return new if keep is None else torch.where(keep, held, new.to(held.dtype))
-
-
 def fused_store_weight(rounding: str, p: torch.Tensor, w: torch.Tensor, comp: torch.Tensor | None,
                        flags: list[torch.Tensor], position: torch.Tensor | None,
                        keep: torch.Tensor | None = None) -> None:
@@ -330,50 +325,27 @@ def fused_remainder_finish(rems: list[torch.Tensor], flags: list[list[torch.Tens
     return [flagged(f.view(-1)) for f in flags[0]]
 
 
-def fused_load_state(held: torch.Tensor, scales: torch.Tensor | None, qmap: torch.Tensor | None) -> torch.Tensor:
-    """A moment as fp32 inside a compiled loop: 8-bit codes through ``qmap`` and their ``scales``
-    (:func:`q8_load`), a float state cast."""
-    return held.float() if qmap is None or scales is None else q8_load(held, scales, qmap)
+def fused_load_state(form: str | None, held: torch.Tensor, scales: torch.Tensor | None, signed: bool,
+                     tables: list[torch.Tensor]) -> torch.Tensor:
+    """A moment as fp32 inside a compiled loop: block codes through their codec (``form``: its name,
+    :data:`~mixprec.optim.states.BLOCKWISE`; ``tables``: its constants), a float state cast."""
+    if form is None or scales is None:
+        return held.float()
+    return _codec(form).fused_load(held, scales, signed, tables)
 
 
-def fused_store_state(value: torch.Tensor, held: torch.Tensor, scales: torch.Tensor | None,
-                      table: torch.Tensor | None, points: torch.Tensor | None, keep: torch.Tensor | None = None) -> None:
-    """The new fp32 moment stored inside a compiled loop: 8-bit (:func:`q8_store`), or cast;
-    ``keep``: see :func:`kept`."""
-    if table is None or scales is None or points is None:
+def fused_store_state(form: str | None, value: torch.Tensor, held: torch.Tensor, scales: torch.Tensor | None,
+                      signed: bool, tables: list[torch.Tensor], keep: torch.Tensor | None = None) -> None:
+    """The new fp32 moment stored inside a compiled loop: by its block codec, or cast; ``keep``: see
+    :func:`~mixprec.optim.states.kept`."""
+    if form is None or scales is None:
         held.copy_(kept(keep, held, value))
     else:
-        q8_store(value, held, scales, table, points, keep)
+        _codec(form).fused_store(value, held, scales, signed, tables, keep)
 
 
-def q8_load(codes: torch.Tensor, scales: torch.Tensor, qmap: torch.Tensor) -> torch.Tensor:
-    """fp32 values of 8-bit ``codes`` (:func:`mixprec.optim.quant.dequantize_blockwise`)."""
-    index = torch.arange(codes.numel(), device=codes.device).view(codes.shape) // _BLOCK
-    return qmap[codes.to(torch.int32)] * scales[index]
-
-
-def q8_store(value: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, table: torch.Tensor,
-             points: torch.Tensor, keep: torch.Tensor | None = None) -> None:
-    """``value`` (whole 8-bit blocks) quantized into ``codes`` and ``scales`` as
-    :func:`mixprec.optim.quant.quantize_flat` does (its lookup table and decision points: the
-    same codes for the same values)."""
-    blocks = value.reshape(-1, _BLOCK)
-    absmax = blocks.abs().amax(1)
-    scaled = blocks / torch.where(absmax > 0, absmax, 1.0).unsqueeze(1)
-    run = (scaled.view(torch.int32) >> 16) & 0xFFFF  # the nearest code: quant._nearest_codes
-    first = table[run]
-    new = (first + (scaled >= points[first]).to(torch.int32)).to(torch.uint8)
-    codes.view(-1, _BLOCK).copy_(kept(keep, codes.view(-1, _BLOCK), new))
-    scales.copy_(kept(keep, scales, absmax))
-
-
-def q8_tables(device: torch.device) -> list[torch.Tensor]:
-    """[signed map, signed lookup, signed points, unsigned map, unsigned lookup, unsigned points]."""
-    out = []
-    for signed in (True, False):
-        out.append(quant.dynamic_map(signed, device))
-        out.extend(quant.lookup_tables(signed, device))
-    return out
+def _codec(form: str) -> qstates.BlockCodec:
+    return next(c for c in qstates.BLOCKWISE.values() if c.name == form)
 
 
 @cache

@@ -134,10 +134,10 @@ def use_compiled_route(
     """
     if setting != "auto":
         return bool(setting)
-    q8 = state_dtype == qstates.Q8
-    if rounding == "nearest" and not q8:
+    coded = qstates.block_codec(state_dtype) is not None
+    if rounding == "nearest" and not coded:
         return False
-    if rounding == "remainder" and (q8 or state_dtype in (None, torch.float32)):
+    if rounding == "remainder" and (coded or state_dtype in (None, torch.float32)):
         return False  # fp32 moments: torch's fused kernel; 8-bit: compiled no faster (BENCHMARKS.md)
     if not whole_step or not params:
         return False
@@ -151,11 +151,11 @@ def use_compiled_route(
 def compiles_param(rounding: str, state_dtype: torch.dtype | None, param: torch.Tensor) -> bool:
     """Whether ``param`` may take the compiled route at all: remainder masters only contiguous
     weights on the CPU (their ties are flat indices; on CUDA the route is not checked yet),
-    8-bit moments only weights of whole 256-element blocks (a partial last block came out
+    block-coded moments only weights of whole 256-element blocks (a partial last block came out
     wrong compiled); the others step eagerly."""
     if rounding == "remainder" and (not param.is_contiguous() or param.device.type != "cpu"):
         return False
-    return state_dtype != qstates.Q8 or param.numel() % qstates.BLOCK == 0
+    return qstates.block_codec(state_dtype) is None or param.numel() % qstates.BLOCK == 0
 
 
 class CompileRouteFailed(RuntimeError):
@@ -171,7 +171,7 @@ def _adam_lists(
     params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor],
     max_exp_avg_sqs: list[torch.Tensor], comps: list[torch.Tensor], seed: torch.Tensor, firsts: torch.Tensor, hyper: torch.Tensor,
     scales: list[list[torch.Tensor]], tables: list[torch.Tensor], flags: list[list[torch.Tensor]], skip: torch.Tensor,
-    *, decoupled: bool, amsgrad: bool, maximize: bool, weight_decay: bool, rounding: str, q8: bool,
+    *, decoupled: bool, amsgrad: bool, maximize: bool, weight_decay: bool, rounding: str, form: str | None,
 ) -> None:
     """Adam/AdamW on low-precision tensors, one fused loop per parameter under ``torch.compile``:
     each weight and moment loaded by its codec (the ``fused_*`` ones of :mod:`mixprec.optim.codecs`),
@@ -184,27 +184,26 @@ def _adam_lists(
     (:func:`~mixprec.optim.codecs.fused_remainder_inputs`). ``seed``: an int64 holding the call's
     32-bit stochastic-rounding seed, XORed with each element's position in the call (``firsts``:
     each weight's first, :class:`~mixprec.optim.codecs.Noise`).
-    ``q8``: the moments are 8-bit codes with their block scales in ``scales`` (one list per
-    moment key) and the lookup ``tables`` of :func:`~mixprec.optim.codecs.q8_tables`. ``skip``: a
+    ``form``: the moments are block codes of this :class:`~mixprec.optim.states.BlockCodec` (by name),
+    their block scales in ``scales`` (one list per moment key), its constant ``tables``. ``skip``: a
     0-dim flag; where it is 1 every stored tensor keeps what it held (a step skipped on the device).
     """
     keep = None if rounding == "remainder" else skip > 0
     lr, beta1, beta2, eps, wd, step_size, bc2_sqrt, gscale = hyper.unbind(0)
     h = rule.AdamHyper(lr, beta1, beta2, eps, wd, decoupled=decoupled, amsgrad=amsgrad, maximize=maximize,
                        decays=weight_decay)
-    signed, unsigned = (tables[:3], tables[3:]) if q8 else ([None] * 3, [None] * 3)  # map, lookup, points
     for i, p in enumerate(params):
         comp = comps[i] if rounding in ("kahan", "remainder") else None
         w = codecs.fused_load_weight(rounding, p, comp)
         sc = [s[i] for s in scales] + [None] * (3 - len(scales))  # 8-bit: each moment's block scales
-        m = codecs.fused_load_state(exp_avgs[i], sc[0], signed[0])
-        v = codecs.fused_load_state(exp_avg_sqs[i], sc[1], unsigned[0])
-        vmax = codecs.fused_load_state(max_exp_avg_sqs[i], sc[2], unsigned[0]) if amsgrad else None
+        m = codecs.fused_load_state(form, exp_avgs[i], sc[0], True, tables)
+        v = codecs.fused_load_state(form, exp_avg_sqs[i], sc[1], False, tables)
+        vmax = codecs.fused_load_state(form, max_exp_avg_sqs[i], sc[2], False, tables) if amsgrad else None
         w, m, v, vmax = rule.adam(rule.FUSED, h, step_size, bc2_sqrt, w, grads[i].float() * gscale, m, v, vmax)
         if amsgrad:
-            codecs.fused_store_state(vmax, max_exp_avg_sqs[i], sc[2], unsigned[1], unsigned[2], keep)
-        codecs.fused_store_state(m, exp_avgs[i], sc[0], signed[1], signed[2], keep)
-        codecs.fused_store_state(v, exp_avg_sqs[i], sc[1], unsigned[1], unsigned[2], keep)
+            codecs.fused_store_state(form, vmax, max_exp_avg_sqs[i], sc[2], False, tables, keep)
+        codecs.fused_store_state(form, m, exp_avgs[i], sc[0], True, tables, keep)
+        codecs.fused_store_state(form, v, exp_avg_sqs[i], sc[1], False, tables, keep)
         position = None
         if rounding == "stochastic":
             position = (torch.arange(p.numel(), device=p.device, dtype=torch.int64).view(p.shape) + firsts[i]) ^ seed
@@ -274,7 +273,7 @@ def compiled_adam_step(
     if not active:
         return
     dtype = torch.float32 if state_dtype is None else state_dtype
-    q8 = dtype == qstates.Q8
+    codec = qstates.block_codec(dtype)
     init_adam_state(optimizer, group, active, dtype)
     states = [optimizer.state[p] for p in active]
     for p, state in zip(active, states, strict=True):  # state held in another dtype (wrapped later, loaded)
@@ -300,8 +299,8 @@ def compiled_adam_step(
             raise ValueError("stochastic rounding needs the call's noise (codecs.Noise)")
         seed, firsts = noise.seed, [noise.firsts[id(p)] for p in active]
     keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
-    scales = [[s[f"{key}{qstates.ABSMAX}"] for s in states] for key in keys] if q8 else []
-    tables = codecs.q8_tables(device) if q8 else []
+    scales = [[s[f"{key}{qstates.ABSMAX}"] for s in states] for key in keys] if codec else []
+    tables = codec.tables(device) if codec else []
     raised: list[tuple[torch.Tensor, torch.Tensor]] = []  # (weight, ties) raised so far
     flags: list[list[torch.Tensor]] = []
     comp_list: list[torch.Tensor] = []
@@ -327,7 +326,7 @@ def compiled_adam_step(
                 hyper, scales, tables, flags,
                 torch.zeros((), device=device) if skip is None else skip.reshape(()),
                 decoupled=h.decoupled, amsgrad=h.amsgrad, maximize=h.maximize,
-                weight_decay=h.decays, rounding=rounding, q8=q8,
+                weight_decay=h.decays, rounding=rounding, form=codec.name if codec else None,
             )
     except BaseException as exc:
         # Nearly always while compiling (seconds, before anything ran; a Ctrl-C lands there

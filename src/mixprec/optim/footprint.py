@@ -334,8 +334,8 @@ def low_precision_step_transient(
                     per_element += 20  # the noise: int64 positions, hashed in place (a temporary), int32 bits
                 if rounding == "remainder":
                     per_element += 2  # the new remainders, before they are copied out
-                if state_dtype == torch.uint8:
-                    per_element += 4 * n_state + 22  # 8-bit: fp32 state, the padded run, the quantizer's scratch
+                if qstates.block_codec(state_dtype) is not None:
+                    per_element += 4 * n_state + 22  # block-coded: fp32 state, the padded run, the encoder's scratch
                 scratch = max(scratch, n * per_element)
         else:
             largest = max(q.numel() for q in low)

@@ -47,7 +47,7 @@ def keep_state_dtype(
 ) -> None:
     """After torch's load (which casts floating state to each parameter's dtype): the
     per-element state of each low-precision parameter in ``state_dtype`` (fp32 for None; 8-bit
-    blockwise for :data:`~mixprec.optim.states.Q8`), taken from the saved tensors: exactly where
+    block-coded for a :class:`~mixprec.optim.states.BlockCodec`'s dtype), taken from the saved tensors: exactly where
     they were saved in that dtype, converted where they were saved in another one (a resume
     under another state dtype). The state of fp32 parameters (norm layers) stays as torch cast
     it: a state saved under a plan that kept those layers in bf16 becomes fp32, which their
@@ -63,15 +63,16 @@ def keep_state_dtype(
             if qstates.is_scale_key(key) or not qstates.is_param_state(key, value, param):
                 continue
             scale_key = f"{key}{qstates.ABSMAX}"
-            if dtype == qstates.Q8 and value.dtype == qstates.Q8 and scale_key in saved:
+            coded = value.dtype in qstates.BLOCKWISE and scale_key in saved
+            if coded and value.dtype == dtype:
                 live[key] = value.detach().to(param.device, copy=True)  # exactly as saved
                 live[scale_key] = saved[scale_key].detach().to(param.device, torch.float32, copy=True)
                 continue
             value32 = qstates.value({key: value, **({scale_key: saved[scale_key]} if scale_key in saved else {})}, key)
             live.pop(scale_key, None)
-            if dtype == qstates.Q8:
+            if qstates.block_codec(dtype) is not None:
                 live.pop(key, None)
                 qstates.put(live, key, value32.to(param.device), dtype)
             else:
-                source = value if value.is_floating_point() else value32
+                source = value if value.is_floating_point() and not coded else value32
                 live[key] = source.detach().to(device=param.device, dtype=dtype, copy=True)

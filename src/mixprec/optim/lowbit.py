@@ -121,7 +121,7 @@ class LowPrecisionOptimizer(DeviceSkipping, WrappedOptimizer):
         super().__init__(optimizer)
         self.state_dtype = qstates.parse_state_dtype(state_dtype)
         self.compile: CompileSetting = check_compile_setting(compile)
-        if self.compile == "auto" and (self.rounding != "nearest" or self.state_dtype == qstates.Q8):
+        if self.compile == "auto" and (self.rounding != "nearest" or qstates.block_codec(self.state_dtype)):
             check_environment()  # read at the first compiled step otherwise, mid-training
         for name, flag in (("fast", fast), ("fused", fused)):
             if not isinstance(flag, bool):

@@ -109,7 +109,7 @@ def eager_masks(opt: Routed, device: torch.device) -> bool:
     back unchanged values bit for bit (round to nearest, stochastic rounding; float moments). The
     native and compiled executors mask every store themselves."""
     return (opt.fused and fused_available(device) and opt.rounding in ("nearest", "stochastic")
-            and opt.state_dtype != qstates.Q8)
+            and qstates.block_codec(opt.state_dtype) is None)
 
 
 @dataclass(frozen=True)

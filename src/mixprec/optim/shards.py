@@ -108,10 +108,11 @@ def check_shardable(optimizer: torch.optim.Optimizer, moments: torch.dtype | Non
         )
     from mixprec.optim import states as qstates
 
-    if moments == qstates.Q8:
+    codec = qstates.block_codec(moments)
+    if codec is not None:
         raise ValueError(
-            f"{owner}: 8-bit optimizer states are not supported on FSDP2 shards (their blocks would straddle "
-            "shards); use state_dtype='bf16' there"
+            f"{owner}: {codec.label} optimizer states are not supported "
+            "on FSDP2 shards (their blocks would straddle shards); use state_dtype='bf16' there"
         )
 
 
