@@ -12,7 +12,8 @@ step). Rows:
   default (``optimizer_compile="auto"``: Kahan and SR compile their update on a model
   this size; the first steps compile, during warm-up); the same wrappers with the fast
   path switched off (``... generic``), never compiled (``... eager``: the multi-tensor
-  fast path) and always compiled (``bf16-pure compiled``);
+  fast path) and always compiled (``... compiled``; on CUDA the default is the Triton kernel,
+  ``mixprec.optim.triton_adam``);
 - ``bf16-master-remainders...``, ``...-8bit``, ``...-fp8``: remainder masters (``bf16-master``
   with ``remainders=True``) and 8-bit / fp8 / bf16 moments, by default and never compiled
   (``... eager``);
@@ -131,6 +132,8 @@ ROWS: dict[str, Callable[[Any, torch.device], Setup]] = {
     "bf16-kahan generic": lambda t, d: _plan(t, d, "bf16-kahan", fast=False),
     "bf16-sr generic": lambda t, d: _plan(t, d, "bf16-sr", fast=False),
     "bf16-pure compiled": lambda t, d: _plan(t, d, "bf16-pure", compile=True),
+    "bf16-kahan compiled": lambda t, d: _plan(t, d, "bf16-kahan", compile=True),
+    "bf16-sr compiled": lambda t, d: _plan(t, d, "bf16-sr", compile=True),
     "bf16-kahan eager": lambda t, d: _plan(t, d, "bf16-kahan", compile=False),
     "bf16-sr eager": lambda t, d: _plan(t, d, "bf16-sr", compile=False),
     "bf16-master": lambda t, d: _plan(t, d, "bf16-master"),

@@ -319,14 +319,15 @@ CODEC_MODULES = (OPTIM / "codecs.py", OPTIM / "states.py", OPTIM / "quant.py")
 ROUTE_MODULE = OPTIM / "routing.py"
 #: the sanctioned mirrors of the rule in another language, held to it by their tests (a GPU
 #: kernel file joins them by name); Python modules binding them are not mirrors
-RULE_MIRRORS = ("native_adam.c",)
+RULE_MIRRORS = ("native_adam.c", "_triton_adam_kernels.py")
 _UPDATE_CALLS = ("lerp", "lerp_", "addcmul", "addcmul_", "addcdiv", "addcdiv_",
                  "_foreach_lerp", "_foreach_lerp_", "_foreach_addcmul", "_foreach_addcmul_",
                  "_foreach_addcdiv", "_foreach_addcdiv_")
 _CODEC_CALLS = ("join_master", "split_master", "split_master_into", "quantize_blockwise", "quantize_blockwise_into",
                 "quantize_flat", "dequantize_blockwise", "expand_pieces", "store_pieces", "randint")
 _BIT_VIEWS = ("int32", "int16", "int8", "uint8", "float32", "bfloat16", "float16")
-_ROUTE_CALLS = ("use_compiled_route", "use_native_route", "compiles_param", "takes_param", "takes")
+_ROUTE_CALLS = ("use_compiled_route", "use_native_route", "use_triton_route", "kernel_works", "compiles_param",
+                "takes_param", "takes")
 
 
 def _called(node: ast.Call) -> str:
@@ -366,9 +367,10 @@ def test_the_rule_codecs_and_route_decision_are_each_written_once() -> None:
     assert RULE_MODULE.exists() and all(p.exists() for p in CODEC_MODULES) and ROUTE_MODULE.exists()
     for mirror in RULE_MIRRORS:
         assert (OPTIM / mirror).exists(), f"the sanctioned mirror {mirror} is gone: drop it from RULE_MIRRORS"
-    # the C mirror names the rule's operations in its order (torch's Adam), so a change to one is seen in the other
-    c = (OPTIM / "native_adam.c").read_text()
-    assert all(op in c for op in ("lerp_(grad", "addcmul_(grad", "addcdiv_(exp_avg")), "native_adam.c no longer cites the rule"
+    # each mirror names the rule's operations in its order (torch's Adam), so a change to one is seen in the others
+    for mirror in RULE_MIRRORS:
+        text = (OPTIM / mirror).read_text()
+        assert all(op in text for op in ("lerp_(grad", "addcmul_(grad", "addcdiv_(exp_avg")), f"{mirror} no longer cites the rule"
 
 
 #: the modules that may name a block-coded state form itself (``states.Q8``, ``states.FP8``): its codec

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import torch
 
 from mixprec.compiling import mark_compile_failed
-from mixprec.optim import codecs, native
+from mixprec.optim import codecs, native, triton_adam
 from mixprec.optim import states as qstates
 from mixprec.optim.compiled import (
     CompileRouteFailed,
@@ -94,6 +94,7 @@ COMPILED_ROUNDINGS = ("nearest", "kahan", "stochastic", "remainder")
 #: in order: a weight steps on the first that takes it (``"eager"``: the fast path, which takes all)
 EXECUTORS: dict[str, tuple[str, ...]] = {
     "cpu": ("native", "compiled", "eager"),  # native: the C kernel (mixprec.optim.native)
+    "cuda": ("triton", "compiled", "eager"),  # triton: the multi-tensor kernel (mixprec.optim.triton_adam)
     "default": ("compiled", "eager"),
 }
 
@@ -117,6 +118,7 @@ class Routes:
     """Which executor steps each weight of an Adam/AdamW group (each list in the group's order)."""
 
     native: list[Any]
+    triton: list[Any]
     compiled: list[Any]
     eager: list[Any]  # what is left for the eager fast path when the compiled route runs
     rest: list[Any]  # what is left when it does not: every weight but the native ones
@@ -135,19 +137,31 @@ def plan(
     ones :func:`~mixprec.optim.compiled.compiles_param` admits go compiled if
     :func:`~mixprec.optim.compiled.use_compiled_route` says so; the rest step eagerly. The step
     also asks for one step count and a layout budget (:func:`compiled_layout_ok`) before it
-    compiles; ``native_first=False`` plans what the native kernel left."""
+    compiles; ``native_first=False`` plans what the native kernel left. On CUDA the Triton kernel
+    takes the place of the native one (:func:`~mixprec.optim.triton_adam.use_triton_route`,
+    :func:`~mixprec.optim.triton_adam.takes`, :func:`~mixprec.optim.triton_adam.kernel_works`)."""
     params = list(params)
     if rounding not in COMPILED_ROUNDINGS:
-        return Routes([], [], params, params)
+        return Routes([], [], [], params, params)
     native_ids: set[int] = set()
+    triton_ids: set[int] = set()
+    with_comp = comps is not None and rounding in ("kahan", "remainder")
     if native_first and native.use_native_route(setting, rounding, state_dtype, build=not predict):
-        with_comp = comps is not None and rounding in ("kahan", "remainder")
         for p in params:
             if "native" not in executors(p.device.type):
                 continue
             if native.takes_param(rounding, p) if predict else native.takes(rounding, p, comps(p) if with_comp else None):  # type: ignore[misc]
                 native_ids.add(id(p))
-    left = [p for p in params if id(p) not in native_ids]
+    if native_first and triton_adam.use_triton_route(setting, rounding, state_dtype):
+        for p in params:
+            if "triton" not in executors(p.device.type) or id(p) in native_ids:
+                continue
+            if triton_adam.takes_param(rounding, state_dtype, p) if predict else (
+                triton_adam.takes(rounding, state_dtype, p, comps(p) if with_comp else None)  # type: ignore[misc]
+                and triton_adam.kernel_works(p.device)
+            ):
+                triton_ids.add(id(p))
+    left = [p for p in params if id(p) not in native_ids and id(p) not in triton_ids]
     taken = [p for p in left if "compiled" in executors(p.device.type) and compiles_param(rounding, state_dtype, p)]
     compiled: list[Any] = []
     if taken and use_compiled_route(
@@ -156,7 +170,8 @@ def plan(
         compiled = taken
     compiled_ids = {id(p) for p in compiled}
     return Routes(
-        [p for p in params if id(p) in native_ids], compiled, [p for p in left if id(p) not in compiled_ids], left,
+        [p for p in params if id(p) in native_ids], [p for p in params if id(p) in triton_ids], compiled,
+        [p for p in left if id(p) not in compiled_ids], left,
     )
 
 
@@ -203,13 +218,14 @@ def compiled_route(opt: Routed, group: dict[str, Any], active: list[torch.nn.Par
     (``whole_step=False``: it compiles nothing per layout)."""
     comps = opt._compiled_rounding_inputs()
     routes = plan(opt.rounding, opt.state_dtype, opt.compile, active, whole_step=whole_step, comps=comps)
-    if routes.native:
-        left = native.native_adam_step(
-            opt.optimizer, group, routes.native, state_dtype=opt.state_dtype, rounding=opt.rounding, comps=comps,
-            noise=opt._noise, grad_scales=opt._pending_grad_scales(), remainder=opt._compiled_remainder(),
-            skip=opt._skip,
-        )
-        stepped = {id(p) for p in routes.native} - {id(p) for p in left}
+    if routes.native or routes.triton:
+        common: dict[str, Any] = dict(state_dtype=opt.state_dtype, rounding=opt.rounding, comps=comps, noise=opt._noise,
+                      grad_scales=opt._pending_grad_scales(), skip=opt._skip)
+        left = native.native_adam_step(opt.optimizer, group, routes.native, remainder=opt._compiled_remainder(),
+                                       **common) if routes.native else []
+        if routes.triton:
+            left = left + triton_adam.triton_adam_step(opt.optimizer, group, routes.triton, **common)
+        stepped = {id(p) for p in routes.native + routes.triton} - {id(p) for p in left}
         active = [p for p in active if id(p) not in stepped]
         if not active:
             return active
