@@ -133,3 +133,14 @@ def test_the_eager_hash_in_place_gives_the_compiled_hash():
 
     x = torch.cat([torch.arange(-70000, 70000), torch.tensor([2**32 - 1, 2**32, 2**40 + 5, 2**62])]).to(torch.int64)
     assert torch.equal(hash16_(x.clone()), hash16(x))
+
+
+def test_the_memory_estimate_counts_the_noise_of_the_generic_path():
+    """The generic path rounds a whole weight at once: its positions, their hash's temporary and the
+    noise bits (20 bytes per element of the largest weight) beside the fp32 proxies."""
+    from mixprec.optim import LowPrecisionOptimizer
+
+    params = _weights(5, [(300, 7), (11,)])
+    nearest = LowPrecisionOptimizer(torch.optim.AdamW(params), fast=False).step_transient_bytes()
+    sr = StochasticRoundingOptimizer(torch.optim.AdamW(params), fast=False).step_transient_bytes()
+    assert sr - nearest == 20 * 300 * 7

@@ -631,6 +631,17 @@ def test_kernel_steps_the_wrappers_where_routing_sends_it(interpreter, monkeypat
     assert [id(p) for p in routes.triton] == [id(p) for p in pa if p.is_contiguous()] and routes.eager == [pa[2]]
 
 
+def test_the_switch_is_read_as_the_others_are(monkeypatch) -> None:
+    monkeypatch.setenv("MIXPREC_TRITON", "0")
+    assert not TA.use_triton_route("auto", "kahan", None)
+    monkeypatch.setenv("MIXPREC_TRITON", "1")
+    assert TA.use_triton_route("auto", "kahan", None) and not TA.use_triton_route(True, "kahan", None)
+    assert not TA.use_triton_route("auto", "kahan", torch.uint8) and not TA.use_triton_route("auto", "remainder", None)
+    monkeypatch.setenv("MIXPREC_TRITON", "maybe")
+    with pytest.raises(ValueError, match="MIXPREC_TRITON='maybe' is not understood"):
+        TA.use_triton_route("auto", "kahan", None)
+
+
 def test_cpu_tensors_are_not_taken_without_the_interpreter() -> None:
     if _interpreting():
         pytest.skip("this process interprets the kernel")

@@ -369,3 +369,23 @@ def test_fp8_is_a_plan_dimension_too() -> None:
     plan = get_plan("bf16-sr", state_dtype="fp8")
     assert plan.optimizer_state_dtype == torch.float8_e4m3fn and "fp8 e4m3 blockwise" in plan.explain()
     assert qstates.parse_state_dtype(torch.float8_e4m3fn) == qstates.FP8 and qstates.element_bytes(qstates.FP8) == 1 + 4 / 256
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+def test_block_codes_of_an_inner_state_dict_load_into_a_float_state(form: str) -> None:
+    """The inner optimizer's state dict of a block-coded wrapper (codes and scales, no wrapper entry)
+    resumed under bf16 state: decoded, not cast (fp8 codes are floating tensors)."""
+    from mixprec.resume import load_plain_optimizer_state
+
+    model = _model()
+    opt = KahanOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), state_dtype=form, compile=False)
+    _step(model, opt, 0)
+    model2 = copy.deepcopy(model)
+    opt2 = KahanOptimizer(torch.optim.AdamW(model2.parameters(), lr=1e-3), state_dtype="bf16", compile=False)
+    load_plain_optimizer_state(opt2, copy.deepcopy(opt.optimizer.state_dict()))
+    for p, q in zip(model.parameters(), model2.parameters(), strict=True):
+        if p.dtype == torch.bfloat16:
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert opt2.state[q][key].dtype == torch.bfloat16 and f"{key}_absmax" not in opt2.state[q]
+                want = qstates.value(opt.state[p], key)
+                assert float((opt2.state[q][key].float() - want).abs().max()) <= 0.01 * float(want.abs().max())

@@ -171,6 +171,8 @@ def env_switch(name: str, off: str) -> bool:
 
 #: the switch of mixprec's native optimizer kernel (:mod:`mixprec.optim.native`)
 NATIVE_ENV = "MIXPREC_NATIVE"
+#: the switch of mixprec's Triton optimizer kernel for CUDA (:mod:`mixprec.optim.triton_adam`)
+TRITON_ENV = "MIXPREC_TRITON"
 
 
 def _enabled_by_environment() -> bool:
@@ -179,7 +181,7 @@ def _enabled_by_environment() -> bool:
 
 
 def check_environment() -> None:
-    """Refuse a ``MIXPREC_COMPILE`` or ``MIXPREC_NATIVE`` value that is not understood, now rather
+    """Refuse a ``MIXPREC_COMPILE``, ``MIXPREC_NATIVE`` or ``MIXPREC_TRITON`` value that is not understood, now rather
     than at the first compilation or native step (mid-training). :class:`~mixprec.MixedPrecision`
     and the Kahan / stochastic-rounding optimizers with ``compile="auto"`` call it when they are built.
 
@@ -187,6 +189,7 @@ def check_environment() -> None:
     """
     _enabled_by_environment()
     env_switch(NATIVE_ENV, "never build or use the native optimizer kernel")
+    env_switch(TRITON_ENV, "never use the Triton optimizer kernel")
 
 
 def _probe(x: torch.Tensor) -> torch.Tensor:
@@ -221,7 +224,7 @@ def mark_compile_failed(device: torch.device | str, exc: BaseException) -> None:
         f"torch.compile is unavailable on {device_type} ({type(exc).__name__}: {first_line}); mixprec runs "
         "its compiled kernels eagerly from now on: the fp8 emulation gives identical results, slower; "
         "Kahan / stochastic-rounding optimizer updates equal the compiled ones within fp32 rounding "
-        "(stochastic rounding with other noise bits). Set MIXPREC_COMPILE=0 to skip compilation altogether.",
+        "(stochastic rounding draws the same noise). Set MIXPREC_COMPILE=0 to skip compilation altogether.",
         RuntimeWarning,
         stacklevel=3,
     )

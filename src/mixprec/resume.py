@@ -251,8 +251,9 @@ def _in_state_dtype(optimizer: LowPrecisionOptimizer, state_dict: Mapping[str, A
         if param is None or param.dtype not in LOW_PRECISION_DTYPES or not isinstance(entry, Mapping):
             continue
         state[index] = {
-            k: v.to(dtype) if (
+            k: v.to(dtype) if (  # (block codes, fp8 ones too, are decoded by the wrapper's load)
                 k != "step" and isinstance(v, torch.Tensor) and v.is_floating_point() and v.shape == param.shape
+                and not qstates.is_coded(entry, k)
             ) else v
             for k, v in entry.items()
         }

@@ -162,8 +162,8 @@ def param_shaped(layout: StateLayout, param: torch.Tensor) -> int:
     """How many floating-point state tensors of ``layout`` are shaped like ``param`` (moments,
     momentum buffers; not scalar step counters)."""
     return sum(
-        1 for shape, dtype in layout.values() if shape == param.shape and (dtype.is_floating_point or dtype == torch.uint8)
-    )  # uint8: 8-bit codes (mixprec.optim.states)
+        1 for shape, dtype in layout.values() if shape == param.shape and (dtype.is_floating_point or dtype in qstates.BLOCKWISE)
+    )  # block codes (mixprec.optim.states)
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -339,6 +339,7 @@ def low_precision_step_transient(
                 scratch = max(scratch, n * per_element)
         else:
             largest = max(q.numel() for q in low)
-            scratch = max(scratch, largest * 4 * (2 + n_low_state + of_largest) + per_param * largest * 4)
+            noise = 20 * largest if rounding == "stochastic" else 0  # as on the fast path, the whole weight at once
+            scratch = max(scratch, largest * 4 * (2 + n_low_state + of_largest) + per_param * largest * 4 + noise)
     return (snapshot + snapshot_extra if guarded else 0) + max(scratch, fp32_largest + fp32_all)
 

@@ -28,9 +28,9 @@ What it computes, against the eager fast path (the same wrapper with ``compile=F
 
 It takes (:func:`takes`) plain contiguous tensors on a CUDA device (on CPU tensors only under
 Triton's interpreter, where the tests run it): bf16 weights (fp16 ones for round to nearest and
-Kahan), fp32/bf16/fp16 gradients of the weight's shape, fp32 or bf16 moments. 8-bit moments and
-remainder masters stay on the compiled route (their block scales and tie lists are not in this
-kernel).
+Kahan), fp32/bf16/fp16 gradients of the weight's shape, fp32 or bf16 moments. Block-coded (8-bit,
+fp8) moments stay on the compiled route, remainder masters on the eager one (their block scales
+and tie lists are not in this kernel).
 
 >>> takes("remainder", None, torch.zeros(4, dtype=torch.bfloat16), None)
 False
@@ -38,7 +38,6 @@ False
 
 from __future__ import annotations
 
-import os
 import struct
 import warnings
 from collections import OrderedDict
@@ -47,6 +46,7 @@ from typing import Any
 
 import torch
 
+from mixprec.compiling import TRITON_ENV, env_switch
 from mixprec.lagged import host_float
 from mixprec.optim import _triton_adam_kernels as kernels
 from mixprec.optim import rule
@@ -68,7 +68,7 @@ ROUNDINGS = {"nearest": kernels.NEAREST, "kahan": kernels.KAHAN, "stochastic": k
 #: how many layouts' program tables stay on the device
 CACHED_TABLES = 4
 #: ``MIXPREC_TRITON=0`` keeps the low-precision optimizers off this kernel (the compiled and eager routes step)
-ENV = "MIXPREC_TRITON"
+ENV = TRITON_ENV
 _WORKS: dict[torch.device, bool] = {}
 
 _KINDS = {torch.float32: kernels.FP32, torch.bfloat16: kernels.BF16, torch.float16: kernels.FP16}
@@ -97,7 +97,7 @@ def use_triton_route(setting: Any, rounding: str, state_dtype: torch.dtype | Non
         return False
     if (torch.float32 if state_dtype is None else state_dtype) not in _STATE_DTYPES:
         return False
-    return os.environ.get(ENV, "1").strip().lower() not in ("0", "off", "false", "no")
+    return env_switch(ENV, "never use the Triton optimizer kernel")
 
 
 def kernel_works(device: torch.device) -> bool:
