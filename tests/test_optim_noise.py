@@ -144,3 +144,23 @@ def test_the_memory_estimate_counts_the_noise_of_the_generic_path():
     nearest = LowPrecisionOptimizer(torch.optim.AdamW(params), fast=False).step_transient_bytes()
     sr = StochasticRoundingOptimizer(torch.optim.AdamW(params), fast=False).step_transient_bytes()
     assert sr - nearest == 20 * 300 * 7
+
+
+@pytest.mark.skipif(not native.status()[0], reason="the native kernel is not available")
+@pytest.mark.parametrize("fast", [True, False])
+def test_the_native_loop_and_the_torch_ops_draw_the_same_noise(monkeypatch, fast):
+    """The eager routes round on the CPU in the native kernel's one-pass loop (mp_sr_bits) where it is
+    built, in torch operations elsewhere (no compiler, MIXPREC_NATIVE=0, a GPU): the same bits."""
+    from mixprec.optim import native_build
+
+    runs = []
+    for lib in (native_build.library(), None):
+        monkeypatch.setattr(native_build, "library", lambda lib=lib: lib)
+        params = _weights(6, [(37, 41), (2000,), (3,)])
+        opt = StochasticRoundingOptimizer(torch.optim.AdamW(params, lr=1e-2), fast=fast, chunk_numel=700, compile=False)
+        for step in range(3):
+            _grads(params, step)
+            opt.step()
+        runs.append(params)
+    for a, b in zip(*runs, strict=True):
+        assert torch.equal(a.detach().view(torch.int16), b.detach().view(torch.int16))

@@ -106,10 +106,11 @@ def _low(n: int, *, grad: bool = True) -> torch.nn.Parameter:
 def test_the_estimate_predicts_the_routes_the_step_takes(cls, state_dtype) -> None:
     params = [_low(4096), _low(1000), _low(256 * 3)]
     opt = cls(torch.optim.AdamW(params, lr=1e-3), state_dtype=state_dtype)
-    comps, _ = opt._compiled_rounding_inputs()
+    comps = opt._compiled_rounding_inputs()
     step = routing.plan(opt.rounding, opt.state_dtype, opt.compile, params, comps=comps)
     predicted = routing.plan(opt.rounding, opt.state_dtype, opt.compile, params, predict=True)
     assert [id(p) for p in step.native] == [id(p) for p in predicted.native]
+    assert [id(p) for p in step.triton] == [id(p) for p in predicted.triton] == []  # (the CPU lists no Triton)
     assert [id(p) for p in step.compiled] == [id(p) for p in predicted.compiled]
     assert [id(p) for p in step.eager] == [id(p) for p in predicted.eager]
     native_here = native.use_native_route("auto", opt.rounding, opt.state_dtype)

@@ -15,7 +15,8 @@ piece; remainder masters have a one-tensor form too) and inside one loop a compi
 (``fused_*``: the compiled route; the native C kernel is their sanctioned mirror). Stochastic
 rounding draws one noise stream on every route (:class:`Noise`): :func:`hash16` of each element's
 position in its param group's call XOR a 32-bit seed mixed from a checkpointed call count, so
-the routes that step an element give it the same noise bits.
+the routes that step an element give it the same noise bits (the eager stores add it on the CPU
+in the native kernel's one-pass loop where that is built, else in torch operations: the same bits).
 
 >>> import torch
 >>> from mixprec.optim.fast import Piece
@@ -35,7 +36,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from mixprec.optim import quant
+from mixprec.optim import native_build, quant
 from mixprec.optim import states as qstates
 from mixprec.optim.states import kept, q8_tables
 
@@ -151,8 +152,15 @@ def positions(pieces: Sequence[Any], noise: Noise, device: torch.device) -> torc
 def stochastic_store(pieces: Sequence[Any], values: list[torch.Tensor], flat: torch.Tensor, noise: Noise) -> None:
     """bf16 weights rounded up or down at random: 16 noise bits (:class:`Noise`) added below the
     kept ones, truncated; ``values`` are consecutive views of ``flat``."""
-    bits = hash16_(positions(pieces, noise, flat.device).bitwise_xor_(noise.seed))
-    flat.view(torch.int32).add_(bits).bitwise_and_(-65536)  # keep the top 16 bits: exactly a bf16 value
+    lib = native_build.library() if flat.device.type == "cpu" and flat.is_contiguous() else None
+    if lib is not None:  # the native kernel's loop: the same bits in one pass
+        at = 0
+        for pc in pieces:
+            lib.mp_sr_bits(flat.data_ptr() + 4 * at, pc.numel(), noise.firsts[id(pc.param)] + pc.start, noise.seed)
+            at += pc.numel()
+    else:
+        bits = hash16_(positions(pieces, noise, flat.device).bitwise_xor_(noise.seed))
+        flat.view(torch.int32).add_(bits).bitwise_and_(-65536)  # keep the top 16 bits: exactly a bf16 value
     torch._foreach_copy_([pc.value for pc in pieces], values)
 
 

@@ -208,6 +208,8 @@ def _build_in(where: Path, cc: list[str], source: bytes, target_flags: list[str]
     lib.mp_adam.argtypes = [ctypes.POINTER(Args), ctypes.POINTER(ctypes.c_void_p)]
     lib.mp_free.argtypes = [ctypes.c_void_p]
     lib.mp_free.restype = None
+    lib.mp_sr_bits.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
+    lib.mp_sr_bits.restype = None
     return lib, ""
 
 
