@@ -44,7 +44,7 @@ __all__ = [
     "SCREEN", "Noise", "between", "call_noise", "compact_agrees", "compact_codes", "compact_lookup",
     "compact_q8_tables", "flagged", "flat_views", "fused_load_state", "fused_load_weight",
     "fused_remainder_finish", "fused_remainder_inputs", "fused_store_state", "fused_store_weight", "hash16", "hash16_",
-    "kahan_load", "kahan_store", "load_state", "nearest_load", "nearest_store", "new_state", "positions",
+    "kahan_load", "kahan_store", "load_state", "nearest_load", "nearest_store", "new_state", "noise_bytes", "positions",
     "remainder_load", "remainder_master", "remainder_split",
     "remainder_store", "same_weight", "screened_nonzero", "seed32", "shift_ties", "stochastic_round",
     "stochastic_store", "ties_of",
@@ -147,6 +147,12 @@ def positions(pieces: Sequence[Any], noise: Noise, device: torch.device) -> torc
         torch.arange(first, first + pc.numel(), out=out[at : at + pc.numel()])
         at += pc.numel()
     return out
+
+
+def noise_bytes(device: torch.device) -> int:
+    """Scratch bytes per element :func:`stochastic_store` takes on ``device``: none in the native loop
+    (the CPU, where the kernel can be built), else int64 positions, their hash's temporary and the bits."""
+    return 0 if device.type == "cpu" and native_build.status(build=False)[0] else 20
 
 
 def stochastic_store(pieces: Sequence[Any], values: list[torch.Tensor], flat: torch.Tensor, noise: Noise) -> None:

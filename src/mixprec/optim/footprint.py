@@ -30,7 +30,7 @@ import torch
 
 from mixprec.dtypes import LOW_PRECISION_DTYPES
 from mixprec.nested import local_share, shard_local
-from mixprec.optim import routing
+from mixprec.optim import codecs, routing
 from mixprec.optim import states as qstates
 from mixprec.optim.compiled import CompileSetting
 from mixprec.optim.fast import chunks, default_chunk_numel, fast_kind, fused_available
@@ -331,7 +331,7 @@ def low_precision_step_transient(
                 if kind == "adam" and not in_fused:
                     per_element += 4  # the denominator
                 if rounding == "stochastic":
-                    per_element += 20  # the noise: int64 positions, hashed in place (a temporary), int32 bits
+                    per_element += codecs.noise_bytes(low[0].device)  # the noise (none in the native loop)
                 if rounding == "remainder":
                     per_element += 2  # the new remainders, before they are copied out
                 if qstates.block_codec(state_dtype) is not None:
@@ -339,7 +339,7 @@ def low_precision_step_transient(
                 scratch = max(scratch, n * per_element)
         else:
             largest = max(q.numel() for q in low)
-            noise = 20 * largest if rounding == "stochastic" else 0  # as on the fast path, the whole weight at once
+            noise = codecs.noise_bytes(low[0].device) * largest if rounding == "stochastic" else 0  # the whole weight
             scratch = max(scratch, largest * 4 * (2 + n_low_state + of_largest) + per_param * largest * 4 + noise)
     return (snapshot + snapshot_extra if guarded else 0) + max(scratch, fp32_largest + fp32_all)
 
