@@ -44,13 +44,12 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, *args: Any) -> None:
 
 
 def whole(obj: Any) -> Any:
-    """``obj`` (a state dict) with every tensor a copy and every DTensor gathered whole; stochastic
-    rounding's per-shard noise (``generators``) left out. (A copy: optimizers step their counters
-    in place.) Collective where it gathers: call it on every rank."""
+    """``obj`` (a state dict) with every tensor a copy and every DTensor gathered whole. (A copy:
+    optimizers step their counters in place.) Collective where it gathers: call it on every rank."""
     if isinstance(obj, torch.Tensor):
         return (obj.full_tensor() if hasattr(obj, "full_tensor") else obj).detach().clone()
     if isinstance(obj, dict):
-        return {k: whole(v) for k, v in obj.items() if k != "generators"}
+        return {k: whole(v) for k, v in obj.items()}
     if isinstance(obj, list | tuple):
         return [whole(v) for v in obj]
     return obj

@@ -168,23 +168,27 @@ def takes(rounding: str, state_dtype: torch.dtype | None, param: torch.Tensor, c
     gradient plain, contiguous, of its shape and device, fp32/bf16/fp16, the compensation likewise
     (bf16, fp16 or fp32); ``state_dtype`` fp32 (None) or bf16 (8-bit moments stay on the compiled
     route) and ``rounding`` one of :data:`ROUNDINGS` (remainder masters stay there too)."""
-    if not takes_param(rounding, state_dtype, param):
-        return False
-    grad = param.grad
-    if grad is None or not _plain(grad, param.device) or grad.shape != param.shape or grad.dtype not in _KINDS:
+    if not takes_param(rounding, state_dtype, param) or not _readable(rounding, param):
         return False
     if rounding == "kahan":
         return comp is not None and _plain(comp, param.device) and comp.shape == param.shape and comp.dtype in _KINDS
     return True
 
 
-def _check(rounding: str, param: torch.Tensor, device: torch.device) -> None:
-    """Refuse, before anything is written, a weight or gradient the kernel would read wrongly through
-    raw pointers (:func:`takes` admits none: a caller's bug)."""
+def _readable(rounding: str, param: torch.Tensor) -> bool:
+    """Whether the kernel reads ``param`` and its gradient rightly through raw pointers: both plain,
+    contiguous, on one device and of one shape; the weight bf16 (fp16 but for stochastic rounding),
+    the gradient fp32/bf16/fp16."""
     grad = param.grad
-    if not _plain(param, device) or param.dtype not in (torch.bfloat16, torch.float16) or (
-        rounding == "stochastic" and param.dtype != torch.bfloat16
-    ) or grad is None or not _plain(grad, device) or grad.numel() != param.numel() or grad.dtype not in _KINDS:
+    return (_plain(param, param.device) and (param.dtype == torch.bfloat16 or (
+        param.dtype == torch.float16 and rounding != "stochastic"))
+        and grad is not None and _plain(grad, param.device) and grad.shape == param.shape and grad.dtype in _KINDS)
+
+
+def _check(rounding: str, param: torch.Tensor) -> None:
+    """Refuse, before anything is written, a weight or gradient the kernel would read wrongly
+    (:func:`takes` admits none: a caller's bug)."""
+    if not _readable(rounding, param):
         raise ValueError(f"a {param.dtype} {tuple(param.shape)} weight (or its gradient) is not one the Triton "
                          "optimizer kernel takes (see takes())")
 
@@ -301,7 +305,7 @@ def triton_adam_step(
     with_grads = [p for p in params if p.grad is not None]
     for p in with_grads:
         if p.device == with_grads[0].device:  # (the others are left for another route)
-            _check(rounding, p, p.device)
+            _check(rounding, p)
     init_adam_state(optimizer, group, with_grads, dtype)
     active: list[torch.Tensor] = []
     left: list[torch.Tensor] = []
