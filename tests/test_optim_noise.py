@@ -167,3 +167,83 @@ def test_the_native_loop_and_the_torch_ops_draw_the_same_noise(monkeypatch, fast
         runs.append(params)
     for a, b in zip(*runs, strict=True):
         assert torch.equal(a.detach().view(torch.int16), b.detach().view(torch.int16))
+
+
+def _far(monkeypatch, offset: int) -> None:
+    """Every call's positions start at ``offset``: a param group as if 2**32 elements came first."""
+    from mixprec.optim import codecs
+
+    real = codecs.call_noise
+
+    def far(count, shard, params):
+        noise = real(count, shard, params)
+        return codecs.Noise(noise.seed, {k: v + offset for k, v in noise.firsts.items()})
+
+    monkeypatch.setattr(codecs, "call_noise", far)
+
+
+def _hash_of(pos: torch.Tensor, seed: int) -> torch.Tensor:
+    """The documented noise, written out: the position's high 32 bits folded into its low ones."""
+    x = pos ^ seed
+    low = (x & 0xFFFFFFFF) ^ (((x >> 32) * 0x9E3779B1) & 0xFFFFFFFF)
+    return hash16(low)
+
+
+def test_positions_past_two_to_the_32_draw_other_noise_than_those_2_32_before():
+    pos = torch.arange(2**32 - 1000, 2**32 + 1000, dtype=torch.int64)
+    seed = seed32(3)
+    near, far = hash16(pos ^ seed), hash16((pos + 2**32) ^ seed)
+    assert torch.equal(near[:1000], _hash_of(pos[:1000], seed))  # below 2**32: the 32-bit hash, unchanged
+    assert torch.equal(hash16((pos[:1000] & 0xFFFFFFFF) ^ seed), near[:1000])
+    assert (near != far).float().mean() > 0.99
+    assert (hash16(pos[1000:] ^ seed) != hash16((pos[1000:] - 2**32) ^ seed)).float().mean() > 0.99
+
+
+@pytest.mark.parametrize("route", ["generic", "eager-chunks-of-7", "eager-one-chunk"])
+@pytest.mark.parametrize("native_loop", [True, False])
+def test_a_weight_that_straddles_position_two_to_the_32_gets_the_folded_noise(monkeypatch, route, native_loop):
+    from mixprec.optim import native_build
+
+    if native_loop and not native.status()[0]:
+        pytest.skip("the native kernel is not available")
+    if not native_loop:
+        monkeypatch.setattr(native_build, "library", lambda: None)
+    offset = 2**32 - 100  # the first weight's element 100 sits at position 2**32
+    _far(monkeypatch, offset)
+    params = _weights(0, [(5, 60), (33,)])
+    fast, chunk = {"generic": (False, None), "eager-chunks-of-7": (True, 7), "eager-one-chunk": (True, 10**6)}[route]
+    opt = StochasticRoundingOptimizer(torch.optim.SGD(params, lr=0.01), fast=fast, chunk_numel=chunk)
+    count = opt.rounding_state()["counter"]
+    _grads(params, 0)
+    first, want = offset, []
+    for p in params:
+        w32 = p.detach().float().add(p.grad.float(), alpha=-0.01)  # type: ignore[union-attr]
+        pos = torch.arange(first, first + p.numel(), dtype=torch.int64).view(p.shape)
+        want.append(((w32.view(torch.int32) + _hash_of(pos, seed32(count))) & -65536).view(torch.float32).bfloat16())
+        first += p.numel()
+    opt.step()
+    for p, w in zip(params, want, strict=True):
+        assert torch.equal(p.detach().view(torch.int16), w.view(torch.int16)), route
+
+
+@pytest.mark.skipif(not native.status()[0], reason="the native kernel is not available")
+@pytest.mark.parametrize("setting", ["auto", True])
+def test_the_native_and_compiled_loops_fold_the_high_bits_as_the_eager_path_does(monkeypatch, setting):
+    """8-bit moments under compile='auto' step in the native kernel, compile=True in the compiled loop;
+    past position 2**32 both draw the noise of the eager path's torch operations (with the 32-bit hash
+    alone about half of the rounded bits would differ there)."""
+    from mixprec.optim import native_build
+
+    _far(monkeypatch, 2**32 - 3000)
+    shapes = [(64, 48), (1000,)]
+    with monkeypatch.context() as m:
+        m.setattr(native_build, "library", lambda: None)  # the eager store's noise in torch operations
+        eager, _ = _adam_run(False, shapes, state_dtype="8bit", steps=2)
+    calls = []
+    real = native.native_adam_step
+    monkeypatch.setattr("mixprec.optim.routing.native.native_adam_step",
+                        lambda *a, **k: calls.append(len(a[2])) or real(*a, **k))
+    other, _ = _adam_run(setting, shapes, state_dtype="8bit", steps=2)
+    assert bool(calls) == (setting == "auto")
+    for a, b in zip(eager, other, strict=True):
+        assert _same_bits(a.detach(), b.detach()) > 0.99

@@ -332,12 +332,14 @@ def test_kernel_round_to_nearest_store_is_torchs_cast_bit_for_bit(interpreter, d
 
 
 @NONFINITE_ON_PURPOSE
-def test_kernel_stochastic_store_is_the_codecs_formula_bit_for_bit(interpreter, monkeypatch) -> None:
+@pytest.mark.parametrize("base", [0, 2**32 - 150], ids=["from-0", "across-2**32"])
+def test_kernel_stochastic_store_is_the_codecs_formula_bit_for_bit(interpreter, monkeypatch, base) -> None:
     """The same step stored twice: by stochastic rounding, and by Kahan with an fp32 compensation,
     whose weight + compensation is the kernel's fp32 result exactly. The stochastic store must be
     that value with ``hash16((first + i) ^ seed32(count))`` added to its bits, truncated, with
     ``first`` counted over the call's tensors (over two launches: bf16 and fp32 gradients); NaN
-    stays NaN, infinities infinite."""
+    stays NaN, infinities infinite; past position 2**32 with the high bits folded in (``base``: the
+    first tensor's position)."""
     count = 12345
     a, b = _params(), _params()
     hyper = {"lr": 1e-2, "weight_decay": 0.1}
@@ -353,9 +355,10 @@ def test_kernel_stochastic_store_is_the_codecs_formula_bit_for_bit(interpreter, 
         _same_inputs(sr, a, kahan, b)
         for p in b:
             kahan.set_compensation(p, torch.zeros(p.shape))  # Kahan loads the weight alone, as SR does
-        _call(sr, a, noise=codecs.call_noise(count + step, 0, a))
+        noise = codecs.call_noise(count + step, 0, a)
+        _call(sr, a, noise=codecs.Noise(noise.seed, {k: v + base for k, v in noise.firsts.items()}))
         _call(kahan, b)
-        first = 0
+        first = base
         for pa, pb in zip(a, b, strict=True):
             exact = torch.where(pb.isinf(), pb.float(), pb.float() + kahan.compensation(pb))  # (inf: inf - inf is NaN)
             noise = codecs.hash16((torch.arange(pa.numel()) + first) ^ codecs.seed32(count + step)).view(pa.shape)

@@ -130,7 +130,7 @@ def _store16or32(TAB, row, T, k, offs, mask, x, KIND: tl.constexpr, ALIGNED: tl.
 @_helper
 def _hash16(x):
     """codecs.hash16 of int64 ``x`` (products stay below 2**63), as int64 in [0, 2**16)."""
-    x = x & 0xFFFFFFFF
+    x = (x & 0xFFFFFFFF) ^ (((x >> 32) * 0x9E3779B1) & 0xFFFFFFFF)  # codecs.FOLD
     x = x ^ (x >> 16)
     x = (x * 0x7FEB352D) & 0xFFFFFFFF
     x = x ^ (x >> 15)

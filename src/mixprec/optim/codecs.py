@@ -165,7 +165,8 @@ def stochastic_store(pieces: Sequence[Any], values: list[torch.Tensor], flat: to
             lib.mp_sr_bits(flat.data_ptr() + 4 * at, pc.numel(), noise.firsts[id(pc.param)] + pc.start, noise.seed)
             at += pc.numel()
     else:
-        bits = hash16_(positions(pieces, noise, flat.device).bitwise_xor_(noise.seed))
+        wide = max((noise.firsts[id(pc.param)] + pc.start + pc.numel() for pc in pieces), default=0) > 1 << 32
+        bits = hash16_(positions(pieces, noise, flat.device).bitwise_xor_(noise.seed), wide=wide)
         flat.view(torch.int32).add_(bits).bitwise_and_(-65536)  # keep the top 16 bits: exactly a bf16 value
     torch._foreach_copy_([pc.value for pc in pieces], values)
 
@@ -418,9 +419,15 @@ def seed32(count: int) -> int:
     return (z ^ (z >> 31)) >> 32
 
 
+#: the factor a position's high 32 bits are folded into its low ones with (:func:`hash16`)
+FOLD = 0x9E3779B1
+
+
 def hash16(x: torch.Tensor) -> torch.Tensor:
-    """16 well-mixed bits of each int64 ``x`` (a multiply-xorshift hash; products stay below 2**63)."""
-    x = x & 0xFFFFFFFF
+    """16 well-mixed bits of each int64 ``x`` (>= 0, below 2**63: a position XOR a 32-bit seed): its
+    high 32 bits times :data:`FOLD` XORed into its low 32 bits (nothing for ``x`` below 2**32), then a
+    multiply-xorshift hash of those; products stay below 2**63."""
+    x = (x & 0xFFFFFFFF) ^ (((x >> 32) * FOLD) & 0xFFFFFFFF)
     x = x ^ (x >> 16)
     x = (x * 0x7FEB352D) & 0xFFFFFFFF
     x = x ^ (x >> 15)
@@ -429,8 +436,11 @@ def hash16(x: torch.Tensor) -> torch.Tensor:
     return (x & 0xFFFF).to(torch.int32)
 
 
-def hash16_(x: torch.Tensor) -> torch.Tensor:
-    """:func:`hash16` computed in place in ``x`` (int64 scratch): one temporary of ``x``'s size."""
+def hash16_(x: torch.Tensor, *, wide: bool = True) -> torch.Tensor:
+    """:func:`hash16` computed in place in ``x`` (int64 scratch): one temporary of ``x``'s size.
+    ``wide=False``: the caller knows every ``x`` is below 2**32 (the fold is then skipped)."""
+    if wide:
+        x.bitwise_xor_((x >> 32).mul_(FOLD))
     x.bitwise_and_(0xFFFFFFFF)
     for shift, factor in ((16, 0x7FEB352D), (15, 0x5BD1E995)):
         x.bitwise_xor_(x >> shift).mul_(factor).bitwise_and_(0xFFFFFFFF)

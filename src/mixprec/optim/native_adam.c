@@ -234,13 +234,24 @@ static void store_q8(uint8_t *codes, float *scale, const float *x, int n, uint32
     *scale = amax;
 }
 
-static inline uint32_t hash16(uint32_t x) { /* compiled.py's _hash16 of a value's low 32 bits, in 32-bit arithmetic */
+/* codecs.hash16 of a position XOR the call's seed, in 32-bit arithmetic: x is the low 32 bits, the
+ * high ones being folded into the seed (noise_seed) for each run of positions that shares them */
+static inline uint32_t hash16(uint32_t x) {
     x ^= x >> 16;
     x *= 0x7FEB352Du;
     x ^= x >> 15;
     x *= 0x5BD1E995u;
     x ^= x >> 16;
     return x & 0xFFFFu;
+}
+
+#define FOLD 0x9E3779B1u /* codecs.hash16's factor for a position's high 32 bits */
+/* the seed of the positions from first on that share first's high 32 bits, and how many of the
+ * next n they are (up to the next multiple of 2**32) */
+static inline uint32_t noise_seed(int64_t first, uint32_t seed) { return seed ^ ((uint32_t)((uint64_t)first >> 32) * FOLD); }
+static inline int64_t noise_run(int64_t first, int64_t n) {
+    const int64_t left = (int64_t)((1ull << 32) - ((uint64_t)first & 0xFFFFFFFFull));
+    return n < left ? n : left;
 }
 
 typedef struct {
@@ -404,11 +415,16 @@ int64_t mp_adam(const mp_args *a, int64_t **ties_found) {
             }
         } else if (a->rounding == R_STOCHASTIC) { /* bf16: add 16 random bits below the kept ones, truncate */
             uint16_t *hw = (uint16_t *)a->w + at;
-            const uint32_t first = (uint32_t)(uint64_t)(at + a->offset), seed = (uint32_t)(uint64_t)a->seed;
-            for (int i = 0; i < n; i++) {
-                uint32_t noise = hash16((first + (uint32_t)i) ^ seed); /* the position's low 32 bits */
-                uint32_t u = (f2u(w[i]) + noise) >> 16;
-                hw[i] = w[i] != w[i] ? (uint16_t)0x7FC0 : (uint16_t)u;
+            for (int i0 = 0; i0 < n;) { /* runs of positions with the same high 32 bits */
+                const int64_t pos = at + a->offset + i0;
+                const int end = i0 + (int)noise_run(pos, n - i0);
+                const uint32_t first = (uint32_t)(uint64_t)pos - (uint32_t)i0, seed = noise_seed(pos, (uint32_t)(uint64_t)a->seed);
+                for (int i = i0; i < end; i++) {
+                    uint32_t noise = hash16((first + (uint32_t)i) ^ seed); /* the position's low 32 bits */
+                    uint32_t u = (f2u(w[i]) + noise) >> 16;
+                    hw[i] = w[i] != w[i] ? (uint16_t)0x7FC0 : (uint16_t)u;
+                }
+                i0 = end;
             }
         } else if (a->rounding == R_KAHAN && a->w_kind == K_BF16 && a->comp_kind == K_BF16) {
             uint16_t *hw = (uint16_t *)a->w + at, *hc = (uint16_t *)a->comp + at;
@@ -437,10 +453,14 @@ int64_t mp_adam(const mp_args *a, int64_t **ties_found) {
 
 /* Stochastic rounding on the eager routes (codecs.stochastic_store), one pass: the n fp32 values
  * (their bits) of positions first, first + 1, ... of a call get the noise every route draws
- * (hash16 of the position's low 32 bits XOR the call's seed) and keep their top 16 bits, bf16
- * values, in place. */
+ * (codecs.hash16 of the position XOR the call's seed) and keep their top 16 bits, bf16 values, in
+ * place. */
 void mp_sr_bits(uint32_t *bits, int64_t n, int64_t first, int64_t seed) {
-    const uint32_t f = (uint32_t)(uint64_t)first, s = (uint32_t)(uint64_t)seed;
-    for (int64_t i = 0; i < n; i++)
-        bits[i] = (bits[i] + hash16((f + (uint32_t)i) ^ s)) & 0xFFFF0000u;
+    while (n > 0) { /* runs of positions with the same high 32 bits */
+        const int64_t run = noise_run(first, n);
+        const uint32_t f = (uint32_t)(uint64_t)first, s = noise_seed(first, (uint32_t)(uint64_t)seed);
+        for (int64_t i = 0; i < run; i++)
+            bits[i] = (bits[i] + hash16((f + (uint32_t)i) ^ s)) & 0xFFFF0000u;
+        bits += run, first += run, n -= run;
+    }
 }
