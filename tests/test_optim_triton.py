@@ -371,6 +371,78 @@ def test_kernel_stochastic_store_is_the_codecs_formula_bit_for_bit(interpreter, 
     assert len(launches) == 4 * 2
 
 
+Q8_SHAPES = [(12, 40), (300,), (5,), (3, 129), (2, 700)]  # whole and partial 256-element blocks
+Q8_CASES = [
+    pytest.param(LowPrecisionOptimizer, torch.optim.AdamW, {"weight_decay": 0.1}, id="nearest-adamw"),
+    pytest.param(KahanOptimizer, torch.optim.Adam, {"weight_decay": 0.05, "amsgrad": True}, id="kahan-adam-l2-amsgrad"),
+    pytest.param(StochasticRoundingOptimizer, torch.optim.AdamW, {"maximize": True}, id="stochastic-adamw-maximize"),
+]
+
+
+def q8_codes_bit_for_bit(params, grads, amsgrad: bool, launches: list) -> None:
+    """With betas (0, 0) the new moments are exactly torch's ``lerp`` of zero to the gradient (the
+    gradient, but NaN for an infinite one) and the gradient's square: the same fp32 values on every
+    route, so the kernel's 8-bit store must give the eager quantizer's codes and block absmaxes bit
+    for bit; a NaN and an infinity are planted in two blocks of the last weight."""
+    from mixprec.optim import quant
+
+    opt = LowPrecisionOptimizer(torch.optim.Adam(params, lr=1e-2, betas=(0.0, 0.0), amsgrad=amsgrad),
+                                state_dtype="8bit", compile=False)
+    grads(params, 0, (torch.float32,))
+    last = params[-1].grad.view(-1)
+    last[3], last[-5] = float("nan"), float("inf")
+    _call(opt, params)
+    assert len(launches) == 1
+    for p in params:
+        g = p.grad.float().reshape(-1)
+        state = opt.optimizer.state[p]
+        m = torch.zeros_like(g).lerp_(g, 1.0)
+        for key, value, signed in (("exp_avg", m, True), ("exp_avg_sq", g * g, False)) + (
+                (("max_exp_avg_sq", g * g, False),) if amsgrad else ()):
+            codes, absmax = quant.quantize_blockwise(value, signed=signed)
+            assert torch.equal(state[key].reshape(-1), codes.reshape(-1)), (key, tuple(p.shape))
+            got = state[f"{key}_absmax"]
+            assert torch.equal(got.isnan(), absmax.isnan()) and torch.equal(got[~got.isnan()], absmax[~absmax.isnan()])
+
+
+def q8_steps_within_tier(a, b, grads, wrapper, inner, adam, launches: list) -> None:
+    """Three steps against the eager path (its quantizer) from the same inputs each step: the weights
+    within the tier, each code the same or one apart where the two fp32 updates round apart next
+    to a decision point (at most 2% of them), the block absmaxes within four fp32 units."""
+    oa = wrapper(inner(a, lr=1e-2, **adam), state_dtype="8bit", compile=False)
+    ob = wrapper(inner(b, lr=1e-2, **adam), state_dtype="8bit", compile=False)
+    for step in range(3):
+        grads(a, step, (torch.bfloat16,))
+        _same_inputs(oa, a, ob, b)
+        count = oa.rounding_state()["counter"] if oa.rounding == "stochastic" else None
+        oa.step()
+        assert _call(ob, b, noise=None if count is None else codecs.call_noise(count, 0, b)) == []
+        for i, (pa, pb) in enumerate(zip(a, b, strict=True)):
+            what = f"step {step} tensor {i}"
+            _low_within_tier(pa, pb, what)
+            sa, sb = oa.optimizer.state[pa], ob.optimizer.state[pb]
+            assert sa.keys() == sb.keys() and float(sa["step"]) == float(sb["step"]), what
+            for key in sa:
+                if key.endswith("_absmax"):
+                    _close(sa[key], sb[key], sa[key].abs(), f"{what} {key}", units=4)
+                elif key != "step":
+                    apart = (sa[key].int() - sb[key].int()).abs()
+                    assert int(apart.max()) <= 1 and float((apart != 0).float().mean()) <= 0.02, (what, key)
+    assert len(launches) == 3
+
+
+@NONFINITE_ON_PURPOSE
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_kernel_8bit_moments_are_the_codecs_codes_bit_for_bit(interpreter, monkeypatch, amsgrad) -> None:
+    q8_codes_bit_for_bit(_params(shapes=Q8_SHAPES), _grads, amsgrad, _launches(monkeypatch))
+
+
+@pytest.mark.parametrize(("wrapper", "inner", "adam"), Q8_CASES)
+def test_kernel_8bit_moments_step_as_the_eager_path_within_fp32_rounding(interpreter, monkeypatch, wrapper, inner, adam) -> None:
+    a, b = _params(shapes=Q8_SHAPES), _params(shapes=Q8_SHAPES)
+    q8_steps_within_tier(a, b, _grads, wrapper, inner, adam, _launches(monkeypatch))
+
+
 class _Noise:
     """A call's noise as the wrappers give it (codecs.Noise's fields)."""
 
@@ -556,7 +628,8 @@ def test_kernel_takes_plain_weights_of_the_kinds_it_stores(interpreter) -> None:
     assert TA.takes("kahan", torch.bfloat16, w, comp) and TA.takes("kahan", None, w, comp.float())
     assert not TA.takes("kahan", None, w, None)  # no compensation
     assert not TA.takes("remainder", None, w, comp)  # remainder masters: the compiled route
-    assert not TA.takes("nearest", torch.uint8, w, None)  # 8-bit moments: the compiled route
+    assert TA.takes("nearest", torch.uint8, w, None)  # 8-bit moments: here too
+    assert not TA.takes("nearest", torch.float8_e4m3fn, w, None)  # fp8 moments: the compiled route
     assert TA.takes_param("kahan", None, w) and not TA.takes_param("remainder", None, w)
     h = torch.nn.Parameter(torch.zeros(4, dtype=torch.float16))
     h.grad = torch.zeros(4, dtype=torch.float16)
@@ -592,30 +665,33 @@ def test_kernel_refuses_what_it_would_read_wrongly_before_writing_anything(inter
         TA.triton_adam_step(opt.optimizer, opt.optimizer.param_groups[0], params, state_dtype=None, rounding="remainder")
 
 
+@pytest.mark.parametrize("state_dtype", [None, "8bit"])
 @pytest.mark.parametrize("wrapper", [LowPrecisionOptimizer, KahanOptimizer, StochasticRoundingOptimizer])
-def test_kernel_steps_the_wrappers_where_routing_sends_it(interpreter, monkeypatch, wrapper) -> None:
+def test_kernel_steps_the_wrappers_where_routing_sends_it(interpreter, monkeypatch, wrapper, state_dtype) -> None:
     """Through the wrappers' own step: with the kernel listed for the device (as on CUDA), ``compile="auto"``
     checks it once (kernel_works: a probe step against the rule) and steps the group with it, a weight it
     does not take (non-contiguous) on the eager path of the same call, the noise the same for both; four
     steps within the tier of the eager route (``compile=False``) from the same start, step 2 skipped as
-    there (masked in the kernel, unless an eager Kahan weight has the host read the flag). The memory
+    there (masked in the kernel, unless an eager Kahan weight or 8-bit moments have the host read the flag). The memory
     estimate plans the kernel's weights as materialising nothing."""
     from mixprec.optim import routing
 
     monkeypatch.setitem(routing.EXECUTORS, "cpu", ("triton", "compiled", "eager"))
     monkeypatch.setattr(TA, "_WORKS", {})
     launches = _launches(monkeypatch)
+    # (8-bit moments on the eager path are stored only after the host read the flag, as Kahan there)
+    device_skip = wrapper is not KahanOptimizer and state_dtype is None
     runs = []
     for setting in ("auto", False):
         params = _params()
         params[2] = torch.nn.Parameter(torch.randn(5, 3, generator=torch.Generator().manual_seed(7)).bfloat16().t())  # eager
-        opt = wrapper(torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, fused=True), state_dtype=None,
+        opt = wrapper(torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, fused=True), state_dtype=state_dtype,
                       compile=setting)
         for step in range(4):
             _grads(params, step, (torch.bfloat16,))
             if step == 2:  # (the scaler's decision: an overflow found)
                 # (a Kahan weight on the eager path reads the flag: there the whole step is decided on the host)
-                assert opt.skips_on_device() == (wrapper is not KahanOptimizer)
+                assert opt.skips_on_device() == device_skip
                 opt.step_skipping(torch.ones(()))
             else:
                 opt.step()
@@ -623,14 +699,14 @@ def test_kernel_steps_the_wrappers_where_routing_sends_it(interpreter, monkeypat
         runs.append((params, opt))
     assert TA._WORKS[torch.device("cpu")] and len(TA._WORKS) == 1
     # the probe, then one launch per step (one dtype combination per call), masked in the skipped one
-    masked = [False, False, False] + ([] if wrapper is KahanOptimizer else [True]) + [False]
+    masked = [False, False, False] + ([True] if device_skip else []) + [False]
     assert [meta["HAS_SKIP"] for _, _, meta in launches] == masked
     (pa, oa), (pb, ob) = runs
     for i, (a, b) in enumerate(zip(pa, pb, strict=True)):
         _low_within_tier(a, b, f"weight {i}")
         assert float(oa.optimizer.state[a]["step"]) == float(ob.optimizer.state[b]["step"])
     assert oa.rounding_state() == ob.rounding_state()
-    routes = routing.plan(oa.rounding, None, "auto", pa, predict=True)
+    routes = routing.plan(oa.rounding, oa.state_dtype, "auto", pa, predict=True)
     assert [id(p) for p in routes.triton] == [id(p) for p in pa if p.is_contiguous()] and routes.eager == [pa[2]]
 
 
@@ -639,7 +715,8 @@ def test_the_switch_is_read_as_the_others_are(monkeypatch) -> None:
     assert not TA.use_triton_route("auto", "kahan", None)
     monkeypatch.setenv("MIXPREC_TRITON", "1")
     assert TA.use_triton_route("auto", "kahan", None) and not TA.use_triton_route(True, "kahan", None)
-    assert not TA.use_triton_route("auto", "kahan", torch.uint8) and not TA.use_triton_route("auto", "remainder", None)
+    assert TA.use_triton_route("auto", "kahan", torch.uint8) and not TA.use_triton_route("auto", "kahan", torch.float8_e4m3fn)
+    assert not TA.use_triton_route("auto", "remainder", None)
     monkeypatch.setenv("MIXPREC_TRITON", "maybe")
     with pytest.raises(ValueError, match="MIXPREC_TRITON='maybe' is not understood"):
         TA.use_triton_route("auto", "kahan", None)

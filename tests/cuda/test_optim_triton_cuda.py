@@ -6,7 +6,8 @@ against the eager path on the GPU (torch's fused CUDA kernels) within fp32 round
 stated there), the round-to-nearest store bit for bit against torch's CUDA cast (ties, subnormals,
 infinities; NaN: NaN), the stochastic store against the codecs' formula on the kernel's own fp32
 results, a skipped step, what a call launches (torch.profiler: kernels and host-to-device copies)
-for 12 and 24 layers, that new hyperparameters, step counts and seeds do not recompile (the
+for 12 and 24 layers, 8-bit moments (codes bit for bit against the eager quantizer, steps within
+the tier), that new hyperparameters, step counts and seeds do not recompile (the
 kernel's compile cache), and that a learning rate held on the device is never read on the host.
 """
 
@@ -21,8 +22,11 @@ from mixprec.optim import KahanOptimizer, StochasticRoundingOptimizer, codecs
 from mixprec.optim import triton_adam as TA
 from tests.test_optim_triton import (
     CASES,
+    NONFINITE_ON_PURPOSE,
+    Q8_CASES,
     _call,
     _kahan_within_tier,
+    _launches,
     _layers,
     _low_within_tier,
     _operands,
@@ -30,6 +34,8 @@ from tests.test_optim_triton import (
     _special_values,
     _state_within_tier,
     _update_scale,
+    q8_codes_bit_for_bit,
+    q8_steps_within_tier,
 )
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not TA.available("cuda"), reason="needs Triton and a CUDA GPU")]
@@ -75,6 +81,18 @@ def test_steps_equal_the_eager_path_on_the_gpu_within_fp32_rounding(
             if oa.rounding == "kahan":
                 update = _update_scale(oa, pa, operands[i]["exp_avg"])
                 _kahan_within_tier(pa, oa.compensation(pa), pb, ob.compensation(pb), operands[i]["w"], update, what)
+
+
+@NONFINITE_ON_PURPOSE
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_8bit_moments_are_the_codecs_codes_bit_for_bit_on_the_gpu(monkeypatch, amsgrad) -> None:
+    """The kernel's 8-bit store against the eager quantizer on the GPU (see the interpreter's test)."""
+    q8_codes_bit_for_bit(_params(), _grads, amsgrad, _launches(monkeypatch))
+
+
+@pytest.mark.parametrize(("wrapper", "inner", "adam"), Q8_CASES)
+def test_8bit_moments_step_as_the_eager_path_on_the_gpu_within_fp32_rounding(monkeypatch, wrapper, inner, adam) -> None:
+    q8_steps_within_tier(_params(), _params(), _grads, wrapper, inner, adam, _launches(monkeypatch))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

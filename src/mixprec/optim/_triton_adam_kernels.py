@@ -22,7 +22,15 @@ recompile):
   weights, gradients, moments and compensations, each tensor's numel, its first element's
   position in the call (the noise's), its first program, and its ``step_size`` and
   ``bias_correction2_sqrt`` (fp64 bits; with ``LR_ON_DEVICE``, ``1 / bias_correction1``, the
-  learning rate being read from ``LR``).
+  learning rate being read from ``LR``); with 8-bit moments the data pointers of their block
+  scales (fp32, one per 256 elements).
+
+8-bit moments (``S_KIND == Q8``) are :func:`mixprec.optim.states.q8_load` / ``q8_store``: a code's
+map entry times its block's absmax, and back: each 256-element block's absmax (an integer maximum
+of the magnitudes' bits, so a NaN wins as in ``torch.amax``), the value divided by it (by 1 for an
+all-zero block) and its nearest code from the lookup of its top 16 bits and the decision point
+above that code (the tables of :func:`mixprec.optim.states.q8_tables`, ``Q8T``: signed map, lookup,
+points, unsigned map, lookup, points: their data pointers, int64).
 
 The bf16 round to nearest even is integer arithmetic on the fp32 bits (NaN kept NaN, as
 ``0x7FC0``): the same bits compiled for the GPU and under Triton's interpreter, whose own
@@ -51,11 +59,14 @@ except ImportError:  # importable without Triton (the docs test walks every modu
     triton = None
 
 #: the rows of a launch's table, in order (see the module's docstring)
-ROWS = ("w", "g", "m", "v", "vmax", "comp", "numel", "first", "first_block", "step_size", "bc2_sqrt")
+ROWS = ("w", "g", "m", "v", "vmax", "comp", "numel", "first", "first_block", "step_size", "bc2_sqrt",
+        "m_scale", "v_scale", "vmax_scale")
 #: ``HDR``'s entries, in order
 HEADER = ("seed", "lerp_weight", "beta2", "one_minus_beta2", "eps", "decay", "weight_decay", "pad")
-#: dtype codes of the stored tensors (constexprs of the kernel)
-FP32, BF16, FP16 = 0, 1, 2
+#: dtype codes of the stored tensors (constexprs of the kernel); Q8: 8-bit blockwise moments
+FP32, BF16, FP16, Q8 = 0, 1, 2, 3
+#: elements per block scale of 8-bit moments (mixprec.optim.states.BLOCK)
+Q8_BLOCK = 256
 #: the stores (``ROUNDING``)
 NEAREST, KAHAN, STOCHASTIC = 0, 1, 2
 #: weight decay (``WD_MODE``): none, added to the gradient (Adam), decoupled (AdamW)
@@ -139,8 +150,48 @@ def _hash16(x):
     return x & 0xFFFF
 
 
+@_helper
+def _table(Q8T, j, INT: tl.constexpr):
+    """Table ``j`` of the 8-bit tables (``Q8T``: their data pointers): the int32 lookups, else fp32."""
+    if INT:
+        return tl.load(Q8T + j).to(tl.pointer_type(tl.int32))
+    return tl.load(Q8T + j).to(tl.pointer_type(tl.float32))
+
+
+@_helper
+def _load_state(TAB, row, srow, T, k, offs, mask, Q8T, j, S_KIND: tl.constexpr, ALIGNED: tl.constexpr):
+    """A moment's block as fp32: a float state widened, 8-bit codes their map entries times their
+    block's absmax (states.q8_load)."""
+    if S_KIND == 3:
+        codes = tl.load(_entry(TAB, row, T, k, ALIGNED).to(tl.pointer_type(tl.uint8)) + offs, mask=mask, other=0)
+        scales = _entry(TAB, srow, T, k, False).to(tl.pointer_type(tl.float32))
+        return tl.load(_table(Q8T, j, False) + codes.to(tl.int32)) * tl.load(scales + offs // 256, mask=mask, other=0.0)
+    return _load16or32(TAB, row, T, k, offs, mask, S_KIND, ALIGNED)
+
+
+@_helper
+def _store_state(TAB, row, srow, T, k, offs, mask, x, start, numel, Q8T, j,
+                 S_KIND: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+    """A moment's new fp32 block stored: a float state narrowed, or 8-bit codes and block absmaxes
+    (states.q8_store, the nearest code of each value divided by its block's absmax)."""
+    if S_KIND == 3:
+        rows = tl.reshape(tl.where(mask, x, 0.0), (BLOCK // 256, 256))
+        top = tl.max(rows.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)  # NaN above inf above the finite
+        absmax = tl.where(top > 0x7F800000, float("nan"), top.to(tl.float32, bitcast=True))
+        scaled = tl.div_rn(rows, tl.where(absmax > 0.0, absmax, 1.0)[:, None])  # an all-zero block: by 1
+        first = tl.load(_table(Q8T, j + 1, True) + ((scaled.to(tl.int32, bitcast=True) >> 16) & 0xFFFF))
+        codes = first + (scaled >= tl.load(_table(Q8T, j + 2, False) + first)).to(tl.int32)
+        out = _entry(TAB, row, T, k, ALIGNED).to(tl.pointer_type(tl.uint8))
+        tl.store(out + offs, tl.reshape(codes, (BLOCK,)).to(tl.uint8), mask=mask)
+        blocks = start // 256 + tl.arange(0, BLOCK // 256)
+        scales = _entry(TAB, srow, T, k, False).to(tl.pointer_type(tl.float32))
+        tl.store(scales + blocks, absmax, mask=blocks * 256 < numel)
+    else:
+        _store16or32(TAB, row, T, k, offs, mask, x, S_KIND, ALIGNED)
+
+
 def _adam_kernel(
-    HDR, TAB, BLOCKS, SKIP, GSCALE, LR,
+    HDR, TAB, BLOCKS, SKIP, GSCALE, LR, Q8T,
     W_KIND: tl.constexpr, G_KIND: tl.constexpr, C_KIND: tl.constexpr, S_KIND: tl.constexpr,
     ROUNDING: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, WD_MODE: tl.constexpr,
     N_GSCALES: tl.constexpr, HAS_SKIP: tl.constexpr, LR_ON_DEVICE: tl.constexpr, ALIGNED: tl.constexpr,
@@ -177,8 +228,8 @@ def _adam_kernel(
     g = _load16or32(TAB, 1, T, k, offs, mask, G_KIND, ALIGNED)
     for j in tl.static_range(N_GSCALES):  # deferred clips, one multiplication each (the eager order)
         g = g * tl.load(GSCALE + j)
-    m = _load16or32(TAB, 2, T, k, offs, mask, S_KIND, ALIGNED)
-    v = _load16or32(TAB, 3, T, k, offs, mask, S_KIND, ALIGNED)
+    m = _load_state(TAB, 2, 11, T, k, offs, mask, Q8T, 0, S_KIND, ALIGNED)  # (signed tables 0-2, unsigned 3-5)
+    v = _load_state(TAB, 3, 12, T, k, offs, mask, Q8T, 3, S_KIND, ALIGNED)
 
     # ---- the rule (rule.adam), in torch's order
     if MAXIMIZE:
@@ -191,15 +242,16 @@ def _adam_kernel(
     m = tl.where(lerp_weight < 0.5, m + lerp_weight * (g - m), g - (g - m) * (1.0 - lerp_weight))
     v = v * beta2 + one_minus_beta2 * g * g  # exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
     if AMSGRAD:
-        vmax = tl.maximum(_load16or32(TAB, 4, T, k, offs, mask, S_KIND, ALIGNED), v, propagate_nan=tl.PropagateNan.ALL)
-        _store16or32(TAB, 4, T, k, offs, mask, vmax, S_KIND, ALIGNED)
+        vmax = tl.maximum(_load_state(TAB, 4, 13, T, k, offs, mask, Q8T, 3, S_KIND, ALIGNED), v,
+                          propagate_nan=tl.PropagateNan.ALL)
+        _store_state(TAB, 4, 13, T, k, offs, mask, vmax, start, numel, Q8T, 3, S_KIND, ALIGNED, BLOCK)
         denom = tl.sqrt_rn(vmax)
     else:
         denom = tl.sqrt_rn(v)
     denom = tl.div_rn(denom, bc2_sqrt) + eps
     w = w + (-step_size) * tl.div_rn(m, denom)  # param.addcdiv_(exp_avg, denom, value=-step_size)
-    _store16or32(TAB, 2, T, k, offs, mask, m, S_KIND, ALIGNED)
-    _store16or32(TAB, 3, T, k, offs, mask, v, S_KIND, ALIGNED)
+    _store_state(TAB, 2, 11, T, k, offs, mask, m, start, numel, Q8T, 0, S_KIND, ALIGNED, BLOCK)
+    _store_state(TAB, 3, 12, T, k, offs, mask, v, start, numel, Q8T, 3, S_KIND, ALIGNED, BLOCK)
 
     # ---- the weight's store (codecs.fused_store_weight)
     w_ptr = _entry(TAB, 0, T, k, ALIGNED).to(tl.pointer_type(tl.int16))
@@ -218,7 +270,7 @@ def _adam_kernel(
 #: the kernel: compiled for the GPU, or run by Triton's interpreter; None without Triton. No
 #: argument is specialised on its alignment (they are all tensors of tables and flags)
 ADAM_KERNEL: Any = None if triton is None else triton.jit(
-    _adam_kernel, do_not_specialize=["HDR", "TAB", "BLOCKS", "SKIP", "GSCALE", "LR"]
+    _adam_kernel, do_not_specialize=["HDR", "TAB", "BLOCKS", "SKIP", "GSCALE", "LR", "Q8T"]
 )
 
 

@@ -28,9 +28,10 @@ What it computes, against the eager fast path (the same wrapper with ``compile=F
 
 It takes (:func:`takes`) plain contiguous tensors on a CUDA device (on CPU tensors only under
 Triton's interpreter, where the tests run it): bf16 weights (fp16 ones for round to nearest and
-Kahan), fp32/bf16/fp16 gradients of the weight's shape, fp32 or bf16 moments. Block-coded (8-bit,
-fp8) moments stay on the compiled route, remainder masters on the eager one (their block scales
-and tie lists are not in this kernel).
+Kahan), fp32/bf16/fp16 gradients of the weight's shape, fp32, bf16 or 8-bit blockwise moments
+(:data:`mixprec.optim.states.Q8`: the codes of the compiled and eager routes for the same fp32
+values). fp8 moments stay on the compiled route, remainder masters on the eager one (their tie
+lists are not in this kernel).
 
 >>> takes("remainder", None, torch.zeros(4, dtype=torch.bfloat16), None)
 False
@@ -59,7 +60,7 @@ __all__ = [
     "triton_adam_step", "use_triton_route",
 ]
 
-#: elements per program (a power of two)
+#: elements per program (a power of two; with 8-bit moments at least their 256-element blocks)
 BLOCK = 2048
 #: warps per program on the GPU
 NUM_WARPS = 4
@@ -72,8 +73,10 @@ ENV = TRITON_ENV
 _WORKS: dict[torch.device, bool] = {}
 
 _KINDS = {torch.float32: kernels.FP32, torch.bfloat16: kernels.BF16, torch.float16: kernels.FP16}
-_STATE_DTYPES = (torch.float32, torch.bfloat16)
+_STATE_KINDS = {torch.float32: kernels.FP32, torch.bfloat16: kernels.BF16, qstates.Q8: kernels.Q8}
+_STATE_DTYPES = tuple(_STATE_KINDS)
 _TABLES: OrderedDict[tuple[Any, ...], torch.Tensor] = OrderedDict()
+_Q8_TABLES: dict[torch.device, tuple[list[torch.Tensor], torch.Tensor]] = {}
 
 
 def available(device: torch.device | str | None = None) -> bool:
@@ -91,7 +94,7 @@ def available(device: torch.device | str | None = None) -> bool:
 def use_triton_route(setting: Any, rounding: str, state_dtype: torch.dtype | None) -> bool:
     """Whether ``compile=setting`` steps an Adam/AdamW group of ``rounding`` and ``state_dtype`` with
     this kernel where its tensors allow (:func:`takes`) and :func:`kernel_works` on their device:
-    under ``"auto"``, for the stores it implements with fp32 or bf16 moments, unless the environment
+    under ``"auto"``, for the stores it implements with fp32, bf16 or 8-bit moments, unless the environment
     says ``MIXPREC_TRITON=0`` (``compile=True`` keeps ``torch.compile``, ``False`` the eager path)."""
     if setting != "auto" or rounding not in ROUNDINGS:
         return False
@@ -153,8 +156,8 @@ def _plain(t: torch.Tensor | None, device: torch.device) -> bool:
 def takes_param(rounding: str, state_dtype: torch.dtype | None, param: torch.Tensor) -> bool:
     """Whether the weight ``param`` itself can step here (:func:`takes` without its gradient and
     compensation, for a prediction that does not look at them): a plain contiguous tensor where
-    :func:`available`, bf16 (or fp16, for round to nearest and Kahan), ``state_dtype`` fp32 (None) or
-    bf16 and ``rounding`` one of :data:`ROUNDINGS`."""
+    :func:`available`, bf16 (or fp16, for round to nearest and Kahan), ``state_dtype`` fp32 (None),
+    bf16 or 8-bit and ``rounding`` one of :data:`ROUNDINGS`."""
     if rounding not in ROUNDINGS or (torch.float32 if state_dtype is None else state_dtype) not in _STATE_DTYPES:
         return False
     if not _plain(param, param.device) or not available(param.device):
@@ -166,8 +169,8 @@ def takes(rounding: str, state_dtype: torch.dtype | None, param: torch.Tensor, c
     """Whether ``param``, with its gradient and (Kahan) compensation ``comp``, can step here: a plain
     contiguous tensor where :func:`available`, bf16 (or fp16, for round to nearest and Kahan), its
     gradient plain, contiguous, of its shape and device, fp32/bf16/fp16, the compensation likewise
-    (bf16, fp16 or fp32); ``state_dtype`` fp32 (None) or bf16 (8-bit moments stay on the compiled
-    route) and ``rounding`` one of :data:`ROUNDINGS` (remainder masters stay there too)."""
+    (bf16, fp16 or fp32); ``state_dtype`` fp32 (None), bf16 or 8-bit (fp8 moments stay on the compiled
+    route) and ``rounding`` one of :data:`ROUNDINGS` (remainder masters stay on the eager one)."""
     if not takes_param(rounding, state_dtype, param) or not _readable(rounding, param):
         return False
     if rounding == "kahan":
@@ -193,12 +196,19 @@ def _check(rounding: str, param: torch.Tensor) -> None:
                          "optimizer kernel takes (see takes())")
 
 
+def _wanted(keys: list[str], dtype: torch.dtype, numel: int) -> list[tuple[str, torch.dtype, int]]:
+    """(key, dtype, numel) of each tensor of the moments' ``keys`` held in ``dtype`` (8-bit: and their
+    fp32 block scales)."""
+    scales = [(f"{k}{qstates.ABSMAX}", torch.float32, -(-numel // qstates.BLOCK)) for k in keys] if dtype == qstates.Q8 else []
+    return [(k, dtype, numel) for k in keys] + scales
+
+
 def _fits(state: dict[str, Any], keys: list[str], dtype: torch.dtype, param: torch.Tensor) -> bool:
     """Whether ``param``'s moments are what the kernel writes through raw pointers: plain contiguous
-    tensors of ``dtype`` on its device, one element per weight."""
-    for key in keys:
+    tensors of ``dtype`` on its device, one element per weight (8-bit: and one fp32 scale per block)."""
+    for key, kind, n in _wanted(keys, dtype, param.numel()):
         t = state.get(key)
-        if type(t) is not torch.Tensor or t.dtype != dtype or t.numel() != param.numel():
+        if type(t) is not torch.Tensor or t.dtype != kind or t.numel() != n:
             return False
         if t.device != param.device or not t.is_contiguous():
             return False
@@ -211,11 +221,12 @@ def _conform(state: dict[str, Any], param: torch.Tensor, state_dtype: torch.dtyp
     dtype: converted as the other routes do; another layout: copied contiguous); False, nothing
     written, where they cannot be (another size or device: left for another route)."""
     qstates.conform(state, param, state_dtype)
-    for key in keys:
+    wanted = _wanted(keys, dtype, param.numel())
+    for key, kind, n in wanted:
         t = state.get(key)
-        if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.numel() != param.numel() or t.device != param.device:
+        if not isinstance(t, torch.Tensor) or t.dtype != kind or t.numel() != n or t.device != param.device:
             return False
-    for key in keys:
+    for key, _, _ in wanted:
         t = state[key]
         if type(t) is not torch.Tensor or not t.is_contiguous():
             state[key] = t.detach().contiguous().as_subclass(torch.Tensor)
@@ -227,26 +238,36 @@ def _words(values: Sequence[float]) -> list[int]:
     return list(struct.unpack(f"<{len(values)}q", struct.pack(f"<{len(values)}d", *values)))
 
 
-def _blocks(numel: int) -> int:
-    return -(-numel // BLOCK)
+def _blocks(numel: int, block: int) -> int:
+    return -(-numel // block)
 
 
-def _program_tables(device: torch.device, sizes: tuple[tuple[int, ...], ...]) -> torch.Tensor:
+def _program_tables(device: torch.device, sizes: tuple[tuple[int, ...], ...], block: int) -> torch.Tensor:
     """Each launch's program -> tensor table (int32, the launches' one after the other), for
     launches over tensors of ``sizes``; kept on the device for the next calls of the same sizes."""
-    key = (device, BLOCK, sizes)
+    key = (device, block, sizes)
     table = _TABLES.get(key)
     if table is not None:
         _TABLES.move_to_end(key)
         return table
     parts = [torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32),
-                                     torch.tensor([_blocks(n) for n in numels], dtype=torch.int64))
+                                     torch.tensor([_blocks(n, block) for n in numels], dtype=torch.int64))
              for numels in sizes]
     table = _to_device(torch.cat(parts), device)
     _TABLES[key] = table
     while len(_TABLES) > CACHED_TABLES:
         _TABLES.popitem(last=False)
     return table
+
+
+def _q8_tables(device: torch.device) -> torch.Tensor:
+    """The data pointers (int64, on ``device``) of the 8-bit tables the kernel reads
+    (:func:`mixprec.optim.states.q8_tables`), made once per device and kept with the tables."""
+    held = _Q8_TABLES.get(device)
+    if held is None:
+        tables = [t.contiguous() for t in qstates.q8_tables(device)]
+        held = _Q8_TABLES[device] = (tables, _to_device(torch.tensor([t.data_ptr() for t in tables]), device))
+    return held[1]
 
 
 def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -300,8 +321,9 @@ def triton_adam_step(
         raise ValueError(f"the Triton optimizer kernel stores {sorted(ROUNDINGS)}, not {rounding!r}")
     dtype = torch.float32 if state_dtype is None else state_dtype
     if dtype not in _STATE_DTYPES:
-        raise ValueError(f"the Triton optimizer kernel keeps fp32 or bf16 moments, not {dtype} (8-bit: the compiled route)")
+        raise ValueError(f"the Triton optimizer kernel keeps fp32, bf16 or 8-bit moments, not {dtype} (fp8: the compiled route)")
     keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
+    block = BLOCK if dtype != qstates.Q8 else -(-BLOCK // qstates.BLOCK) * qstates.BLOCK
     with_grads = [p for p in params if p.grad is not None]
     for p in with_grads:
         if p.device == with_grads[0].device:  # (the others are left for another route)
@@ -348,7 +370,7 @@ def triton_adam_step(
     sections: list[tuple[tuple[Any, ...], int, list[int], bool]] = []  # (dtypes, offset in words, ids, aligned)
     written: list[torch.Tensor] = []
     for kinds, ids in launches.items():
-        rows: dict[str, list[int]] = {name: [] for name in kernels.ROWS[:9]}
+        rows: dict[str, list[int]] = {name: [] for name in kernels.ROWS[:9] + kernels.ROWS[11:]}
         corrections: list[float] = []
         first_block = 0
         for i in ids:
@@ -357,37 +379,45 @@ def triton_adam_step(
             tensors = [p, p.grad, *moments, c]
             for name, t in zip(kernels.ROWS[:6], tensors, strict=True):
                 rows[name].append(0 if t is None else t.data_ptr())
+            for name, key in zip(kernels.ROWS[11:], keys, strict=False):  # 8-bit: the block scales
+                rows[name].append(state[f"{key}{qstates.ABSMAX}"].data_ptr() if dtype == qstates.Q8 else 0)
+            for name in kernels.ROWS[11 + len(keys):]:
+                rows[name].append(0)
             rows["numel"].append(p.numel())
             rows["first"].append(firsts[i])
             rows["first_block"].append(first_block)
-            first_block += _blocks(p.numel())
+            first_block += _blocks(p.numel(), block)
             corrections += rule.bias_corrections(h, host_float(state["step"]) + 1)  # each weight its own count
             written += [t for t in (p, c, *moments) if t is not None]
+            written += [state[key] for key, _, _ in _wanted(keys, dtype, p.numel())[len(keys):]]
         aligned = all(a % 16 == 0 for name in kernels.ROWS[:6] for a in rows[name])
         sections.append((kinds, len(words), ids, aligned))
         words.append(len(ids))
         for name in kernels.ROWS[:9]:
             words += rows[name]
         words += _words(corrections[0::2]) + _words(corrections[1::2])  # step_size, bc2_sqrt rows
+        for name in kernels.ROWS[11:]:
+            words += rows[name]
         words += [0] * (len(words) % 2)  # each launch's table 16-byte aligned
 
     meta = _to_device(torch.tensor(words, dtype=torch.int64), device)  # the call's one copy
-    programs = _program_tables(device, tuple(tuple(active[i].numel() for i in ids) for _, _, ids, _ in sections))
+    programs = _program_tables(device, tuple(tuple(active[i].numel() for i in ids) for _, _, ids, _ in sections), block)
     factors = [f.detach().to(device=device, dtype=torch.float32).reshape(1) for f in grad_scales]
     gscale = meta if not factors else factors[0] if len(factors) == 1 else torch.cat(factors)
     flag = meta if skip is None else _device_scalar(skip, device)
     lr_t = _device_scalar(lr, device) if lr_on_device else meta
+    q8t = _q8_tables(device) if dtype == qstates.Q8 else meta
     wd_mode = kernels.NO_DECAY if not h.decays else kernels.DECOUPLED if h.decoupled else kernels.L2_DECAY
     at = 0
     for (w_dtype, g_dtype, c_dtype), offset, ids, aligned in sections:
-        n = sum(_blocks(active[i].numel()) for i in ids)
+        n = sum(_blocks(active[i].numel(), block) for i in ids)
         if n:
             _launch(
-                kernel, (n,), meta, meta[offset:], programs[at : at + n], flag, gscale, lr_t,
+                kernel, (n,), meta, meta[offset:], programs[at : at + n], flag, gscale, lr_t, q8t,
                 W_KIND=_KINDS[w_dtype], G_KIND=_KINDS[g_dtype], C_KIND=_KINDS.get(c_dtype, kernels.FP32),
-                S_KIND=_KINDS[dtype], ROUNDING=ROUNDINGS[rounding], AMSGRAD=h.amsgrad, MAXIMIZE=h.maximize,
+                S_KIND=_STATE_KINDS[dtype], ROUNDING=ROUNDINGS[rounding], AMSGRAD=h.amsgrad, MAXIMIZE=h.maximize,
                 WD_MODE=wd_mode, N_GSCALES=len(factors), HAS_SKIP=skip is not None, LR_ON_DEVICE=lr_on_device,
-                ALIGNED=aligned, BLOCK=BLOCK, num_warps=NUM_WARPS,
+                ALIGNED=aligned, BLOCK=block, num_warps=NUM_WARPS,
             )
         at += n
     torch.autograd.graph.increment_version(written)  # written through raw pointers: autograd and undo copies see it
