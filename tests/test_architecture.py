@@ -374,9 +374,10 @@ def test_the_rule_codecs_and_route_decision_are_each_written_once() -> None:
 
 
 #: the modules that may name a block-coded state form itself (``states.Q8``, ``states.FP8``): its codec
-#: module, and the native kernel's binding, which steps the 8-bit form only; everything else reads
-#: the forms from ``states.BLOCKWISE``, so a new form is one codec there (plus its tests)
-FORM_NAMERS = ("states.py", "native.py")
+#: module, and the native and Triton kernels with their bindings, which step the 8-bit form only (the
+#: kernels being sanctioned mirrors of its codec); everything else reads the forms from
+#: ``states.BLOCKWISE``, so a new form is one codec there (plus its tests)
+FORM_NAMERS = ("states.py", "native.py", "triton_adam.py", "_triton_adam_kernels.py")
 
 
 def _form_problems(paths: list[pathlib.Path]) -> list[str]:
