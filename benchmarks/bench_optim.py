@@ -14,7 +14,7 @@ step). Rows:
   path switched off (``... generic``), never compiled (``... eager``: the multi-tensor
   fast path) and always compiled (``... compiled``; on CUDA the default is the Triton kernel,
   ``mixprec.optim.triton_adam``);
-- ``bf16-master-remainders...``, ``...-8bit``, ``...-fp8``: remainder masters (``bf16-master``
+- ``bf16-master-remainders...``, ``...-8bit``, ``...-fp8``, ``...-bf16-state``: remainder masters (``bf16-master``
   with ``remainders=True``) and 8-bit / fp8 / bf16 moments, by default and never compiled
   (``... eager``);
 - ``optimi-kahan``: bf16 model, ``optimi.AdamW(..., kahan_sum=True)`` (torch-optimi).
@@ -156,6 +156,9 @@ ROWS: dict[str, Callable[[Any, torch.device], Setup]] = {
     "bf16-kahan-8bit eager": lambda t, d: _plan(t, d, get_plan("bf16-kahan", state_dtype="8bit"), compile=False),
     "bf16-sr-8bit eager": lambda t, d: _plan(t, d, get_plan("bf16-sr", state_dtype="8bit"), compile=False),
     "bf16-pure-8bit": lambda t, d: _plan(t, d, get_plan("bf16-pure", state_dtype="8bit")),
+    "bf16-pure-bf16-state": lambda t, d: _plan(t, d, get_plan("bf16-pure", state_dtype="bf16")),
+    "bf16-kahan-bf16-state": lambda t, d: _plan(t, d, get_plan("bf16-kahan", state_dtype="bf16")),
+    "bf16-sr-bf16-state": lambda t, d: _plan(t, d, get_plan("bf16-sr", state_dtype="bf16")),
     "bf16-kahan-fp8": lambda t, d: _plan(t, d, get_plan("bf16-kahan", state_dtype="fp8")),
     "bf16-sr-fp8": lambda t, d: _plan(t, d, get_plan("bf16-sr", state_dtype="fp8")),
     "bf16-kahan-fp8 eager": lambda t, d: _plan(t, d, get_plan("bf16-kahan", state_dtype="fp8"), compile=False),

@@ -37,9 +37,9 @@ part bench_graph 60 "$PY" benchmarks/bench_gpu.py --rounds 2 --repeats 8 --warmu
 # #43: what holds the mixed plans' extra peak memory (the allocator's trace at the step's peak, by allocation site)
 part memory 60 "$PY" benchmarks/gpu_memory.py --plans torch-autocast-bf16 bf16-mixed --json "$OUT/memory.json"
 # #45: the optimizer step alone against torch's fused AdamW: the default routes (the Triton kernel for
-# the float moments), the compiled ones, 8-bit / fp8 moments and remainder masters
-part bench_optim 60 "$PY" benchmarks/bench_optim.py --device cuda --no-train --fused-inner --repeats 5 \
-    --rows "torch-fp32-foreach,torch-fp32-fused,bf16-pure,bf16-kahan,bf16-sr,bf16-pure compiled,bf16-kahan compiled,bf16-sr compiled,bf16-kahan-8bit,bf16-kahan-fp8,bf16-master-remainders"
+# fp32, bf16 and 8-bit moments), the compiled ones, fp8 moments and remainder masters
+part bench_optim 90 "$PY" benchmarks/bench_optim.py --device cuda --no-train --fused-inner --repeats 5 \
+    --rows "torch-fp32-foreach,torch-fp32-fused,bf16-pure,bf16-kahan,bf16-sr,bf16-pure-bf16-state,bf16-kahan-bf16-state,bf16-sr-bf16-state,bf16-pure-8bit,bf16-kahan-8bit,bf16-sr-8bit,bf16-master-remainders,bf16-kahan-fp8,bf16-pure compiled,bf16-kahan compiled,bf16-sr compiled,bf16-kahan-8bit compiled"
 # #44: the fp8 layer (the plan's default statistics, amaxes folded once per step) against bf16 by shape, with the
 # fused cast (the plan's default on this GPU) and the eager one: the acceptance shapes (M=8192, K=N=4096 and 8192)
 # first, then the sweep; GPU kernels per layer step from the profiler; the measured pay-off table of the fused
