@@ -65,8 +65,6 @@ ROWS = ("w", "g", "m", "v", "vmax", "comp", "numel", "first", "first_block", "st
 HEADER = ("seed", "lerp_weight", "beta2", "one_minus_beta2", "eps", "decay", "weight_decay", "pad")
 #: dtype codes of the stored tensors (constexprs of the kernel); Q8: 8-bit blockwise moments
 FP32, BF16, FP16, Q8 = 0, 1, 2, 3
-#: elements per block scale of 8-bit moments (mixprec.optim.states.BLOCK)
-Q8_BLOCK = 256
 #: the stores (``ROUNDING``)
 NEAREST, KAHAN, STOCHASTIC = 0, 1, 2
 #: weight decay (``WD_MODE``): none, added to the gradient (Adam), decoupled (AdamW)

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from mixprec.optim.kinds import MASTER, KindStore
-from mixprec.optim.states import ABSMAX, BLOCK, BLOCKWISE
+from mixprec.optim.states import ABSMAX, BLOCK, BLOCKWISE, conform
 
 __all__ = [
     "MASTER_INDEX_KEY",
@@ -34,10 +34,12 @@ __all__ = [
     "check_kind_state",
     "check_master_positions",
     "check_master_weights",
-    "check_moment_layout",
     "check_param_shaped_state",
     "check_rounding_state",
     "check_state_shapes",
+    "conform_raw",
+    "fits_raw",
+    "raw_moments",
     "split_master_state",
     "split_wrapper_state",
 ]
@@ -381,19 +383,56 @@ def check_kind_state(kinds: KindStore, extra: Mapping[str, Any], params: Sequenc
                 )
 
 
-def check_moment_layout(state: Mapping[str, Any], param: torch.Tensor, dtype: torch.dtype, keys: Sequence[str]) -> None:
-    """That ``param``'s moments ``keys`` (and, 8-bit, their block scales) are CPU tensors of ``dtype``
-    with one element per weight: what the native step writes through raw pointers. Refused
-    otherwise, before a byte is written (their layout is the caller's to make contiguous)."""
-    for key in keys:
-        wanted = [(key, dtype, param.numel())]
-        if dtype in BLOCKWISE:
-            wanted.append((f"{key}{ABSMAX}", torch.float32, -(-param.numel() // BLOCK)))
-        for name, kind, numel in wanted:
-            t = state.get(name)
-            if not isinstance(t, torch.Tensor) or t.dtype != kind or t.numel() != numel or t.device.type != "cpu":
-                got = f"{t.dtype} of {t.numel()} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(
-                    f"optimizer state {name!r} of a {tuple(param.shape)} weight must be a CPU {kind} tensor of "
-                    f"{numel} elements for the native step, got {got}; load a state_dict saved for this model"
-                )
+def raw_moments(keys: Sequence[str], dtype: torch.dtype, numel: int) -> list[tuple[str, torch.dtype, int]]:
+    """(key, dtype, numel) of each tensor of the moments ``keys`` of a weight of ``numel`` elements
+    held in ``dtype``, as a kernel writes them through raw pointers (block codes: and their fp32
+    block scales)."""
+    scales = [(f"{k}{ABSMAX}", torch.float32, -(-numel // BLOCK)) for k in keys] if dtype in BLOCKWISE else []
+    return [(k, dtype, numel) for k in keys] + scales
+
+
+def fits_raw(state: Mapping[str, Any], keys: Sequence[str], dtype: torch.dtype, param: torch.Tensor) -> bool:
+    """Whether ``param``'s moments are already what a kernel writes through raw pointers: plain
+    contiguous tensors of ``dtype`` on its device, as :func:`raw_moments` lists them. The common
+    case, checked without building anything."""
+    for key, kind, n in raw_moments(keys, dtype, param.numel()):
+        t = state.get(key)
+        if type(t) is not torch.Tensor or t.dtype != kind or t.numel() != n or t.device != param.device:
+            return False
+        if not t.is_contiguous():
+            return False
+    return True
+
+
+def conform_raw(
+    state: dict[str, Any], param: torch.Tensor, state_dtype: torch.dtype | None, keys: Sequence[str],
+    *, refuse: str | None = None,
+) -> bool:
+    """Make ``param``'s moments what :func:`fits_raw` asks for where they are held otherwise
+    (another dtype: converted as the other routes do; another layout: copied contiguous). False,
+    nothing written, where a moment is left in another floating dtype (for the eager path, which
+    reads and keeps it as it is); another size or device is False too, or, with ``refuse`` (the
+    route's name), refused before a byte is written."""
+    conform(state, param, state_dtype)
+    dtype = torch.float32 if state_dtype is None else state_dtype
+    held = [state.get(k) for k in keys]
+    if dtype.is_floating_point and any(isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype for t in held):
+        return False
+    wanted = raw_moments(keys, dtype, param.numel())
+    for name, kind, numel in wanted:
+        t = state.get(name)
+        if isinstance(t, torch.Tensor) and t.dtype == kind and t.numel() == numel and t.device == param.device:
+            continue
+        if refuse is None:
+            return False
+        got = f"{t.dtype} of {t.numel()} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+        where = "CPU" if param.device.type == "cpu" else str(param.device)
+        raise ValueError(
+            f"optimizer state {name!r} of a {tuple(param.shape)} weight must be a {where} {kind} tensor of "
+            f"{numel} elements for the {refuse} step, got {got}; load a state_dict saved for this model"
+        )
+    for name, _, _ in wanted:
+        t = state[name]
+        if type(t) is not torch.Tensor or not t.is_contiguous():
+            state[name] = t.detach().contiguous().as_subclass(torch.Tensor)
+    return True

@@ -50,7 +50,6 @@ __all__ = [
     "stochastic_store", "ties_of",
 ]
 
-_BLOCK = qstates.BLOCK
 _TIE_FIX = 1 << 16  # a tie rounded down decodes one bf16 unit low: its bits are 0x10000 higher
 #: elements per block of the screens in front of the sparse searches (:func:`screened_nonzero`)
 SCREEN = 1024

@@ -51,7 +51,7 @@ import torch
 from mixprec.lagged import host_float
 from mixprec.optim import rule
 from mixprec.optim import states as qstates
-from mixprec.optim.checks import check_moment_layout
+from mixprec.optim.checks import conform_raw, fits_raw
 from mixprec.optim.codecs import Noise, compact_q8_tables
 from mixprec.optim.compiled import CompileSetting, RemainderIO
 from mixprec.optim.fast import init_adam_state
@@ -174,19 +174,16 @@ def native_adam_step(
     q8 = dtype == qstates.Q8
     amsgrad = bool(group["amsgrad"])
     keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else [])
-    scale_keys = [f"{k}{qstates.ABSMAX}" for k in keys] if q8 else []
     with_grads = [p for p in params if p.grad is not None]
     init_adam_state(optimizer, group, with_grads, dtype)
     active: list[torch.Tensor] = []
     left: list[torch.Tensor] = []
     for p in with_grads:
-        state = optimizer.state[p]
-        if not _fits(state, keys, scale_keys, dtype, p.numel()):  # held otherwise (loaded, wrapped later)
-            qstates.conform(state, p, state_dtype)
-            if not _conform_layout(state, p, dtype, keys, scale_keys):
-                left.append(p)
-                continue
-        active.append(p)
+        state = optimizer.state[p]  # held otherwise (loaded, wrapped later): conformed, or left
+        if fits_raw(state, keys, dtype, p) or conform_raw(state, p, state_dtype, keys, refuse="native"):
+            active.append(p)
+        else:
+            left.append(p)
     if not active:
         return left
     states = [optimizer.state[p] for p in active]
@@ -223,7 +220,8 @@ def native_adam_step(
             ties = remainder.ties(p).reshape(-1).to(device="cpu", dtype=torch.int64)
             ties = ties.sort().values if ties.numel() > 1 else ties.contiguous()
         moments = [state[k] for k in keys] + [None] * (3 - len(keys))
-        scales = [state[k] for k in scale_keys] + [None] * (3 - len(scale_keys))
+        scales = [state[f"{k}{qstates.ABSMAX}"] for k in keys] if q8 else []
+        scales += [None] * (3 - len(scales))
         own = dict(
             w=p.data_ptr(), g=grad.data_ptr(), m=_ptr(moments[0]), v=_ptr(moments[1]), vmax=_ptr(moments[2]),
             m_scale=_ptr(scales[0]), v_scale=_ptr(scales[1]), vmax_scale=_ptr(scales[2]), comp=_ptr(comp),
@@ -260,37 +258,6 @@ def native_adam_step(
     if interrupt is not None:
         raise interrupt
     return left
-
-
-def _fits(state: dict[str, Any], keys: list[str], scale_keys: list[str], dtype: torch.dtype, numel: int) -> bool:
-    """Whether ``state``'s moments (and 8-bit scales) are already what the kernel writes through raw
-    pointers: plain contiguous CPU tensors of ``dtype`` (fp32 scales), one element per weight (one
-    scale per block). The common case, checked without building anything."""
-    wanted = [(k, dtype, numel) for k in keys] + [(k, torch.float32, -(-numel // qstates.BLOCK)) for k in scale_keys]
-    for key, kind, n in wanted:
-        t = state.get(key)
-        if type(t) is not torch.Tensor or t.dtype != kind or t.numel() != n or not t.is_contiguous() or t.device.type != "cpu":
-            return False
-    return True
-
-
-def _conform_layout(
-    state: dict[str, Any], param: torch.Tensor, dtype: torch.dtype, keys: list[str], scale_keys: list[str]
-) -> bool:
-    """Make ``param``'s moments (and 8-bit scales) what :func:`_fits` asks for, copying other
-    layouts contiguous; False (nothing changed) when a floating moment is held in another
-    floating dtype, for the eager path, which reads and keeps it as it is; anything else (a
-    wrong size, a device, a missing key) is refused before a byte is written."""
-    for key in keys:
-        t = state.get(key)
-        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype and dtype != qstates.Q8:
-            return False
-    check_moment_layout(state, param, dtype, keys)
-    for name in keys + scale_keys:
-        t = state[name]
-        if not t.is_contiguous() or type(t) is not torch.Tensor:
-            state[name] = t.detach().contiguous().as_subclass(torch.Tensor)
-    return True
 
 
 def _call(lib: ctypes.CDLL, job: _Job) -> torch.Tensor | None:

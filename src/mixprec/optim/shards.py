@@ -52,14 +52,10 @@ def is_zero_step(param_groups: Sequence[dict[str, Any]]) -> bool:
     tensors to save or load into: every learning rate 0 (a group without one counts as 0) and
     every gradient present zero, at least one present. The learning rates are read first, so a
     real step is told apart without touching a gradient."""
-    if not param_groups or any(_scalar(g.get("lr", 0.0)) != 0.0 for g in param_groups):
+    if not param_groups or any(scalar_value(g.get("lr", 0.0)) != 0.0 for g in param_groups):
         return False
     grads = [p.grad for g in param_groups for p in g["params"] if p.grad is not None]
     return bool(grads) and not any(bool(local_of(grad).any()) for grad in grads)
-
-
-def _scalar(value: Any) -> float:
-    return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
 
 
 def local_of(t: torch.Tensor) -> torch.Tensor:

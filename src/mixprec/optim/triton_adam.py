@@ -52,6 +52,7 @@ from mixprec.lagged import host_float
 from mixprec.optim import _triton_adam_kernels as kernels
 from mixprec.optim import rule
 from mixprec.optim import states as qstates
+from mixprec.optim.checks import conform_raw, fits_raw, raw_moments
 from mixprec.optim.codecs import Noise
 from mixprec.optim.fast import init_adam_state
 
@@ -196,43 +197,6 @@ def _check(rounding: str, param: torch.Tensor) -> None:
                          "optimizer kernel takes (see takes())")
 
 
-def _wanted(keys: list[str], dtype: torch.dtype, numel: int) -> list[tuple[str, torch.dtype, int]]:
-    """(key, dtype, numel) of each tensor of the moments' ``keys`` held in ``dtype`` (8-bit: and their
-    fp32 block scales)."""
-    scales = [(f"{k}{qstates.ABSMAX}", torch.float32, -(-numel // qstates.BLOCK)) for k in keys] if dtype == qstates.Q8 else []
-    return [(k, dtype, numel) for k in keys] + scales
-
-
-def _fits(state: dict[str, Any], keys: list[str], dtype: torch.dtype, param: torch.Tensor) -> bool:
-    """Whether ``param``'s moments are what the kernel writes through raw pointers: plain contiguous
-    tensors of ``dtype`` on its device, one element per weight (8-bit: and one fp32 scale per block)."""
-    for key, kind, n in _wanted(keys, dtype, param.numel()):
-        t = state.get(key)
-        if type(t) is not torch.Tensor or t.dtype != kind or t.numel() != n:
-            return False
-        if t.device != param.device or not t.is_contiguous():
-            return False
-    return True
-
-
-def _conform(state: dict[str, Any], param: torch.Tensor, state_dtype: torch.dtype | None, dtype: torch.dtype,
-             keys: list[str]) -> bool:
-    """Make ``param``'s moments what :func:`_fits` asks for where they are held otherwise (another
-    dtype: converted as the other routes do; another layout: copied contiguous); False, nothing
-    written, where they cannot be (another size or device: left for another route)."""
-    qstates.conform(state, param, state_dtype)
-    wanted = _wanted(keys, dtype, param.numel())
-    for key, kind, n in wanted:
-        t = state.get(key)
-        if not isinstance(t, torch.Tensor) or t.dtype != kind or t.numel() != n or t.device != param.device:
-            return False
-    for key, _, _ in wanted:
-        t = state[key]
-        if type(t) is not torch.Tensor or not t.is_contiguous():
-            state[key] = t.detach().contiguous().as_subclass(torch.Tensor)
-    return True
-
-
 def _words(values: Sequence[float]) -> list[int]:
     """fp64 ``values`` as the int64 words holding their bits (the kernel reads them as fp64)."""
     return list(struct.unpack(f"<{len(values)}q", struct.pack(f"<{len(values)}d", *values)))
@@ -334,7 +298,7 @@ def triton_adam_step(
     for p in with_grads:
         state = optimizer.state[p]
         same_device = p.device == with_grads[0].device
-        if same_device and (_fits(state, keys, dtype, p) or _conform(state, p, state_dtype, dtype, keys)):
+        if same_device and (fits_raw(state, keys, dtype, p) or conform_raw(state, p, state_dtype, keys)):
             active.append(p)
         else:
             left.append(p)
@@ -389,7 +353,7 @@ def triton_adam_step(
             first_block += _blocks(p.numel(), block)
             corrections += rule.bias_corrections(h, host_float(state["step"]) + 1)  # each weight its own count
             written += [t for t in (p, c, *moments) if t is not None]
-            written += [state[key] for key, _, _ in _wanted(keys, dtype, p.numel())[len(keys):]]
+            written += [state[key] for key, _, _ in raw_moments(keys, dtype, p.numel())[len(keys):]]
         aligned = all(a % 16 == 0 for name in kernels.ROWS[:6] for a in rows[name])
         sections.append((kinds, len(words), ids, aligned))
         words.append(len(ids))
