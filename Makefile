@@ -8,7 +8,7 @@ VENV_MIN  ?= .venv-min
 PY_MIN    := $(VENV_MIN)/bin/python
 STAMP_MIN := $(VENV_MIN)/.mixprec-installed
 
-.PHONY: setup demo test test-fast test-nobf16 test-gpu test-min lint bench docs clean
+.PHONY: setup demo test test-long test-fast test-nobf16 test-gpu test-min lint bench docs clean
 
 $(STAMP): pyproject.toml constraints-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,8 +24,13 @@ demo: setup
 # tests spend much of their time starting processes, so two workers fit two cores.
 XDIST := -n 2 --dist loadfile
 
+# Everything but the `long` scenarios (each half a minute or more: several launches of
+# processes, or a subprocess suite), which `make test-long` runs; CI runs both.
 test: setup
-	$(PY) -m pytest -q $(XDIST)
+	$(PY) -m pytest -q $(XDIST) -m "not long"
+
+test-long: setup
+	$(PY) -m pytest -q $(XDIST) -m long
 
 # Unit tests only: no multi-process, slow or third-party-framework tests.
 test-fast: setup

@@ -311,6 +311,7 @@ def _leaves(obj):
     return [obj]
 
 
+@pytest.mark.long
 @pytest.mark.distributed
 def test_torchrun_killed_worker_resumes_bit_for_bit(tmp_path):
     args = ["--plan", "bf16-master", "--reduce-dtype", "bf16", "--grad-accum", "2", "--steps", "12",

@@ -361,6 +361,7 @@ def test_auto_cast_is_eager_without_native_fp8_gemms():
     assert "cast=auto" in repr(layer)
 
 
+@pytest.mark.long
 @pytest.mark.skipif(not HAS_TRITON or IN_SUBPROCESS, reason="needs Triton; runs the Triton tests in a subprocess")
 def test_triton_kernels_under_the_interpreter():
     """Where this process cannot interpret the kernels (Triton imported without

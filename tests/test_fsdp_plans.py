@@ -92,6 +92,7 @@ def _worker(rank: int, world: int, out: str) -> None:
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))
 
 
+@pytest.mark.long
 @pytest.mark.distributed
 def test_plans_without_masters_train_sharded_like_one_process(tmp_path):
     reason = _fsdp2_available()
@@ -465,6 +466,7 @@ def _resume_worker(rank: int, world: int, out: str) -> None:
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))
 
 
+@pytest.mark.long
 @pytest.mark.distributed
 def test_sharded_checkpoints_resume_bit_for_bit(tmp_path):
     reason = _fsdp2_available()
@@ -690,6 +692,7 @@ def _two_nodes(tmp: Path, *args: str) -> None:
     (tmp / f"log{port}.txt").write_text("\n".join(outputs))
 
 
+@pytest.mark.long
 @pytest.mark.distributed
 def test_two_torchrun_nodes_hsdp_resume_bit_for_bit(tmp_path):
     """`torchrun --nnodes 2 --nproc_per_node 1` on localhost: each node one replica (HSDP, 2 x 1 mesh).

@@ -732,6 +732,7 @@ def test_cpu_tensors_are_not_taken_without_the_interpreter() -> None:
     assert TA.available("cuda") == (HAS_TRITON and torch.cuda.is_available())
 
 
+@pytest.mark.long
 @pytest.mark.skipif(not HAS_TRITON or IN_SUBPROCESS, reason="needs Triton; runs the kernel tests in a subprocess")
 def test_triton_kernels_under_the_interpreter() -> None:
     """Where this process cannot interpret the kernel (Triton imported without TRITON_INTERPRET=1),

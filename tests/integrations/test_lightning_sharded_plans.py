@@ -177,6 +177,7 @@ def test_a_model_compiled_in_fabrics_parallelize_fn_trains_as_the_eager_one(cell
             assert torch.equal(compiled["resumed_weights"][name], compiled["after"][name]), name
 
 
+@pytest.mark.long
 def test_fabrics_sharded_checkpoint_loads_on_another_number_of_ranks(tmp_path):
     """fabric.save on 2 ranks, fabric.load on 1 (torch.distributed.checkpoint reshards the DTensors,
     the Kahan compensation among them): the weights, SGD momentum, compensation and loss scaler
