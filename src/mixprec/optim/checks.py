@@ -397,9 +397,8 @@ def fits_raw(state: Mapping[str, Any], keys: Sequence[str], dtype: torch.dtype, 
     case, checked without building anything."""
     for key, kind, n in raw_moments(keys, dtype, param.numel()):
         t = state.get(key)
-        if type(t) is not torch.Tensor or t.dtype != kind or t.numel() != n or t.device != param.device:
-            return False
-        if not t.is_contiguous():
+        if (type(t) is not torch.Tensor or t.dtype != kind or t.numel() != n or t.device != param.device
+                or not t.is_contiguous()):
             return False
     return True
 
