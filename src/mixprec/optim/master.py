@@ -192,10 +192,6 @@ class MasterWeightOptimizer(MasterParams):
         self._adopt_added()
         self._grads.accumulate()
 
-    def gather_grads(self) -> None:
-        """Alias of :meth:`prepare_grads` (the name earlier front doors call)."""
-        self.prepare_grads()
-
     # -------------------------------------------------------------------- step
     @torch.no_grad()
     def sync_model(self) -> None:
