@@ -34,7 +34,7 @@ from mixprec.prepare import PreparedModel
 from mixprec.scaling import ScaleRefused
 from mixprec.step import REASONS, Decision, apply_update
 
-__all__ = ["StepRunner"]
+__all__ = ["StepRunner", "restore_scheduler", "scheduler_state"]
 
 
 class _Lagged:
@@ -246,9 +246,9 @@ class StepRunner(ComposableSteps):
             scheduler.step()
             return
         if lagged.schedule_undo is None:
-            lagged.schedule_undo = _scheduler_state(scheduler)
+            lagged.schedule_undo = scheduler_state(scheduler)
         else:  # its step was interrupted: undo what it did, then take the step again
-            _restore_scheduler(scheduler, lagged.schedule_undo)
+            restore_scheduler(scheduler, lagged.schedule_undo)
         scheduler.step()
         lagged.scheduled = True
 
@@ -285,7 +285,7 @@ class StepRunner(ComposableSteps):
         return self._ledger.optimizer_steps
 
 
-def _scheduler_state(scheduler: Any) -> tuple[Any, list[dict[str, Any]]]:
+def scheduler_state(scheduler: Any) -> tuple[Any, list[dict[str, Any]]]:
     """A copy of ``scheduler``'s state and of its optimizer's group settings (all but the parameters)."""
     optimizer = getattr(scheduler, "optimizer", None)
     groups = getattr(optimizer, "param_groups", None) or []
@@ -295,7 +295,8 @@ def _scheduler_state(scheduler: Any) -> tuple[Any, list[dict[str, Any]]]:
     )
 
 
-def _restore_scheduler(scheduler: Any, saved: tuple[Any, list[dict[str, Any]]]) -> None:
+def restore_scheduler(scheduler: Any, saved: tuple[Any, list[dict[str, Any]]]) -> None:
+    """Put ``scheduler`` and its optimizer's group settings back as :func:`scheduler_state` kept them."""
     state, settings = saved
     scheduler.load_state_dict(copy.deepcopy(state))
     optimizer = getattr(scheduler, "optimizer", None)

@@ -143,6 +143,114 @@ def test_fp16_overflow_skips_steps_and_holds_the_scheduler():
     assert_same_params(got["params"], want["params"])
 
 
+class Quiet(LitMLP):
+    """No host read of its own in the step (the loss is kept on the device); an inf planted in
+    the first weight's gradient after backward at the optimizer steps ``infs``."""
+
+    def __init__(self, net: torch.nn.Module, infs: tuple[int, ...] = ()) -> None:
+        super().__init__(net)
+        self.infs = infs
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = mse(self.net(x), y)
+        self.losses.append(loss.detach())
+        return loss
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        pass  # (LitMLP's reads the gradient norm)
+
+    def configure_optimizers(self):  # a fused AdamW: it masks a skipped update on the device
+        opt = torch.optim.AdamW(self.net.parameters(), lr=1e-2, weight_decay=0.01, fused=True)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.1 * s))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def on_after_backward(self) -> None:
+        if self.global_step in self.infs:
+            next(self.net.parameters()).grad.view(-1)[0] = float("inf")
+
+
+@pytest.mark.parametrize("plan", ["bf16-mixed", "fp16-mixed"])
+def test_steady_steps_with_a_step_scheduler_read_nothing_back(plan, monkeypatch):
+    """The Trainer's optimizer step and its step-interval scheduler's step wait for nothing on the
+    device: no device value is read, and the skip decision's host copy is read one step late (at
+    the next optimizer step, when it is free), never in the step that made it, as in mixprec's own
+    loop. (Reading it at once would wait for the device on a GPU.)"""
+    from mixprec.lagged import HostCopy
+    from tests._syncs import count_syncs
+
+    lit, plugin, calls, step, inside = Quiet(TinyMLP()), MixprecPrecision(plan), [0], [0], [False]
+    made: dict[int, int] = {}  # id(host copy) -> the optimizer step that made it
+    init, values = HostCopy.__init__, HostCopy.values
+
+    def making(copy, tensor):
+        init(copy, tensor)
+        made[id(copy)] = step[0]
+
+    def reading(copy):
+        if inside[0] and step[0] > 3 and made.get(id(copy), -1) == step[0] and copy._values is None:
+            raise AssertionError(f"optimizer step {step[0]} read the host copy it made (a wait for the device)")
+        return values(copy)
+
+    monkeypatch.setattr(HostCopy, "__init__", making)
+    monkeypatch.setattr(HostCopy, "values", reading)
+
+    def guarded(run, optimizer_step):
+        def call(*args, **kwargs):
+            calls[0] += 1
+            step[0] += optimizer_step
+            inside[0] = True
+            try:
+                with count_syncs(strict=step[0] > 3):  # (the first steps create the optimizer state)
+                    return run(*args, **kwargs)
+            finally:
+                inside[0] = False
+        return call
+
+    class Guard(L.Callback):
+        def on_train_start(self, trainer, pl_module):  # the scheduler's class holds it by now
+            held = type(trainer.lr_scheduler_configs[0].scheduler)
+            monkeypatch.setattr(held, "step", guarded(held.step, 0))
+
+    plugin._run_step = guarded(plugin._run_step, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer(plugin, 8, callbacks=[Guard()]).fit(lit, loader(mlp_data(8)))
+    assert calls[0] == 16 and step[0] == 8  # eight optimizer steps and eight scheduler steps
+    # (the last step's copy is read at the end of training, outside the steps)
+    assert plugin.mp.optimizer_steps + plugin.mp.scaler.skipped_steps == 8
+
+
+@pytest.mark.slow
+def test_a_checkpoint_right_after_a_skipped_step_resumes_with_the_held_scheduler(tmp_path):
+    """fp16: the step before an epoch-end checkpoint overflows. The scheduler, stepped at once and
+    put back one step late, is put back before the checkpoint saves anything, so the saved
+    optimizer and scheduler agree and the resumed run is the uninterrupted one, bit for bit."""
+    model, data = TinyMLP(), mlp_data(1, batch=8)
+
+    def run(net, **kwargs):
+        lit, plugin = Quiet(net, infs=(5,)), MixprecPrecision("fp16-mixed")
+        extra = {"enable_checkpointing": True, "callbacks": [L.pytorch.callbacks.ModelCheckpoint(
+            dirpath=tmp_path, save_top_k=-1, every_n_epochs=1, save_on_train_epoch_end=True)]}
+        t = trainer(plugin, 9, **extra)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            t.fit(lit, loader(data), **kwargs)
+        sched = t.lr_scheduler_configs[0].scheduler
+        return lit, plugin, sched.get_last_lr()[0], {k: v.detach().clone() for k, v in lit.net.state_dict().items()}
+
+    lit, plugin, lr, params = run(copy.deepcopy(model))
+    assert plugin.mp.scaler.skipped_steps == 1 and plugin.mp.optimizer_steps == 8
+    assert lr == pytest.approx(1e-2 / (1.0 + 0.1 * 8), rel=1e-12)  # held once
+    saved = torch.load(tmp_path / "epoch=5-step=6.ckpt", weights_only=False)
+    assert saved["lr_schedulers"][0]["last_epoch"] == 5  # the skipped sixth step held it
+    assert saved["optimizer_states"][0]["param_groups"][0]["lr"] == pytest.approx(1e-2 / 1.5, rel=1e-12)
+    again, plugin_again, lr_again, params_again = run(TinyMLP(), ckpt_path=tmp_path / "epoch=5-step=6.ckpt")
+    assert lr_again == lr and plugin_again.mp.optimizer_steps == plugin.mp.optimizer_steps
+    assert [float(x) for x in again.losses] == [float(x) for x in lit.losses[6:]]
+    assert_same_params(params_again, params)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("plan", ["fp16-mixed", "bf16-master", "bf16-sr"])
 def test_checkpoint_resume_is_bit_identical(tmp_path, plan):

@@ -26,8 +26,10 @@ the accelerator's precision hooks to mixprec:
 
 >>> import torch
 >>> from accelerate import Accelerator
+>>> from accelerate.state import AcceleratorState, GradientState
 >>> from mixprec import MixedPrecision
 >>> from mixprec.integrations.accelerate import prepare
+>>> AcceleratorState._reset_state(True); GradientState._reset_state()  # (as in a fresh process)
 >>> accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
 >>> mp = MixedPrecision("bf16-mixed")
 >>> model = torch.nn.Linear(4, 1)
@@ -41,7 +43,6 @@ the accelerator's precision hooks to mixprec:
 ...         opt.zero_grad()
 >>> mp.optimizer_steps  # 4 micro-batches, accumulation 2
 2
->>> from accelerate.state import AcceleratorState, GradientState
 >>> AcceleratorState._reset_state(True); GradientState._reset_state()
 """
 

@@ -30,7 +30,10 @@ What the plugin guarantees:
   *before* ``on_before_optimizer_step`` and before gradient clipping
   (``gradient_clip_val`` / ``self.clip_gradients`` / ``fabric.clip_gradients``), so hooks,
   loggers and clipping see true gradients;
-- one skip decision per step; step-interval LR schedulers are held on skipped steps;
+- one skip decision per step; step-interval LR schedulers are held on skipped steps, without
+  waiting for the device: a scheduler steps at once and is put back one step late if the step
+  was skipped (:mod:`mixprec.integrations.schedules`), so every update uses the learning rate
+  it would use if the host had waited;
 - ``accumulate_grad_batches`` is Lightning's, with micro-batches added up in fp32 under
   master plans;
 - several optimizers (manual optimisation): each ``opt.step()`` is one mixprec step of
@@ -51,6 +54,7 @@ import torch
 from mixprec.inputs import cast_inputs, input_originals
 from mixprec.integrations import as_mixed_precision, check_framework_session, require_framework
 from mixprec.integrations.lightning_binding import ParamBinding
+from mixprec.integrations.schedules import HeldSchedules
 from mixprec.islands import FP32Island
 
 require_framework("lightning", "lightning", "mixprec.integrations.lightning")
@@ -95,7 +99,8 @@ class MixprecPrecision(Precision):
         compute = self.mp.plan.compute_dtype
         self.precision = "bf16-mixed" if compute == torch.bfloat16 else "16-mixed" if compute == torch.float16 else "32-true"
         self._held_classes: dict[type, type] = {}
-        self._skipped: dict[int, bool] = {}  # id(wrapped optimizer) -> its last step was skipped
+        self._results: dict[int, StepResult] = {}  # id(wrapped optimizer) -> its last step's result
+        self._schedules = HeldSchedules()  # step-interval schedulers, held one step late on skips
         self._pending = False
         self.last_result: StepResult | None = None
         # Input-dtype plans: the fp32 originals of the last converted batch (models with fp32
@@ -132,39 +137,50 @@ class MixprecPrecision(Precision):
 
     def connect(self, model: torch.nn.Module, optimizers: list[Any], lr_schedulers: list[Any]) -> tuple[Any, list[Any], list[Any]]:
         wrapped = self._wrap(optimizers)
+        held = False
         for config in lr_schedulers:
             if getattr(config, "interval", "step") == "step":
-                self._hold_on_skip(config.scheduler)
+                held = self._hold_on_skip(config.scheduler) or held
+        if held:  # a checkpoint saves the model first: the held steps are settled before anything is saved
+            model.register_state_dict_pre_hook(self._schedules.state_dict_pre_hook)
         return model, wrapped, lr_schedulers
 
-    def _hold_on_skip(self, scheduler: Any) -> None:
-        """Make ``scheduler.step()`` a no-op right after a skipped step of its optimizer.
+    def _hold_on_skip(self, scheduler: Any) -> bool:
+        """Hold ``scheduler`` on skipped steps of its optimizer (:class:`~mixprec.integrations.schedules.HeldSchedules`:
+        stepped at once, put back one step late if the step was skipped; no wait for the device).
 
-        The scheduler keeps its identity and its ``state_dict`` (only its class gains a
-        ``step`` that asks the plugin first), so Lightning's checkpointing is unchanged.
+        The scheduler keeps its identity and its ``state_dict`` (only its class gains a ``step``
+        that goes through the plugin, and a ``get_last_lr`` and ``state_dict`` that settle first),
+        so Lightning's checkpointing is unchanged. Returns whether it was not held already.
         """
         cls = type(scheduler)
         if getattr(cls, "_mixprec_held", False):
-            return
+            return False
         held = self._held_classes.get(cls)
         if held is None:
             plugin = self
 
             def step(sched: Any, *args: Any, **kwargs: Any) -> Any:
-                if plugin._scheduler_should_hold(sched):
-                    return None
-                return cls.step(sched, *args, **kwargs)
+                return plugin._schedules.step(sched, cls.step, plugin._result_for(sched), *args, **kwargs)
 
-            held = type(cls.__name__, (cls,), {"step": step, "_mixprec_held": True, "__module__": cls.__module__})
+            def settled(name: str) -> Callable[..., Any]:
+                def read(sched: Any) -> Any:
+                    plugin._schedules.settle()
+                    return getattr(cls, name)(sched)
+                return read
+
+            members = {"step": step, **{name: settled(name) for name in ("get_last_lr", "state_dict") if hasattr(cls, name)}}
+            held = type(cls.__name__, (cls,), {**members, "_mixprec_held": True, "__module__": cls.__module__})
             self._held_classes[cls] = held
         scheduler.__class__ = held
+        return True
 
-    def _scheduler_should_hold(self, scheduler: Any) -> bool:
+    def _result_for(self, scheduler: Any) -> StepResult | None:
         target = getattr(scheduler, "optimizer", None)
         for opt in self.mp.optimizers:
             if opt is target or getattr(opt, "optimizer", None) is target:
-                return self._skipped.get(id(opt), False)
-        return bool(self.mp.last_step_skipped)
+                return self._results.get(id(opt))
+        return self.mp.last_result
 
     # ---------------------------------------------------------- forward
     def convert_input(self, data: Any) -> Any:
@@ -276,13 +292,14 @@ class MixprecPrecision(Precision):
             return None  # training_step returned None: no backward, nothing to step
         if not self._pending:
             return closure_result  # manual optimisation: step() without a backward since the last step
+        self._schedules.settle()  # the last step's scheduler steps, before this update (its outcome: free now)
         with self._only(optimizer) as target:
             self.mp.unscale_()  # true gradients before the hooks and clipping
             if lightning:
                 self._after_closure(model, optimizer)  # on_before_optimizer_step, then configure_gradient_clipping
             # Lightning's automatic optimisation clears the gradients itself before the next backward.
             result = self.mp.step(zero_grad=not (lightning and model.automatic_optimization))
-        self._skipped[id(target)] = result.skipped
+        self._results[id(target)] = result  # (read one step late: see HeldSchedules)
         self._pending = False
         self.last_result = result
         return closure_result
@@ -327,7 +344,12 @@ class MixprecPrecision(Precision):
     def state_dict(self) -> dict[str, Any]:
         # Lightning saves wherever a callback asks, between micro-batches too: the state as
         # of the last optimizer step (Lightning's checkpoints hold no gradients either)
+        self._schedules.settle()
         return self.mp.state_dict(mid_accumulation=True)
+
+    def teardown(self) -> None:
+        self._schedules.settle()  # the schedulers as the run left them
+        super().teardown()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.mp.load_state_dict(state_dict)

@@ -1,0 +1,72 @@
+"""A framework's LR scheduler held on skipped steps without waiting for the device.
+
+A framework steps its scheduler right after the optimizer step. Asking whether that step was
+skipped would mean waiting for the device, because the skip is decided there. Instead,
+:class:`HeldSchedules` steps the scheduler at once. It keeps the scheduler's state and its
+optimizer's group settings from before the step, and puts them back one step late if the step
+turns out to have been skipped. It learns that from the step's :class:`~mixprec.StepResult`
+when the result's host copy is free to read: before the next update, a checkpoint, or the end
+of training. So every update uses the learning rate it would use if the host had waited.
+Between a skipped step and the next update, code that reads the optimizer's ``lr`` directly
+sees the advanced value; ``scheduler.get_last_lr()`` and ``state_dict()`` settle first and
+give the held one.
+
+>>> import torch
+>>> from mixprec import StepResult
+>>> w = torch.nn.Parameter(torch.ones(1))
+>>> opt = torch.optim.SGD([w], lr=1.0)
+>>> sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5**s)
+>>> held = HeldSchedules()
+>>> opt.step()  # (a step decided on the device, say)
+>>> held.step(sched, type(sched).step, StepResult.lazy(lambda: {"skipped": True}))
+>>> opt.param_groups[0]["lr"]  # stepped at once
+0.5
+>>> held.settle()  # the step was skipped: put back
+>>> opt.param_groups[0]["lr"], sched.last_epoch
+(1.0, 0)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from mixprec.ledger import StepResult
+from mixprec.stepping import restore_scheduler, scheduler_state
+
+__all__ = ["HeldSchedules"]
+
+
+class HeldSchedules:
+    """Scheduler steps taken before their optimizer step's outcome is known, each undone at
+    :meth:`settle` if that step was skipped."""
+
+    def __init__(self) -> None:
+        self._unsettled: list[tuple[Any, StepResult, Any]] = []
+
+    def step(self, scheduler: Any, step: Callable[..., Any], result: StepResult | None, *args: Any, **kwargs: Any) -> Any:
+        """``step(scheduler, *args, **kwargs)`` unless ``result`` (its optimizer's last step) was
+        skipped. It reads the result now only where that is free (already on the host), where the
+        step takes arguments (``ReduceLROnPlateau``'s metric), or where the scheduler has no
+        ``state_dict``/``load_state_dict`` to put it back with. Otherwise it steps at once and
+        decides at :meth:`settle`."""
+        if result is None:
+            return step(scheduler, *args, **kwargs)
+        restorable = callable(getattr(scheduler, "state_dict", None)) and callable(getattr(scheduler, "load_state_dict", None))
+        if result.resolved or args or kwargs or not restorable:
+            return None if result.skipped else step(scheduler, *args, **kwargs)
+        before = scheduler_state(scheduler)
+        out = step(scheduler)
+        self._unsettled.append((scheduler, result, before))
+        return out
+
+    def settle(self) -> None:
+        """Put back every scheduler step whose optimizer step was skipped (newest first)."""
+        unsettled, self._unsettled = self._unsettled, []
+        for scheduler, result, before in reversed(unsettled):
+            if result.skipped:
+                restore_scheduler(scheduler, before)
+
+    def state_dict_pre_hook(self, *_: Any) -> None:
+        """:meth:`settle`, as a module's ``state_dict`` pre-hook (a checkpoint saving the model first)."""
+        self.settle()
