@@ -93,3 +93,53 @@ def count_syncs(strict: bool = False) -> Iterator[SyncCounter]:
     finally:
         for name, real in originals.items():
             setattr(torch.Tensor, name, real)
+
+
+class LateReads:
+    """Refuses a read of a lagged host copy (:class:`mixprec.lagged.HostCopy`) in the step that made
+    it, from the ``warmup + 1``-th step on. A copy is free to read one step later (its copy has long
+    finished); read in its own step, right after it was enqueued, it waits for the device on a GPU.
+    :func:`count_syncs` does not count such a read (it is a host copy), so a framework's hook that
+    asks for the step's outcome at once passes there and is caught here. ``guard(new_step=True)``
+    wraps an optimizer step, ``guard()`` what follows it within the same step (a scheduler's step);
+    reads outside the guards (a checkpoint, the end of training) are allowed."""
+
+    def __init__(self, monkeypatch, warmup: int = 3) -> None:  # type: ignore[no-untyped-def]
+        from mixprec.lagged import HostCopy
+
+        self.step, self.calls, self.warmup, self._inside = 0, 0, warmup, False
+        made: dict[int, int] = {}  # id(host copy) -> the step that made it
+        init, values = HostCopy.__init__, HostCopy.values
+
+        def making(copy, tensor):  # type: ignore[no-untyped-def]
+            init(copy, tensor)
+            made[id(copy)] = self.step
+
+        def reading(copy):  # type: ignore[no-untyped-def]
+            if self._inside and self.step > warmup and made.get(id(copy)) == self.step and copy._values is None:
+                raise AssertionError(f"step {self.step} read the host copy it made (a wait for the device)")
+            return values(copy)
+
+        monkeypatch.setattr(HostCopy, "__init__", making)
+        monkeypatch.setattr(HostCopy, "values", reading)
+
+    @contextlib.contextmanager
+    def guard(self, new_step: bool = False) -> Iterator[None]:
+        """Also refuse every device read inside (:func:`count_syncs`, strict), after the warm-up."""
+        self.calls += 1
+        self.step += new_step
+        self._inside = True
+        try:
+            with count_syncs(strict=self.step > self.warmup):
+                yield
+        finally:
+            self._inside = False
+
+    def wrap(self, fn, new_step: bool = False):  # type: ignore[no-untyped-def]
+        """``fn`` run inside :meth:`guard`."""
+
+        def call(*args, **kwargs):  # type: ignore[no-untyped-def]
+            with self.guard(new_step):
+                return fn(*args, **kwargs)
+
+        return call

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 import inspect
@@ -104,6 +105,68 @@ def test_fp16_overflow_skips_steps_and_holds_the_scheduler():
     assert got["acc"].optimizer_step_was_skipped is False
     assert_close_losses(got["losses"], want["losses"], exact=True)
     assert_same_params(got["params"], want["params"])
+
+
+def _device_first_run(plan, batches, *, infs=(), guard=None, save_after=None, save_to=None, load=None):
+    """A loop that reads nothing itself: a fused AdamW (it masks a skipped update on the device) and
+    a LambdaLR; an inf planted in the first weight's gradient at the optimizer steps ``infs``;
+    ``save_state`` to ``save_to`` after step ``save_after`` (then it stops), ``load_state`` from ``load`` first."""
+    torch.manual_seed(0)
+    acc, mp, model = Accelerator(cpu=True), MixedPrecision(plan), TinyMLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, fused=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.1 * s))
+    model, opt, sched = prepare(acc, mp, model, opt, sched)
+    if load is not None:
+        acc.load_state(str(load))
+    for i, (x, y) in enumerate(batches):
+        acc.backward(mse(model(x), y))
+        if i in infs:
+            next(model.parameters()).grad.view(-1)[0] = float("inf")
+        with guard.guard(new_step=True) if guard else contextlib.nullcontext():
+            opt.step()
+        with guard.guard() if guard else contextlib.nullcontext():
+            sched.step()
+        opt.zero_grad()
+        if i == save_after:
+            acc.save_state(str(save_to))
+            break
+    return {"mp": mp, "lr": sched.get_last_lr()[0], "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+@pytest.mark.parametrize("plan", ["bf16-mixed", "fp16-mixed"])
+def test_steady_steps_with_a_prepared_scheduler_read_nothing_back(plan, monkeypatch):
+    """``optimizer.step()`` and the prepared scheduler's ``step()`` wait for nothing on the device:
+    no device value is read, and the skip decision's host copy is read one step late, never in the
+    step that made it (``tests._syncs.LateReads``), also on the step an fp16 overflow skips. (After
+    a bf16 skip, which should not happen, mixprec traces the next step and reads it at once.)"""
+    from tests._syncs import LateReads
+
+    late = LateReads(monkeypatch)
+    got = _device_first_run(plan, mlp_data(10), infs=(6,) if plan == "fp16-mixed" else (), guard=late)
+    assert late.step == 10 and late.calls == 20
+    assert got["mp"].scaler.skipped_steps >= (plan == "fp16-mixed")
+    assert got["mp"].optimizer_steps + got["mp"].scaler.skipped_steps == 10
+    assert got["lr"] == pytest.approx(1e-2 / (1.0 + 0.1 * got["mp"].optimizer_steps), rel=1e-12)  # held on skips
+
+
+def test_save_state_right_after_a_skipped_step_resumes_with_the_held_scheduler(tmp_path):
+    """fp16: the step before ``save_state`` overflows. The scheduler, stepped at once and put back
+    one step late, is put back before anything is saved (the model is saved first), so the saved
+    optimizer and scheduler agree and the resumed run is the uninterrupted one, bit for bit."""
+    data = mlp_data(10)
+    full = _device_first_run("fp16-mixed", data, infs=(5,))
+    first = _device_first_run("fp16-mixed", data, infs=(5,), save_after=5, save_to=tmp_path / "ckpt")["mp"]
+    steps = first.optimizer_steps
+    assert first.last_step_skipped and steps < 6
+    assert torch.load(tmp_path / "ckpt" / "scheduler.bin", weights_only=False)["last_epoch"] == steps  # held
+    saved = torch.load(tmp_path / "ckpt" / "optimizer.bin", weights_only=False)
+    assert saved["param_groups"][0]["lr"] == pytest.approx(1e-2 / (1.0 + 0.1 * steps), rel=1e-12)  # the optimizer agrees
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    resumed = _device_first_run("fp16-mixed", data[6:], load=tmp_path / "ckpt")
+    assert resumed["lr"] == full["lr"]
+    assert resumed["mp"].optimizer_steps == full["mp"].optimizer_steps
+    assert_same_params(resumed["params"], full["params"])
 
 
 def test_clip_grad_norm_returns_the_true_norm_under_fp16_scaling():

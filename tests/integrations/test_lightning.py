@@ -175,49 +175,21 @@ def test_steady_steps_with_a_step_scheduler_read_nothing_back(plan, monkeypatch)
     """The Trainer's optimizer step and its step-interval scheduler's step wait for nothing on the
     device: no device value is read, and the skip decision's host copy is read one step late (at
     the next optimizer step, when it is free), never in the step that made it, as in mixprec's own
-    loop. (Reading it at once would wait for the device on a GPU.)"""
-    from mixprec.lagged import HostCopy
-    from tests._syncs import count_syncs
+    loop (``tests._syncs.LateReads``)."""
+    from tests._syncs import LateReads
 
-    lit, plugin, calls, step, inside = Quiet(TinyMLP()), MixprecPrecision(plan), [0], [0], [False]
-    made: dict[int, int] = {}  # id(host copy) -> the optimizer step that made it
-    init, values = HostCopy.__init__, HostCopy.values
-
-    def making(copy, tensor):
-        init(copy, tensor)
-        made[id(copy)] = step[0]
-
-    def reading(copy):
-        if inside[0] and step[0] > 3 and made.get(id(copy), -1) == step[0] and copy._values is None:
-            raise AssertionError(f"optimizer step {step[0]} read the host copy it made (a wait for the device)")
-        return values(copy)
-
-    monkeypatch.setattr(HostCopy, "__init__", making)
-    monkeypatch.setattr(HostCopy, "values", reading)
-
-    def guarded(run, optimizer_step):
-        def call(*args, **kwargs):
-            calls[0] += 1
-            step[0] += optimizer_step
-            inside[0] = True
-            try:
-                with count_syncs(strict=step[0] > 3):  # (the first steps create the optimizer state)
-                    return run(*args, **kwargs)
-            finally:
-                inside[0] = False
-        return call
+    lit, plugin, late = Quiet(TinyMLP()), MixprecPrecision(plan), LateReads(monkeypatch)
 
     class Guard(L.Callback):
         def on_train_start(self, trainer, pl_module):  # the scheduler's class holds it by now
             held = type(trainer.lr_scheduler_configs[0].scheduler)
-            monkeypatch.setattr(held, "step", guarded(held.step, 0))
+            monkeypatch.setattr(held, "step", late.wrap(held.step))
 
-    plugin._run_step = guarded(plugin._run_step, 1)
+    plugin._run_step = late.wrap(plugin._run_step, new_step=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer(plugin, 8, callbacks=[Guard()]).fit(lit, loader(mlp_data(8)))
-    assert calls[0] == 16 and step[0] == 8  # eight optimizer steps and eight scheduler steps
-    # (the last step's copy is read at the end of training, outside the steps)
+    assert late.calls == 16 and late.step == 8  # eight optimizer steps and eight scheduler steps
     assert plugin.mp.optimizer_steps + plugin.mp.scaler.skipped_steps == 8
 
 

@@ -16,8 +16,11 @@ the accelerator's precision hooks to mixprec:
   nothing in between; with several optimizers the first ``step()`` of an iteration
   steps all of them or none (one skip decision) and the others' ``step()`` is a no-op;
 - ``optimizer.step_was_skipped`` / ``accelerator.optimizer_step_was_skipped`` report
-  mixprec's skip, so Accelerate's scheduler wrapper holds the learning rate on
-  skipped steps;
+  mixprec's skip (reading them waits for the device right after a step). Accelerate's
+  scheduler wrapper holds the learning rate on skipped steps without asking: it steps at
+  once and is put back one step late if the step was skipped
+  (:mod:`mixprec.integrations.schedules`), so every update uses the learning rate it would
+  use if the host had waited;
 - the prepared model's ``forward`` runs under the plan's autocast and stays an ordinary
   module: ``copy.deepcopy`` (EMA, evaluation copies) and ``torch.save`` keep the plan's
   precision with the copy's own weights (:class:`~mixprec.integrations.forward.AutocastForward`);
@@ -61,8 +64,10 @@ require_framework("accelerate", "accelerate", "mixprec.integrations.accelerate")
 
 from accelerate import Accelerator  # noqa: E402
 from accelerate.optimizer import AcceleratedOptimizer  # noqa: E402
+from accelerate.scheduler import AcceleratedScheduler  # noqa: E402
 
 from mixprec.integrations.forward import AutocastForward  # noqa: E402
+from mixprec.integrations.schedules import HeldSchedules  # noqa: E402
 from mixprec.optim.shards import is_zero_step  # noqa: E402
 from mixprec.session import MixedPrecision, StepResult  # noqa: E402
 
@@ -124,12 +129,16 @@ class _Link:
         self.pending = False  # a backward happened since the last step
         self.dropped = False  # load_state dropped the gradients of a window: its step() is a skipped step
         self.distributed = False
+        self.schedules = HeldSchedules()  # the prepared schedulers' steps, put back one step late on skips
+        self.taken = False  # a held scheduler steps: the optimizers' last step counts as taken for now
+        self.hooked = False  # the model settles the held steps before its state_dict
 
     def step(self) -> StepResult | None:
         if not self.pending:
             return None
         self.pending = False
         self.dropped = False
+        self.schedules.settle()  # the last step's scheduler steps, before this update (its outcome: free now)
         return self.mp.step()
 
 
@@ -157,6 +166,7 @@ class SessionCheckpoint:
         self._link = link
 
     def state_dict(self) -> dict[str, Any]:
+        self._link.schedules.settle()
         return self.mp.state_dict(mid_accumulation=True)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -196,12 +206,41 @@ class MixprecAcceleratedOptimizer(AcceleratedOptimizer):
 
     @property
     def step_was_skipped(self) -> bool:
-        return self._link.dropped or bool(self._link.mp.last_step_skipped)
+        return self._link.dropped or (not self._link.taken and bool(self._link.mp.last_step_skipped))
 
     @property
     def last_result(self) -> StepResult | None:
         """The StepResult of the last mixprec step (None before the first)."""
         return self._link.mp.last_result
+
+
+class MixprecAcceleratedScheduler(AcceleratedScheduler):
+    """Accelerate's scheduler wrapper that holds on mixprec's skipped steps without waiting for the
+    device (:class:`~mixprec.integrations.schedules.HeldSchedules`); ``get_last_lr`` and
+    ``state_dict`` settle first."""
+
+    _mixprec: _Link
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        link = self._mixprec
+        if args or kwargs or link.dropped or not self.step_with_optimizer or not self.gradient_state.sync_gradients:
+            return super().step(*args, **kwargs)  # (its own rules; a dropped window is known on the host)
+        link.schedules.step(self.scheduler, lambda _: self._step_taken(), link.mp.last_result)
+
+    def _step_taken(self) -> None:
+        self._mixprec.taken = True
+        try:
+            super().step()
+        finally:
+            self._mixprec.taken = False
+
+    def get_last_lr(self) -> Any:
+        self._mixprec.schedules.settle()
+        return super().get_last_lr()
+
+    def state_dict(self) -> Any:
+        self._mixprec.schedules.settle()
+        return super().state_dict()
 
 
 class _MixprecAcceleratorMixin:
@@ -247,6 +286,17 @@ class _MixprecAcceleratorMixin:
             device_placement = self.device_placement  # type: ignore[attr-defined]
         wrapped = MixprecAcceleratedOptimizer(optimizer, self._mixprec, device_placement=device_placement)
         self._optimizers.append(wrapped)  # type: ignore[attr-defined]
+        return wrapped
+
+    def prepare_scheduler(self, scheduler: Any) -> Any:
+        wrapped = super().prepare_scheduler(scheduler)  # type: ignore[misc]
+        if type(wrapped) is AcceleratedScheduler:
+            wrapped.__class__ = MixprecAcceleratedScheduler
+            wrapped._mixprec = self._mixprec
+            model = self._mixprec.mp.model
+            if model is not None and not self._mixprec.hooked:  # save_state saves the model first
+                model.register_state_dict_pre_hook(self._mixprec.schedules.state_dict_pre_hook)
+                self._mixprec.hooked = True
         return wrapped
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:

@@ -28,6 +28,7 @@ give the held one.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -56,7 +57,9 @@ class HeldSchedules:
         if result.resolved or args or kwargs or not restorable:
             return None if result.skipped else step(scheduler, *args, **kwargs)
         before = scheduler_state(scheduler)
-        out = step(scheduler)
+        with warnings.catch_warnings():  # a first step that is skipped (and put back) has no optimizer.step()
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before `optimizer.step\(\)`")
+            out = step(scheduler)
         self._unsettled.append((scheduler, result, before))
         return out
 
