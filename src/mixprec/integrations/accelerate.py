@@ -131,7 +131,6 @@ class _Link:
         self.distributed = False
         self.schedules = HeldSchedules()  # the prepared schedulers' steps, put back one step late on skips
         self.taken = False  # a held scheduler steps: the optimizers' last step counts as taken for now
-        self.hooked = False  # the model settles the held steps before its state_dict
 
     def step(self) -> StepResult | None:
         if not self.pending:
@@ -293,10 +292,8 @@ class _MixprecAcceleratorMixin:
         if type(wrapped) is AcceleratedScheduler:
             wrapped.__class__ = MixprecAcceleratedScheduler
             wrapped._mixprec = self._mixprec
-            model = self._mixprec.mp.model
-            if model is not None and not self._mixprec.hooked:  # save_state saves the model first
-                model.register_state_dict_pre_hook(self._mixprec.schedules.state_dict_pre_hook)
-                self._mixprec.hooked = True
+            if self._mixprec.mp.model is not None:
+                self._mixprec.schedules.settle_before_saving(self._mixprec.mp.model)
         return wrapped
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:

@@ -137,25 +137,23 @@ class MixprecPrecision(Precision):
 
     def connect(self, model: torch.nn.Module, optimizers: list[Any], lr_schedulers: list[Any]) -> tuple[Any, list[Any], list[Any]]:
         wrapped = self._wrap(optimizers)
-        held = False
         for config in lr_schedulers:
             if getattr(config, "interval", "step") == "step":
-                held = self._hold_on_skip(config.scheduler) or held
-        if held:  # a checkpoint saves the model first: the held steps are settled before anything is saved
-            model.register_state_dict_pre_hook(self._schedules.state_dict_pre_hook)
+                self._hold_on_skip(config.scheduler)
+                self._schedules.settle_before_saving(model)
         return model, wrapped, lr_schedulers
 
-    def _hold_on_skip(self, scheduler: Any) -> bool:
+    def _hold_on_skip(self, scheduler: Any) -> None:
         """Hold ``scheduler`` on skipped steps of its optimizer (:class:`~mixprec.integrations.schedules.HeldSchedules`:
         stepped at once, put back one step late if the step was skipped; no wait for the device).
 
         The scheduler keeps its identity and its ``state_dict`` (only its class gains a ``step``
         that goes through the plugin, and a ``get_last_lr`` and ``state_dict`` that settle first),
-        so Lightning's checkpointing is unchanged. Returns whether it was not held already.
+        so Lightning's checkpointing is unchanged.
         """
         cls = type(scheduler)
         if getattr(cls, "_mixprec_held", False):
-            return False
+            return
         held = self._held_classes.get(cls)
         if held is None:
             plugin = self
@@ -173,7 +171,6 @@ class MixprecPrecision(Precision):
             held = type(cls.__name__, (cls,), {**members, "_mixprec_held": True, "__module__": cls.__module__})
             self._held_classes[cls] = held
         scheduler.__class__ = held
-        return True
 
     def _result_for(self, scheduler: Any) -> StepResult | None:
         target = getattr(scheduler, "optimizer", None)

@@ -32,6 +32,8 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from mixprec.ledger import StepResult
 from mixprec.stepping import restore_scheduler, scheduler_state
 
@@ -44,6 +46,7 @@ class HeldSchedules:
 
     def __init__(self) -> None:
         self._unsettled: list[tuple[Any, StepResult, Any]] = []
+        self._watched: set[int] = set()  # id() of the models that settle before their state_dict
 
     def step(self, scheduler: Any, step: Callable[..., Any], result: StepResult | None, *args: Any, **kwargs: Any) -> Any:
         """``step(scheduler, *args, **kwargs)`` unless ``result`` (its optimizer's last step) was
@@ -70,6 +73,12 @@ class HeldSchedules:
             if result.skipped:
                 restore_scheduler(scheduler, before)
 
-    def state_dict_pre_hook(self, *_: Any) -> None:
-        """:meth:`settle`, as a module's ``state_dict`` pre-hook (a checkpoint saving the model first)."""
+    def settle_before_saving(self, model: torch.nn.Module) -> None:
+        """:meth:`settle` whenever ``model``'s ``state_dict`` is taken: the frameworks' checkpoints save
+        the model before the optimizer and the schedulers (registered once per model)."""
+        if id(model) not in self._watched:
+            model.register_state_dict_pre_hook(self._state_dict_pre_hook)
+            self._watched.add(id(model))
+
+    def _state_dict_pre_hook(self, *_: Any) -> None:
         self.settle()
