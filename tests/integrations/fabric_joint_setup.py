@@ -1,4 +1,4 @@
-"""Run by torchrun from test_lightning_model_parallel.py: Fabric's joint setup (mixprec's
+"""Run by torchrun from test_fabric_model_parallel.py: Fabric's joint setup (mixprec's
 ``setup(fabric, model, optimizer)``, the optimizer built before the model was sharded) under a
 ModelParallelStrategy whose parallelize_fn shards the model, against Fabric's documented order
 (``setup(fabric, model)``, then the optimizer over the sharded parameters through

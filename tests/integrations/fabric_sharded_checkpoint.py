@@ -1,4 +1,4 @@
-"""Run by torchrun from test_lightning_model_parallel.py (and its ``run`` by
+"""Run by torchrun from test_fabric_model_parallel.py (and its ``run`` by
 lightning_sharded_plans.py): Fabric with ModelParallelStrategy in Fabric's documented order
 (the model set up alone, sharded by the strategy's parallelize_fn; the optimizer built over the
 sharded parameters afterwards) through mixprec's ``setup`` and ``setup_optimizers``, and
