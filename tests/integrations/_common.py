@@ -62,8 +62,8 @@ def mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.mse_loss(out.float(), y)
 
 
-def make_optimizer(model: torch.nn.Module, lr: float = 1e-2) -> tuple[torch.optim.Optimizer, Any]:
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+def make_optimizer(model: torch.nn.Module, lr: float = 1e-2, **flags: Any) -> tuple[torch.optim.Optimizer, Any]:
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, **flags)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.1 * s))
     return opt, sched
 

@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("transformers")
 
 from torch.utils.checkpoint import CheckpointError
-from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments
 from transformers.utils import logging as hf_logging
 
 from mixprec import DynamicLossScaler, MixedPrecision
@@ -69,7 +69,7 @@ class RecordingTrainer(MixprecTrainer):
 
 
 def hf_run(model, batches, precision, tmp_path, *, gas=1, clip=0.5, max_steps=None, own_optimizer=True,
-           resume=None, save_steps=None, **args):
+           resume=None, save_steps=None, callbacks=(), fused=False, **args):
     rows = [{"input_ids": r, "labels": r} for b in batches for r in b]
     steps = max_steps if max_steps is not None else len(batches) // gas
     targs = TrainingArguments(
@@ -78,8 +78,9 @@ def hf_run(model, batches, precision, tmp_path, *, gas=1, clip=0.5, max_steps=No
         save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500, seed=0,
         dataloader_num_workers=0, **args,
     )
-    optimizers = make_optimizer(model, lr=1e-3) if own_optimizer else (None, None)
-    trainer = RecordingTrainer(model=model, args=targs, train_dataset=rows, precision=precision, optimizers=optimizers)
+    optimizers = make_optimizer(model, lr=1e-3, fused=fused) if own_optimizer else (None, None)
+    trainer = RecordingTrainer(model=model, args=targs, train_dataset=rows, precision=precision, optimizers=optimizers,
+                               callbacks=list(callbacks))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.train(resume_from_checkpoint=resume)
@@ -136,6 +137,74 @@ def test_fp16_overflow_skips_steps_and_holds_the_scheduler(tmp_path):
     assert got["lr"] == pytest.approx(1e-3 / (1.0 + 0.1 * steps), rel=1e-12)
     assert_close_losses(got["losses"], want["losses"], exact=True)
     assert_same_params(got["params"], want["params"])
+
+
+class PlantInf(TrainerCallback):
+    """An inf in the first weight's gradient, made in the backward of step ``at`` (1-based)."""
+
+    def __init__(self, at: int) -> None:
+        self.at, self.hook = at, None
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        if state.global_step == self.at - 1:
+            def inf(grad):
+                grad = grad.clone()
+                grad.view(-1)[0] = float("inf")
+                return grad
+            self.hook = next(model.parameters()).register_hook(inf)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.hook is not None:
+            self.hook.remove()
+            self.hook = None
+
+
+@pytest.mark.parametrize("plan", ["fp16-mixed", "bf16-mixed"])
+def test_steady_steps_read_nothing_back_in_the_optimizer_step_and_the_held_scheduler(tmp_path, monkeypatch, plan):
+    """With a fused AdamW (it masks a skipped update on the device): ``optimizer.step()``, the Trainer's own ``accelerator.optimizer_step_was_skipped`` right before
+    it steps the scheduler, and that step wait for nothing on the device: no device value is read,
+    and the skip decision's host copy is read one step late, never in the step that made it
+    (``tests._syncs.LateReads``), also on the step a planted fp16 overflow skips. The scheduler
+    holds on that step (put back one step late). (The Trainer's loop reads the loss itself: outside
+    these guards.)"""
+    from accelerate import Accelerator
+
+    from mixprec.integrations.accelerate import MixprecAcceleratedOptimizer
+    from mixprec.integrations.schedules import HeldSchedules
+    from tests._syncs import LateReads
+
+    late = LateReads(monkeypatch)
+    monkeypatch.setattr(MixprecAcceleratedOptimizer, "step", late.wrap(MixprecAcceleratedOptimizer.step, new_step=True))
+    asked = Accelerator.optimizer_step_was_skipped
+    monkeypatch.setattr(Accelerator, "optimizer_step_was_skipped", property(late.wrap(asked.fget)))
+    monkeypatch.setattr(HeldSchedules, "step", late.wrap(HeldSchedules.step))
+    plants = (PlantInf(6),) if plan == "fp16-mixed" else ()
+    got = hf_run(gpt2(), token_batches(10), plan, tmp_path, clip=None, callbacks=plants, fused=True)
+    assert late.step == 10 and late.calls == 30
+    assert got["mp"].scaler.skipped_steps == (plan == "fp16-mixed")
+    steps = got["mp"].optimizer_steps
+    assert steps == 10 - got["mp"].scaler.skipped_steps
+    assert got["lr"] == pytest.approx(1e-3 / (1.0 + 0.1 * steps), rel=1e-12)  # held on the skip
+    optimizer = got["trainer"].optimizer
+    assert optimizer.param_groups[0]["lr"] == got["lr"]  # settled at the end of train()
+
+
+def test_a_checkpoint_right_after_a_skipped_step_resumes_with_the_held_scheduler(tmp_path):
+    """fp16: the step a checkpoint follows overflows. The scheduler, stepped at once and put back
+    one step late, is put back before the optimizer and the scheduler are saved, so they agree,
+    and the resumed run is the uninterrupted one, bit for bit."""
+    model, data = gpt2(), token_batches(12)
+    full = hf_run(copy.deepcopy(model), data, "fp16-mixed", tmp_path / "full", save_steps=6, callbacks=(PlantInf(6),))
+    assert full["mp"].scaler.skipped_steps == 1
+    ckpt = tmp_path / "full" / "checkpoint-6"
+    assert torch.load(ckpt / "scheduler.pt", weights_only=False)["last_epoch"] == 5  # held
+    saved = torch.load(ckpt / "optimizer.pt", weights_only=False)
+    assert saved["param_groups"][0]["lr"] == pytest.approx(1e-3 / (1.0 + 0.1 * 5), rel=1e-12)  # the optimizer agrees
+    resumed = hf_run(gpt2(), data, "fp16-mixed", tmp_path / "resumed", resume=str(ckpt), callbacks=(PlantInf(6),))
+    assert resumed["mp"].optimizer_steps == full["mp"].optimizer_steps == 11
+    assert resumed["lr"] == full["lr"]
+    assert_close_losses(resumed["losses"], full["losses"][6:], exact=True)
+    assert_same_params(resumed["params"], full["params"])
 
 
 def test_gradient_accumulation_matches_and_accumulates_in_fp32(tmp_path):

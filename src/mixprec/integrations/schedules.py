@@ -47,6 +47,33 @@ class HeldSchedules:
     def __init__(self) -> None:
         self._unsettled: list[tuple[Any, StepResult, Any]] = []
         self._watched: set[int] = set()  # id() of the models that settle before their state_dict
+        self._held_classes: dict[type, type] = {}
+
+    def hold(self, scheduler: Any, result_for: Callable[[Any], StepResult | None]) -> None:
+        """Make ``scheduler.step()`` go through :meth:`step`, with ``result_for(scheduler)`` (its
+        optimizer's last StepResult) as the result; its ``get_last_lr`` and ``state_dict`` settle
+        first. The scheduler keeps its identity and its ``state_dict`` (only its class changes, to a
+        subclass of the same name), so checkpoints are unchanged."""
+        cls = type(scheduler)
+        if getattr(cls, "_mixprec_held", False):
+            return
+        held = self._held_classes.get(cls)
+        if held is None:
+            schedules = self
+
+            def step(sched: Any, *args: Any, **kwargs: Any) -> Any:
+                return schedules.step(sched, cls.step, result_for(sched), *args, **kwargs)
+
+            def settled(name: str) -> Callable[..., Any]:
+                def read(sched: Any) -> Any:
+                    schedules.settle()
+                    return getattr(cls, name)(sched)
+                return read
+
+            members = {"step": step, **{name: settled(name) for name in ("get_last_lr", "state_dict") if hasattr(cls, name)}}
+            held = type(cls.__name__, (cls,), {**members, "_mixprec_held": True, "__module__": cls.__module__})
+            self._held_classes[cls] = held
+        scheduler.__class__ = held
 
     def step(self, scheduler: Any, step: Callable[..., Any], result: StepResult | None, *args: Any, **kwargs: Any) -> Any:
         """``step(scheduler, *args, **kwargs)`` unless ``result`` (its optimizer's last step) was

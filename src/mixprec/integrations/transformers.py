@@ -14,7 +14,14 @@ its loop; mixprec runs the precision at the points the Trainer goes through its
 - ``max_grad_norm`` clips the true (unscaled, fp32-master) gradients, and the logged
   ``grad_norm`` is mixprec's true norm;
 - the optimizer step is :meth:`mixprec.MixedPrecision.step` (one skip decision); the
-  Trainer's scheduler is held on skipped steps;
+  Trainer's scheduler is held on skipped steps without waiting for the device: it steps at
+  once and is put back one step late if the step was skipped
+  (:mod:`mixprec.integrations.schedules`; before the next update, a checkpoint's optimizer and
+  scheduler state, ``get_last_lr()`` and the end of ``train()``), so the Trainer's own question
+  ``accelerator.optimizer_step_was_skipped``, right before it steps the scheduler, reads
+  nothing. (The Trainer's loop still reads the loss every step unless
+  ``logging_nan_inf_filter=False``, and at each logging step.) With a ``ReduceLROnPlateau``
+  (stepped with a metric at evaluation, not held) the Trainer's question reads the skip as before;
 - gradient accumulation is the Trainer's (``gradient_accumulation_steps``), with
   micro-batches added up in fp32 under master plans;
 - the MixedPrecision state (loss scale, counters, plan fingerprint) is saved in every
@@ -51,8 +58,9 @@ from mixprec.integrations import as_mixed_precision, require_framework
 require_framework("transformers", "transformers", "mixprec.integrations.transformers")
 require_framework("accelerate", "transformers", "mixprec.integrations.transformers")
 
-from transformers import PreTrainedModel, Trainer  # noqa: E402
+from transformers import PreTrainedModel, Trainer, TrainingArguments  # noqa: E402
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME  # noqa: E402
+from transformers.trainer_callback import CallbackHandler, TrainerControl, TrainerState  # noqa: E402
 from transformers.trainer_pt_utils import reissue_pt_warnings  # noqa: E402
 
 from mixprec.dtypes import cast_floating  # noqa: E402
@@ -98,6 +106,9 @@ class MixprecTrainer(Trainer):
         super().__init__(*args, **kwargs)
         if self.model is None:
             raise ValueError("MixprecTrainer needs model=...; model_init is not supported")
+        if type(self.callback_handler) is CallbackHandler:
+            self.callback_handler.__class__ = _SkipQueryWindow
+            self.callback_handler._mixprec_trainer = self  # type: ignore[attr-defined]
         if fsdp2_plugin(self.accelerator) is None:  # (under FSDP2 the model is sharded first, at prepare)
             self.mp.prepare_model(self.model)
 
@@ -136,6 +147,28 @@ class MixprecTrainer(Trainer):
                 self.optimizer = self.mp.prepare_optimizers(optimizer)
         return self.optimizer  # type: ignore[return-value]
 
+    def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None) -> Any:
+        """The Trainer's scheduler (or the one passed in ``optimizers=``), held on skipped steps
+        without waiting for the device (see the module's notes); a ``ReduceLROnPlateau`` or another
+        scheduler that is not a torch ``LRScheduler`` is left as it is."""
+        scheduler = super().create_scheduler(num_training_steps, optimizer)
+        link = getattr(self.accelerator, "_mixprec", None)
+        if (link is not None and isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler)
+                and not isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)):
+            link.schedules.hold(scheduler, lambda _: self.mp.last_result)
+        return scheduler
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            self._settle_schedules()  # the optimizer's lr as the run left it
+
+    def _settle_schedules(self) -> None:
+        link = getattr(self.accelerator, "_mixprec", None)
+        if link is not None:
+            link.schedules.settle()
+
     def autocast_smart_context_manager(self, cache_enabled: bool | None = True) -> contextlib.AbstractContextManager:
         return self.mp.autocast()
 
@@ -168,6 +201,10 @@ class MixprecTrainer(Trainer):
             saved.dtype = torch.float32
             saved.save_pretrained(output_dir)
             model.config.dtype = dtype_before
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        self._settle_schedules()  # a held scheduler step of a skipped step is put back before either is saved
+        super()._save_optimizer_and_scheduler(output_dir)
 
     def _save_scaler(self, output_dir: str) -> None:
         super()._save_scaler(output_dir)
@@ -256,3 +293,29 @@ class MixprecTrainer(Trainer):
         if state is None:
             return  # _load_optimizer_and_scheduler warned: the scale and counters start fresh
         self.mp.load_state_dict(state)
+
+
+class _SkipQueryWindow(CallbackHandler):
+    """The Trainer's callbacks, and between its optimizer step's callbacks and its step's end the
+    window in which the Trainer's own loop asks ``accelerator.optimizer_step_was_skipped`` before it
+    steps the scheduler: where that scheduler is held (:meth:`MixprecTrainer.create_scheduler`),
+    the answer is "taken" without a read, and the held scheduler puts itself back one step late if
+    the step was skipped. Callbacks asking in ``on_optimizer_step`` or later get the true answer."""
+
+    _mixprec_trainer: MixprecTrainer
+
+    def _link(self) -> Any:
+        return getattr(self._mixprec_trainer.accelerator, "_mixprec", None)
+
+    def on_optimizer_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> Any:
+        control = super().on_optimizer_step(args, state, control, **kwargs)
+        link = self._link()
+        if link is not None and getattr(type(self._mixprec_trainer.lr_scheduler), "_mixprec_held", False):
+            link.taken = True
+        return control
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> Any:
+        link = self._link()
+        if link is not None:
+            link.taken = False
+        return super().on_step_end(args, state, control, **kwargs)
