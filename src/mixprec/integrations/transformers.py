@@ -162,6 +162,9 @@ class MixprecTrainer(Trainer):
         try:
             return super().train(*args, **kwargs)
         finally:
+            link = getattr(self.accelerator, "_mixprec", None)
+            if link is not None:
+                link.taken = False  # (a step that raised inside the window: the question reads again)
             self._settle_schedules()  # the optimizer's lr as the run left it
 
     def _settle_schedules(self) -> None:
