@@ -34,7 +34,7 @@ from mixprec.prepare import PreparedModel
 from mixprec.scaling import ScaleRefused
 from mixprec.step import REASONS, Decision, apply_update
 
-__all__ = ["StepRunner", "restore_scheduler", "scheduler_state"]
+__all__ = ["StepRunner", "group_settings", "restore_scheduler", "scheduler_state"]
 
 
 class _Lagged:
@@ -287,24 +287,45 @@ class StepRunner(ComposableSteps):
 
 def scheduler_state(scheduler: Any) -> tuple[Any, list[dict[str, Any]]]:
     """A copy of ``scheduler``'s state and of its optimizer's group settings (all but the parameters)."""
-    optimizer = getattr(scheduler, "optimizer", None)
-    groups = getattr(optimizer, "param_groups", None) or []
-    return (
-        copy.deepcopy(scheduler.state_dict()),
-        [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in groups],
-    )
+    return copy.deepcopy(scheduler.state_dict()), group_settings(scheduler)
 
 
-def restore_scheduler(scheduler: Any, saved: tuple[Any, list[dict[str, Any]]]) -> None:
-    """Put ``scheduler`` and its optimizer's group settings back as :func:`scheduler_state` kept them."""
+def group_settings(scheduler: Any) -> list[dict[str, Any]]:
+    """A copy of the group settings (all but the parameters) of ``scheduler``'s optimizer."""
+    groups = getattr(getattr(scheduler, "optimizer", None), "param_groups", None) or []
+    return [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in groups]
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
+    return bool(type(a) is type(b) and a == b)
+
+
+def restore_scheduler(
+    scheduler: Any, saved: tuple[Any, list[dict[str, Any]]], after: list[dict[str, Any]] | None = None
+) -> list[str]:
+    """Put ``scheduler`` and its optimizer's group settings back as :func:`scheduler_state` kept them.
+    With ``after`` (:func:`group_settings` right after the step being undone), only the settings that
+    step changed are put back, and of those only the ones nothing has changed since; returns the
+    names of the ones left as they are because something else changed them."""
     state, settings = saved
     scheduler.load_state_dict(copy.deepcopy(state))
     optimizer = getattr(scheduler, "optimizer", None)
-    for group, kept in zip(getattr(optimizer, "param_groups", None) or [], settings, strict=False):
+    left: list[str] = []
+    made_by_step = after if after is not None else [None] * len(settings)
+    for group, kept, made in zip(getattr(optimizer, "param_groups", None) or [], settings, made_by_step, strict=False):
         for key, value in kept.items():
             held = group.get(key)
+            if made is not None:
+                if _same(value, made.get(key)):
+                    continue  # the step did not change it
+                if not _same(held, made.get(key)):
+                    left.append(key)  # changed since the step, by something else
+                    continue
             if isinstance(held, torch.Tensor) and isinstance(value, torch.Tensor) and held.shape == value.shape:
                 with torch.no_grad():
                     held.copy_(value)  # a tensor lr (capturable optimizers) stays the same tensor
             else:
                 group[key] = copy.deepcopy(value)
+    return left

@@ -169,6 +169,50 @@ def test_save_state_right_after_a_skipped_step_resumes_with_the_held_scheduler(t
     assert_same_params(resumed["params"], full["params"])
 
 
+@pytest.mark.parametrize("safe", [False, True])
+def test_load_state_right_after_a_skipped_step_keeps_what_it_loaded(tmp_path, safe):
+    """fp16: a rollback (``load_state`` of an earlier checkpoint) right after a skipped step. The
+    held scheduler step of that step belongs to the run being replaced and is forgotten, so the
+    run goes on from the checkpoint as a fresh process loading it does. Before: with
+    ``safe_serialization=False`` (nothing took the model's state_dict on the way) the next step put
+    the pre-load scheduler and lr back over the loaded ones."""
+    data = mlp_data(10)
+
+    def setup():
+        torch.manual_seed(0)
+        acc, mp, model = Accelerator(cpu=True), MixedPrecision("fp16-mixed"), TinyMLP()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, fused=True)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.1 * s))
+        return (acc, mp, *prepare(acc, mp, model, opt, sched))
+
+    def train(acc, model, opt, sched, batches, *, inf=None, save_at=None, load_at=None):
+        for i, (x, y) in batches:
+            acc.backward(mse(model(x), y))
+            if i == inf:
+                next(model.parameters()).grad.view(-1)[0] = float("inf")
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            if i == save_at:
+                acc.save_state(str(tmp_path / "ckpt"), safe_serialization=safe)
+            if i == load_at:
+                acc.load_state(str(tmp_path / "ckpt"))
+
+    acc, mp, model, opt, sched = setup()
+    train(acc, model, opt, sched, enumerate(data), inf=4, save_at=1, load_at=4)
+    assert mp.scaler.skipped_steps == 1
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    acc, fresh, model2, opt2, sched2 = setup()
+    acc.load_state(str(tmp_path / "ckpt"))
+    train(acc, model2, opt2, sched2, list(enumerate(data))[5:])
+    assert sched.scheduler.last_epoch == sched2.scheduler.last_epoch
+    assert sched.get_last_lr() == sched2.get_last_lr()
+    assert opt.param_groups[0]["lr"] == opt2.param_groups[0]["lr"]
+    assert_same_params({k: v.detach() for k, v in model.state_dict().items()},
+                       {k: v.detach() for k, v in model2.state_dict().items()})
+
+
 def test_clip_grad_norm_returns_the_true_norm_under_fp16_scaling():
     model, data = TinyMLP(), mlp_data(1)
     scaled = MixedPrecision("fp16-mixed", scaler=DynamicLossScaler(init_scale=2.0**10))

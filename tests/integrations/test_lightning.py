@@ -193,6 +193,37 @@ def test_steady_steps_with_a_step_scheduler_read_nothing_back(plan, monkeypatch)
     assert plugin.mp.optimizer_steps + plugin.mp.scaler.skipped_steps == 8
 
 
+class TwoSchedules(Quiet):
+    """A step-interval ExponentialLR and an epoch-interval StepLR on one fused SGD."""
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.net.parameters(), lr=0.1, fused=True)
+        every_step = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.9)
+        every_epoch = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        return [opt], [{"scheduler": every_step, "interval": "step"}, {"scheduler": every_epoch, "interval": "epoch"}]
+
+    def on_after_backward(self) -> None:  # by batch (a skipped step does not advance global_step)
+        self.batches = getattr(self, "batches", -1) + 1
+        if self.batches in self.infs:
+            next(self.net.parameters()).grad.view(-1)[0] = float("inf")
+
+
+def test_an_epoch_scheduler_beside_a_held_step_scheduler_steps_after_the_skip_is_put_back():
+    """fp16: the last step of the first epoch overflows. Lightning steps the epoch scheduler right
+    after the held step scheduler; it settles the held step first, so its halving applies to the lr
+    the skip left (0.1 * 0.9**3). Before: the put-back, one step later, restored the lr from before
+    the halving, and the run trained at twice the learning rate from then on."""
+    session = MixedPrecision("fp16-mixed", scaler=DynamicLossScaler(init_scale=2.0**8))  # (no overflow of its own)
+    lit, plugin = TwoSchedules(TinyMLP(), infs=(3,)), MixprecPrecision(session)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer(plugin, 12, max_epochs=3).fit(lit, loader(mlp_data(4)))
+    assert plugin.mp.scaler.skipped_steps == 1 and plugin.mp.optimizer_steps == 11
+    every_step, every_epoch = (c.scheduler for c in lit.trainer.lr_scheduler_configs)
+    assert every_step.last_epoch == 11 and every_epoch.last_epoch == 3
+    assert lit.trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.1 * 0.9**11 * 0.5**3, rel=1e-12)
+
+
 @pytest.mark.slow
 def test_a_checkpoint_right_after_a_skipped_step_resumes_with_the_held_scheduler(tmp_path):
     """fp16: the step before an epoch-end checkpoint overflows. The scheduler, stepped at once and

@@ -170,6 +170,7 @@ class SessionCheckpoint:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.mp.load_state_dict(state_dict)  # all or nothing; resets the step in progress
+        self._link.schedules.drop()  # the held scheduler steps belong to the run being replaced
         # a window in progress loses its gradients: its optimizer.step() does nothing and
         # reports a skip, so Accelerate's scheduler does not advance for it either
         self._link.dropped, self._link.pending = self._link.pending, False
@@ -202,6 +203,10 @@ class MixprecAcceleratedOptimizer(AcceleratedOptimizer):
             self.optimizer.step()
         elif self.gradient_state.sync_gradients:
             self._link.step()
+
+    def state_dict(self) -> dict[str, Any]:
+        self._link.schedules.settle()  # a held scheduler step of a skipped step is put back first (its lr)
+        return super().state_dict()
 
     @property
     def step_was_skipped(self) -> bool:
@@ -240,6 +245,10 @@ class MixprecAcceleratedScheduler(AcceleratedScheduler):
     def state_dict(self) -> Any:
         self._mixprec.schedules.settle()
         return super().state_dict()
+
+    def load_state_dict(self, state_dict: Any) -> None:
+        self._mixprec.schedules.drop(self.scheduler)  # its held steps belong to the state being replaced
+        super().load_state_dict(state_dict)
 
 
 class _MixprecAcceleratorMixin:

@@ -98,7 +98,6 @@ class MixprecPrecision(Precision):
         # (a "32-true" plugin around a bf16 forward measured ~10% slower), so name the compute dtype.
         compute = self.mp.plan.compute_dtype
         self.precision = "bf16-mixed" if compute == torch.bfloat16 else "16-mixed" if compute == torch.float16 else "32-true"
-        self._held_classes: dict[type, type] = {}
         self._results: dict[int, StepResult] = {}  # id(wrapped optimizer) -> its last step's result
         self._schedules = HeldSchedules()  # step-interval schedulers, held one step late on skips
         self._pending = False
@@ -138,39 +137,14 @@ class MixprecPrecision(Precision):
     def connect(self, model: torch.nn.Module, optimizers: list[Any], lr_schedulers: list[Any]) -> tuple[Any, list[Any], list[Any]]:
         wrapped = self._wrap(optimizers)
         for config in lr_schedulers:
+            # step-interval schedulers: held on skipped steps (stepped at once, put back one step late
+            # if the step was skipped); the others settle those first (at an epoch's end: a read then)
             if getattr(config, "interval", "step") == "step":
-                self._hold_on_skip(config.scheduler)
+                self._schedules.hold(config.scheduler, self._result_for)
                 self._schedules.settle_before_saving(model)
+            else:
+                self._schedules.settle_before_stepping(config.scheduler)
         return model, wrapped, lr_schedulers
-
-    def _hold_on_skip(self, scheduler: Any) -> None:
-        """Hold ``scheduler`` on skipped steps of its optimizer (:class:`~mixprec.integrations.schedules.HeldSchedules`:
-        stepped at once, put back one step late if the step was skipped; no wait for the device).
-
-        The scheduler keeps its identity and its ``state_dict`` (only its class gains a ``step``
-        that goes through the plugin, and a ``get_last_lr`` and ``state_dict`` that settle first),
-        so Lightning's checkpointing is unchanged.
-        """
-        cls = type(scheduler)
-        if getattr(cls, "_mixprec_held", False):
-            return
-        held = self._held_classes.get(cls)
-        if held is None:
-            plugin = self
-
-            def step(sched: Any, *args: Any, **kwargs: Any) -> Any:
-                return plugin._schedules.step(sched, cls.step, plugin._result_for(sched), *args, **kwargs)
-
-            def settled(name: str) -> Callable[..., Any]:
-                def read(sched: Any) -> Any:
-                    plugin._schedules.settle()
-                    return getattr(cls, name)(sched)
-                return read
-
-            members = {"step": step, **{name: settled(name) for name in ("get_last_lr", "state_dict") if hasattr(cls, name)}}
-            held = type(cls.__name__, (cls,), {**members, "_mixprec_held": True, "__module__": cls.__module__})
-            self._held_classes[cls] = held
-        scheduler.__class__ = held
 
     def _result_for(self, scheduler: Any) -> StepResult | None:
         target = getattr(scheduler, "optimizer", None)

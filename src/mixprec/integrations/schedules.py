@@ -3,8 +3,8 @@
 A framework steps its scheduler right after the optimizer step. Asking whether that step was
 skipped would mean waiting for the device, because the skip is decided there. Instead,
 :class:`HeldSchedules` steps the scheduler at once. It keeps the scheduler's state and its
-optimizer's group settings from before the step, and puts them back one step late if the step
-turns out to have been skipped. It learns that from the step's :class:`~mixprec.StepResult`
+optimizer's group settings from before the step, and if the step turns out to have been skipped
+it puts back, one step late, the scheduler's state and the settings its step changed. It learns that from the step's :class:`~mixprec.StepResult`
 when the result's host copy is free to read: before the next update, a checkpoint, or the end
 of training. So every update uses the learning rate it would use if the host had waited.
 Between a skipped step and the next update, code that reads the optimizer's ``lr`` directly
@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from mixprec.ledger import StepResult
-from mixprec.stepping import restore_scheduler, scheduler_state
+from mixprec.stepping import group_settings, restore_scheduler, scheduler_state
 
 __all__ = ["HeldSchedules"]
 
@@ -45,60 +45,99 @@ class HeldSchedules:
     :meth:`settle` if that step was skipped."""
 
     def __init__(self) -> None:
-        self._unsettled: list[tuple[Any, StepResult, Any]] = []
-        self._watched: set[int] = set()  # id() of the models that settle before their state_dict
-        self._held_classes: dict[type, type] = {}
+        self._unsettled: list[tuple[Any, StepResult, Any, list[dict[str, Any]]]] = []
+        self._watched: set[int] = set()  # id() of the models and optimizers that settle before their state_dict
+        self._classes: dict[tuple[type, str], type] = {}
+        self._warned = False
 
     def hold(self, scheduler: Any, result_for: Callable[[Any], StepResult | None]) -> None:
         """Make ``scheduler.step()`` go through :meth:`step`, with ``result_for(scheduler)`` (its
         optimizer's last StepResult) as the result; its ``get_last_lr`` and ``state_dict`` settle
-        first. The scheduler keeps its identity and its ``state_dict`` (only its class changes, to a
-        subclass of the same name), so checkpoints are unchanged."""
-        cls = type(scheduler)
-        if getattr(cls, "_mixprec_held", False):
-            return
-        held = self._held_classes.get(cls)
-        if held is None:
-            schedules = self
+        first, and its ``load_state_dict`` forgets its unsettled steps. The scheduler keeps its
+        identity and its ``state_dict`` (only its class changes, to a subclass of the same name), so
+        checkpoints are unchanged."""
+        schedules = self
 
+        def members(cls: Any) -> dict[str, Any]:
             def step(sched: Any, *args: Any, **kwargs: Any) -> Any:
                 return schedules.step(sched, cls.step, result_for(sched), *args, **kwargs)
 
-            def settled(name: str) -> Callable[..., Any]:
-                def read(sched: Any) -> Any:
-                    schedules.settle()
-                    return getattr(cls, name)(sched)
-                return read
+            def load_state_dict(sched: Any, *args: Any, **kwargs: Any) -> Any:
+                schedules.drop(sched)
+                return cls.load_state_dict(sched, *args, **kwargs)
 
-            members = {"step": step, **{name: settled(name) for name in ("get_last_lr", "state_dict") if hasattr(cls, name)}}
-            held = type(cls.__name__, (cls,), {**members, "_mixprec_held": True, "__module__": cls.__module__})
-            self._held_classes[cls] = held
-        scheduler.__class__ = held
+            return {"step": step, "load_state_dict": load_state_dict, **self._settling(cls, "get_last_lr", "state_dict")}
+
+        self._swap(scheduler, "held", members)
+
+    def settle_before_stepping(self, scheduler: Any) -> None:
+        """Make ``scheduler.step()`` settle first (reading the last optimizer step's outcome then, at
+        once): for a scheduler that is not held but may write the same optimizer's settings, such
+        as an epoch-interval one beside a held step-interval one."""
+        self._swap(scheduler, "settles", lambda cls: self._settling(cls, "step"))
+
+    def _settling(self, cls: type, *names: str) -> dict[str, Any]:
+        def settled(name: str) -> Callable[..., Any]:
+            def call(sched: Any, *args: Any, **kwargs: Any) -> Any:
+                self.settle()
+                return getattr(cls, name)(sched, *args, **kwargs)
+            return call
+
+        return {name: settled(name) for name in names if hasattr(cls, name)}
+
+    def _swap(self, scheduler: Any, kind: str, members: Callable[[type], dict[str, Any]]) -> None:
+        cls = type(scheduler)
+        if getattr(cls, "_mixprec_held", False) or getattr(cls, "_mixprec_settles", False):
+            return
+        made = self._classes.get((cls, kind))
+        if made is None:
+            made = type(cls.__name__, (cls,), {**members(cls), f"_mixprec_{kind}": True, "__module__": cls.__module__})
+            self._classes[(cls, kind)] = made
+        scheduler.__class__ = made
 
     def step(self, scheduler: Any, step: Callable[..., Any], result: StepResult | None, *args: Any, **kwargs: Any) -> Any:
         """``step(scheduler, *args, **kwargs)`` unless ``result`` (its optimizer's last step) was
         skipped. It reads the result now only where that is free (already on the host), where the
         step takes arguments (``ReduceLROnPlateau``'s metric), or where the scheduler has no
-        ``state_dict``/``load_state_dict`` to put it back with. Otherwise it steps at once and
-        decides at :meth:`settle`."""
+        ``state_dict``/``load_state_dict`` to put it back with (the unsettled steps are settled first
+        then). Otherwise it steps at once and decides at :meth:`settle`."""
         if result is None:
             return step(scheduler, *args, **kwargs)
         restorable = callable(getattr(scheduler, "state_dict", None)) and callable(getattr(scheduler, "load_state_dict", None))
         if result.resolved or args or kwargs or not restorable:
+            self.settle()
             return None if result.skipped else step(scheduler, *args, **kwargs)
         before = scheduler_state(scheduler)
         with warnings.catch_warnings():  # a first step that is skipped (and put back) has no optimizer.step()
             warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before `optimizer.step\(\)`")
             out = step(scheduler)
-        self._unsettled.append((scheduler, result, before))
+        self._unsettled.append((scheduler, result, before, group_settings(scheduler)))
+        self._watch_optimizers(scheduler)
         return out
 
     def settle(self) -> None:
-        """Put back every scheduler step whose optimizer step was skipped (newest first)."""
+        """Put back every scheduler step whose optimizer step was skipped (newest first): the
+        scheduler's state, and of its optimizer's group settings the ones that step changed. A
+        setting something else changed since (another scheduler of the same optimizer that is not
+        held, a callback) is left as it is, with a warning."""
         unsettled, self._unsettled = self._unsettled, []
-        for scheduler, result, before in reversed(unsettled):
+        for scheduler, result, before, after in reversed(unsettled):
             if result.skipped:
-                restore_scheduler(scheduler, before)
+                left = restore_scheduler(scheduler, before, after)
+                if left and not self._warned:
+                    self._warned = True
+                    warnings.warn(
+                        f"the optimizer's {sorted(set(left))} changed between a skipped step and the next update by "
+                        f"something other than its scheduler {type(scheduler).__name__} (another scheduler of the same "
+                        "optimizer, or code writing its param_groups): mixprec put the scheduler back and left those "
+                        "settings as it found them, which still include that scheduler's step. Step every scheduler of "
+                        "an optimizer through the framework (held alike), or combine them in one ChainedScheduler",
+                        stacklevel=2,
+                    )
+
+    def drop(self, scheduler: Any = None) -> None:
+        """Forget the unsettled steps (of ``scheduler``; None: all): their state was just replaced by a load."""
+        self._unsettled = [u for u in self._unsettled if scheduler is not None and u[0] is not scheduler]
 
     def settle_before_saving(self, model: torch.nn.Module) -> None:
         """:meth:`settle` whenever ``model``'s ``state_dict`` is taken: the frameworks' checkpoints save
@@ -107,5 +146,22 @@ class HeldSchedules:
             model.register_state_dict_pre_hook(self._state_dict_pre_hook)
             self._watched.add(id(model))
 
+    def _watch_optimizers(self, scheduler: Any) -> None:
+        """:meth:`settle` before the state_dict of the scheduler's optimizer (each wrapper of it, down
+        to the innermost) is taken, and :meth:`drop` before one is loaded (registered once each)."""
+        opt = getattr(scheduler, "optimizer", None)
+        while isinstance(opt, torch.optim.Optimizer):
+            if id(opt) not in self._watched:
+                self._watched.add(id(opt))
+                try:
+                    opt.register_state_dict_pre_hook(self._state_dict_pre_hook)
+                    opt.register_load_state_dict_pre_hook(self._load_pre_hook)
+                except AttributeError:  # a wrapper that never ran Optimizer.__init__ (Accelerate's): its inner one has them
+                    pass
+            opt = getattr(opt, "optimizer", None)
+
     def _state_dict_pre_hook(self, *_: Any) -> None:
         self.settle()
+
+    def _load_pre_hook(self, *_: Any) -> None:
+        self.drop()

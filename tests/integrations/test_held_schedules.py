@@ -1,0 +1,113 @@
+"""HeldSchedules (mixprec.integrations.schedules) alone: what a skipped step puts back, and when.
+
+The reference for each case is the loop that reads the skip at once and does not step the
+scheduler on a skipped step; everything else in the loop happens the same."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from mixprec import StepResult
+from mixprec.integrations.schedules import HeldSchedules
+
+pytestmark = pytest.mark.filterwarnings("ignore:Detected call of:UserWarning")
+
+
+def skipped(flag: bool) -> StepResult:
+    return StepResult.lazy(lambda: {"skipped": flag})
+
+
+def sgd() -> torch.optim.SGD:
+    return torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1, momentum=0.9, weight_decay=0.01)
+
+
+def held_step(held: HeldSchedules, sched, flag: bool) -> None:
+    held.step(sched, type(sched).step, skipped(flag))
+
+
+def test_a_skipped_step_puts_back_only_what_its_scheduler_changed():
+    """Before: every group setting was put back as it was before the scheduler's step, so a weight
+    decay a callback set meanwhile (a weight-decay schedule) was undone. Now only the lr, which the
+    scheduler changed, goes back; the weight decay keeps the callback's value, without a warning."""
+    opt = sgd()
+    sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.5)
+    held = HeldSchedules()
+    held_step(held, sched, True)
+    opt.param_groups[0]["weight_decay"] = 0.04  # a callback, before the next update
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        held.settle()
+    assert opt.param_groups[0]["lr"] == 0.1 and opt.param_groups[0]["weight_decay"] == 0.04
+    assert sched.last_epoch == 0
+    held_step(held, sched, False)
+    held.settle()  # a step that was taken stays
+    assert opt.param_groups[0]["lr"] == 0.05 and sched.last_epoch == 1
+
+
+def test_an_epoch_scheduler_that_settles_first_sees_the_skipped_step_put_back():
+    """A step-interval scheduler held, an epoch-interval one on the same optimizer stepped right
+    after the skipped step (as Lightning does at an epoch's end): it settles first, so it halves
+    the lr of the reference (0.1 * 0.5), not the held step's (0.1 * 0.9 * 0.5, put back to 0.1)."""
+    opt = sgd()
+    every_step = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.9)
+    every_epoch = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    held = HeldSchedules()
+    held.settle_before_stepping(every_epoch)
+    held_step(held, every_step, True)
+    every_epoch.step()
+    held.settle()
+    assert opt.param_groups[0]["lr"] == 0.1 * 0.5
+    assert every_step.last_epoch == 0 and every_epoch.last_epoch == 1
+
+
+def test_a_setting_something_else_changed_since_is_left_with_a_warning():
+    """A second scheduler of the optimizer that is not held (Accelerate: not prepared) halves the lr
+    between the skipped step and the settle: mixprec cannot tell what it would have done with the
+    lr that was put back, so it leaves the lr as it found it and says so, once."""
+    opt = sgd()
+    every_step = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.9)
+    other = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    held = HeldSchedules()
+    for _ in range(2):
+        held_step(held, every_step, True)
+        other.step()
+        if _ == 0:
+            with pytest.warns(UserWarning, match=r"\['lr'\] changed between a skipped step and the next update"):
+                held.settle()
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                held.settle()
+    assert every_step.last_epoch == 0  # the held scheduler itself is put back
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.9 * 0.5 * 0.9 * 0.5)
+
+
+def test_the_optimizers_state_dict_settles_first_and_a_load_forgets_the_held_steps():
+    """A hand-written checkpoint taking optimizer.state_dict() before anything else, right after a
+    skipped step, saves the lr the scheduler's state says (before: the advanced one). A load of
+    the optimizer or of the scheduler replaces what a held step would put back: it is forgotten
+    (before: the next settle wrote the pre-load state over the loaded one)."""
+    opt = sgd()
+    sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.5)
+    held = HeldSchedules()
+    held.hold(sched, lambda _: skipped(True))
+    sched.step()
+    assert opt.state_dict()["param_groups"][0]["lr"] == 0.1  # settled first
+    assert sched.state_dict()["last_epoch"] == 0
+
+    other = sgd()
+    other_sched = torch.optim.lr_scheduler.ExponentialLR(other, gamma=0.5)
+    other_sched.step()
+    other_sched.step()  # lr 0.025, last_epoch 2: the checkpoint to roll back to
+    saved_opt, saved_sched = other.state_dict(), other_sched.state_dict()
+    for load_scheduler_too in (False, True):
+        sched.step()  # held, and skipped
+        opt.load_state_dict(saved_opt)
+        if load_scheduler_too:
+            sched.load_state_dict(saved_sched)
+        held.settle()
+        assert opt.param_groups[0]["lr"] == 0.025
+    assert sched.last_epoch == 2
