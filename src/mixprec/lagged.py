@@ -19,11 +19,12 @@ True
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["HostCopy", "host_float", "is_host_copy"]
+__all__ = ["HostCopy", "host_float", "host_floats", "is_host_copy"]
 
 _HOST_COPIES: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()  # by id
 
@@ -43,6 +44,20 @@ def host_float(tensor: Any) -> float:
     if isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu":
         _HOST_COPIES[id(tensor)] = tensor
     return float(tensor)
+
+
+def host_floats(tensors: Sequence[Any]) -> list[float]:
+    """:func:`host_float` of each, in one read where they are one-element tensors alike (the step
+    counts of many weights)."""
+    try:
+        stacked = torch.stack(list(tensors)).reshape(-1)
+    except (RuntimeError, TypeError):  # numbers, other shapes or devices: one by one
+        return [host_float(t) for t in tensors]
+    if stacked.numel() != len(tensors):
+        return [host_float(t) for t in tensors]
+    if stacked.device.type == "cpu":
+        _HOST_COPIES[id(stacked)] = stacked
+    return [float(v) for v in stacked.tolist()]
 
 
 class HostCopy:

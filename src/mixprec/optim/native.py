@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from mixprec.lagged import host_float
+from mixprec.lagged import host_floats
 from mixprec.optim import rule
 from mixprec.optim import states as qstates
 from mixprec.optim.checks import conform_raw, fits_raw
@@ -209,8 +209,12 @@ def native_adam_step(
     )
     jobs: list[_Job] = []
     written: list[torch.Tensor] = []
-    for p, state in zip(active, states, strict=True):
-        step_size, bc2_sqrt = rule.bias_corrections(h, host_float(state["step"]) + 1)  # each weight its own count
+    corrected: dict[float, tuple[float, float]] = {}  # the step counts' bias corrections (most weights share one)
+    for p, state, count in zip(active, states, host_floats([s["step"] for s in states]), strict=True):
+        pair = corrected.get(count)
+        if pair is None:
+            pair = corrected[count] = rule.bias_corrections(h, count + 1)  # each weight its own count
+        step_size, bc2_sqrt = pair
         grad = p.grad
         assert grad is not None
         comp = comps(p) if comps is not None and rounding in ("kahan", "remainder") else None

@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from mixprec.compiling import TRITON_ENV, env_switch
-from mixprec.lagged import host_float
+from mixprec.lagged import host_floats
 from mixprec.optim import _triton_adam_kernels as kernels
 from mixprec.optim import rule
 from mixprec.optim import states as qstates
@@ -337,7 +337,9 @@ def triton_adam_step(
         rows: dict[str, list[int]] = {name: [] for name in kernels.ROWS[:9] + kernels.ROWS[11:]}
         corrections: list[float] = []
         first_block = 0
-        for i in ids:
+        corrected: dict[float, tuple[float, float]] = {}  # the step counts' bias corrections (most weights share one)
+        scale_keys = [key for key, _, _ in raw_moments(keys, dtype, 1)[len(keys):]]  # block codes: their scales too
+        for i, count in zip(ids, host_floats([states[i]["step"] for i in ids]), strict=True):
             p, state, c = active[i], states[i], comp_list[i]
             moments = [state[k] for k in keys] + [None] * (3 - len(keys))
             tensors = [p, p.grad, *moments, c]
@@ -351,9 +353,12 @@ def triton_adam_step(
             rows["first"].append(firsts[i])
             rows["first_block"].append(first_block)
             first_block += _blocks(p.numel(), block)
-            corrections += rule.bias_corrections(h, host_float(state["step"]) + 1)  # each weight its own count
+            pair = corrected.get(count)
+            if pair is None:
+                pair = corrected[count] = rule.bias_corrections(h, count + 1)  # each weight its own count
+            corrections += pair
             written += [t for t in (p, c, *moments) if t is not None]
-            written += [state[key] for key, _, _ in raw_moments(keys, dtype, p.numel())[len(keys):]]
+            written += [state[key] for key in scale_keys]
         aligned = all(a % 16 == 0 for name in kernels.ROWS[:6] for a in rows[name])
         sections.append((kinds, len(words), ids, aligned))
         words.append(len(ids))
