@@ -111,3 +111,35 @@ def test_the_optimizers_state_dict_settles_first_and_a_load_forgets_the_held_ste
         held.settle()
         assert opt.param_groups[0]["lr"] == 0.025
     assert sched.last_epoch == 2
+
+
+def test_a_model_and_an_optimizer_watched_by_held_schedules_still_pickle():
+    """``torch.save(model)`` pickles the model's hooks. Before: the settling hook was a bound method
+    of the HeldSchedules, whose held scheduler classes (made at run time) cannot be pickled, so
+    saving the whole model failed under Lightning or Accelerate with a step scheduler. Now the
+    hook pickles as one that does nothing; the live one still settles."""
+    import io
+
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.5)
+    held = HeldSchedules()
+    held.hold(sched, lambda _: skipped(True))
+    held.settle_before_saving(model)
+    sched.step()  # held, and skipped
+    for obj in (model, opt):
+        torch.save(obj, io.BytesIO())
+    copy = torch.load(_saved(model), weights_only=False)
+    copy.state_dict()  # (its hook does nothing)
+    assert opt.param_groups[0]["lr"] == 0.05
+    model.state_dict()  # the live hook settles
+    assert opt.param_groups[0]["lr"] == 0.1
+
+
+def _saved(obj):
+    import io
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return buf

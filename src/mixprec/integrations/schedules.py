@@ -29,6 +29,7 @@ give the held one.
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -143,7 +144,7 @@ class HeldSchedules:
         """:meth:`settle` whenever ``model``'s ``state_dict`` is taken: the frameworks' checkpoints save
         the model before the optimizer and the schedulers (registered once per model)."""
         if id(model) not in self._watched:
-            model.register_state_dict_pre_hook(self._state_dict_pre_hook)
+            model.register_state_dict_pre_hook(_SettleFirst(self))
             self._watched.add(id(model))
 
     def _watch_optimizers(self, scheduler: Any) -> None:
@@ -154,14 +155,27 @@ class HeldSchedules:
             if id(opt) not in self._watched:
                 self._watched.add(id(opt))
                 try:
-                    opt.register_state_dict_pre_hook(self._state_dict_pre_hook)
-                    opt.register_load_state_dict_pre_hook(self._load_pre_hook)
+                    opt.register_state_dict_pre_hook(_SettleFirst(self))
+                    opt.register_load_state_dict_pre_hook(_SettleFirst(self, drop=True))
                 except AttributeError:  # a wrapper that never ran Optimizer.__init__ (Accelerate's): its inner one has them
                     pass
             opt = getattr(opt, "optimizer", None)
 
-    def _state_dict_pre_hook(self, *_: Any) -> None:
-        self.settle()
 
-    def _load_pre_hook(self, *_: Any) -> None:
-        self.drop()
+
+class _SettleFirst:
+    """A ``state_dict`` pre-hook that settles (``drop``: a ``load_state_dict`` pre-hook that forgets)
+    the unsettled steps of a :class:`HeldSchedules`. It holds it weakly, and a pickled or copied
+    model carries a hook that does nothing (``torch.save(model)`` pickles its hooks)."""
+
+    def __init__(self, schedules: HeldSchedules | None = None, drop: bool = False) -> None:
+        self._schedules = None if schedules is None else weakref.ref(schedules)
+        self._drop = drop
+
+    def __call__(self, *_: Any) -> None:
+        schedules = None if self._schedules is None else self._schedules()
+        if schedules is not None:
+            schedules.drop() if self._drop else schedules.settle()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_SettleFirst, ())
