@@ -116,8 +116,9 @@ def test_the_optimizers_state_dict_settles_first_and_a_load_forgets_the_held_ste
 def test_a_model_and_an_optimizer_watched_by_held_schedules_still_pickle():
     """``torch.save(model)`` pickles the model's hooks. Before: the settling hook was a bound method
     of the HeldSchedules, whose held scheduler classes (made at run time) cannot be pickled, so
-    saving the whole model failed under Lightning or Accelerate with a step scheduler. Now the
-    hook pickles as one that does nothing; the live one still settles."""
+    saving the whole model failed under Lightning or Accelerate with a step scheduler, as did
+    saving the held scheduler itself. Now the hook pickles as one that does nothing (the live one
+    still settles), and a held scheduler as one of its own class."""
     import io
 
     model = torch.nn.Linear(2, 2)
@@ -127,8 +128,9 @@ def test_a_model_and_an_optimizer_watched_by_held_schedules_still_pickle():
     held.hold(sched, lambda _: skipped(True))
     held.settle_before_saving(model)
     sched.step()  # held, and skipped
-    for obj in (model, opt):
+    for obj in (model, opt, sched):
         torch.save(obj, io.BytesIO())
+    assert type(torch.load(_saved(sched), weights_only=False)) is torch.optim.lr_scheduler.ExponentialLR  # not held
     copy = torch.load(_saved(model), weights_only=False)
     copy.state_dict()  # (its hook does nothing)
     assert opt.param_groups[0]["lr"] == 0.05

@@ -92,7 +92,11 @@ class HeldSchedules:
             return
         made = self._classes.get((cls, kind))
         if made is None:
-            made = type(cls.__name__, (cls,), {**members(cls), f"_mixprec_{kind}": True, "__module__": cls.__module__})
+            def reduce(sched: Any, protocol: int) -> tuple[Any, ...]:  # pickled and copied as the class it was
+                return _unswapped, (cls, sched.__dict__)
+
+            made = type(cls.__name__, (cls,), {**members(cls), f"_mixprec_{kind}": True, "__module__": cls.__module__,
+                                               "__reduce_ex__": reduce})
             self._classes[(cls, kind)] = made
         scheduler.__class__ = made
 
@@ -161,6 +165,13 @@ class HeldSchedules:
                     pass
             opt = getattr(opt, "optimizer", None)
 
+
+
+def _unswapped(cls: Any, state: dict[str, Any]) -> Any:
+    """A held or settling scheduler, unpickled or copied: of its own class again."""
+    scheduler = cls.__new__(cls)
+    scheduler.__dict__.update(state)
+    return scheduler
 
 
 class _SettleFirst:
