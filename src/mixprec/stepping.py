@@ -299,7 +299,10 @@ def group_settings(scheduler: Any) -> list[dict[str, Any]]:
 def _same(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
-    return bool(type(a) is type(b) and a == b)
+    try:
+        return bool(a == b)
+    except Exception:  # (a value that does not compare to one bool)
+        return a is b
 
 
 def restore_scheduler(
@@ -310,7 +313,8 @@ def restore_scheduler(
     step changed are put back, and of those only the ones nothing has changed since; returns the
     names of the ones left as they are because something else changed them."""
     state, settings = saved
-    scheduler.load_state_dict(copy.deepcopy(state))
+    if state is not None:  # (None: nothing of the scheduler's own state to put back)
+        scheduler.load_state_dict(copy.deepcopy(state))
     optimizer = getattr(scheduler, "optimizer", None)
     left: list[str] = []
     made_by_step = after if after is not None else [None] * len(settings)

@@ -145,3 +145,84 @@ def _saved(obj):
     torch.save(obj, buf)
     buf.seek(0)
     return buf
+
+
+def test_a_scheduler_held_again_is_taken_over_and_given_back_by_release():
+    """A scheduler passed to a second run (a second MixprecTrainer given the same optimizers=) is
+    held by that run, with its results, not the first's; released, it steps as it did. Before: the
+    held class kept the first run's results for good, so the second run's scheduler held on the
+    first run's last skip."""
+    opt = sgd()
+    sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.5)
+    first, second = HeldSchedules(), HeldSchedules()
+    first.hold(sched, lambda _: skipped(True))
+    sched.step()
+    first.settle()
+    assert sched.last_epoch == 0
+    first.release(sched)
+    assert type(sched) is torch.optim.lr_scheduler.ExponentialLR
+    second.hold(sched, lambda _: skipped(False))
+    sched.step()
+    second.settle()
+    assert sched.last_epoch == 1
+    first.release(sched)  # not the first's to give back
+    assert type(sched) is not torch.optim.lr_scheduler.ExponentialLR
+    second.release(sched)
+    sched.step()
+    assert type(sched) is torch.optim.lr_scheduler.ExponentialLR and sched.last_epoch == 2
+
+
+def test_loading_only_the_optimizer_or_only_the_scheduler_keeps_the_other_put_back():
+    """Right after a skipped step, a load of the optimizer alone keeps its lr and the scheduler
+    still goes back a step; a load of the scheduler alone keeps its state and the lr still goes
+    back. Before: either load forgot both, leaving the scheduler a step ahead, or the lr."""
+    def setup():
+        opt = sgd()
+        sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.5)
+        held = HeldSchedules()
+        held.hold(sched, lambda _: skipped(True))
+        return opt, sched, held
+
+    opt, sched, held = setup()
+    saved = {k: v for k, v in opt.state_dict().items()}
+    saved["param_groups"][0]["lr"] = 0.3
+    sched.step()
+    opt.load_state_dict(saved)
+    held.settle()
+    assert opt.param_groups[0]["lr"] == 0.3 and sched.last_epoch == 0
+
+    opt, sched, held = setup()
+    other = torch.optim.lr_scheduler.ExponentialLR(sgd(), gamma=0.5)
+    for _ in range(3):
+        other.step()
+    sched.step()
+    sched.load_state_dict(other.state_dict())
+    held.settle()
+    assert sched.last_epoch == 3 and opt.param_groups[0]["lr"] == 0.1
+
+
+def test_a_second_held_scheduler_reads_nothing_of_the_step_being_taken():
+    """Two step-interval schedulers of one optimizer: the second one's step keeps the state to put
+    back without settling (that would read the outcome of the step just taken, a wait for the
+    device). Before: its snapshot went through the held class's settling state_dict."""
+    opt = sgd()
+    a = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.5)
+    b = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    held = HeldSchedules()
+    reads: list[int] = []
+    results: list[StepResult] = []
+
+    def result_for(_):
+        return results[-1]
+
+    held.hold(a, result_for)
+    held.hold(b, result_for)
+    for step in range(3):
+        held.settle()  # (before the next update: the last step's outcome is read there)
+        results.append(StepResult.lazy(lambda step=step: reads.append(step) or {"skipped": step == 1}))
+        a.step()
+        b.step()
+        assert step not in reads
+    held.settle()
+    assert reads == [0, 1, 2]
+    assert a.last_epoch == b.last_epoch == 2

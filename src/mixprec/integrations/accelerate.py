@@ -247,7 +247,7 @@ class MixprecAcceleratedScheduler(AcceleratedScheduler):
         return super().state_dict()
 
     def load_state_dict(self, state_dict: Any) -> None:
-        self._mixprec.schedules.drop(self.scheduler)  # its held steps belong to the state being replaced
+        self._mixprec.schedules.loaded_scheduler(self.scheduler)  # a skip puts back none of what is loaded
         super().load_state_dict(state_dict)
 
 

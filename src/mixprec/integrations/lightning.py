@@ -100,6 +100,7 @@ class MixprecPrecision(Precision):
         self.precision = "bf16-mixed" if compute == torch.bfloat16 else "16-mixed" if compute == torch.float16 else "32-true"
         self._results: dict[int, StepResult] = {}  # id(wrapped optimizer) -> its last step's result
         self._schedules = HeldSchedules()  # step-interval schedulers, held one step late on skips
+        self._swapped: list[Any] = []  # the schedulers it held or made settle first (given back at teardown)
         self._pending = False
         self.last_result: StepResult | None = None
         # Input-dtype plans: the fp32 originals of the last converted batch (models with fp32
@@ -144,6 +145,7 @@ class MixprecPrecision(Precision):
                 self._schedules.settle_before_saving(model)
             else:
                 self._schedules.settle_before_stepping(config.scheduler)
+            self._swapped.append(config.scheduler)
         return model, wrapped, lr_schedulers
 
     def _result_for(self, scheduler: Any) -> StepResult | None:
@@ -319,7 +321,10 @@ class MixprecPrecision(Precision):
         return self.mp.state_dict(mid_accumulation=True)
 
     def teardown(self) -> None:
-        self._schedules.settle()  # the schedulers as the run left them
+        self._schedules.settle()  # the schedulers as the run left them, of their own classes again
+        for scheduler in self._swapped:
+            self._schedules.release(scheduler)
+        self._swapped.clear()
         super().teardown()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -28,17 +28,40 @@ give the held one.
 
 from __future__ import annotations
 
+import copy
 import warnings
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from mixprec.ledger import StepResult
-from mixprec.stepping import group_settings, restore_scheduler, scheduler_state
+from mixprec.stepping import group_settings, restore_scheduler
 
 __all__ = ["HeldSchedules"]
+
+#: the run-time subclasses a held or settling scheduler takes, by (its own class, kind)
+_CLASSES: dict[tuple[type, str], type] = {}
+#: each held or settling scheduler's HeldSchedules and (held) result source; kept out of the
+#: scheduler's ``__dict__``, which its ``state_dict`` saves
+_OWNERS: weakref.WeakKeyDictionary[Any, tuple[HeldSchedules, Callable[[Any], StepResult | None] | None]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+@dataclass
+class _Unsettled:
+    """A scheduler step taken before its optimizer step's outcome is known; ``state`` (None once a
+    load replaced the scheduler's) and ``groups`` (None once a load replaced the optimizer's) are
+    what a skip puts back, ``after`` the group settings the step left."""
+
+    scheduler: Any
+    result: StepResult
+    state: Any
+    groups: list[dict[str, Any]] | None
+    after: list[dict[str, Any]]
 
 
 class HeldSchedules:
@@ -46,58 +69,45 @@ class HeldSchedules:
     :meth:`settle` if that step was skipped."""
 
     def __init__(self) -> None:
-        self._unsettled: list[tuple[Any, StepResult, Any, list[dict[str, Any]]]] = []
-        self._watched: set[int] = set()  # id() of the models and optimizers that settle before their state_dict
-        self._classes: dict[tuple[type, str], type] = {}
+        self._unsettled: list[_Unsettled] = []
+        self._watched: weakref.WeakSet[Any] = weakref.WeakSet()  # models and optimizers that settle before their state_dict
         self._warned = False
 
     def hold(self, scheduler: Any, result_for: Callable[[Any], StepResult | None]) -> None:
         """Make ``scheduler.step()`` go through :meth:`step`, with ``result_for(scheduler)`` (its
         optimizer's last StepResult) as the result; its ``get_last_lr`` and ``state_dict`` settle
-        first, and its ``load_state_dict`` forgets its unsettled steps. The scheduler keeps its
-        identity and its ``state_dict`` (only its class changes, to a subclass of the same name), so
-        checkpoints are unchanged."""
-        schedules = self
-
-        def members(cls: Any) -> dict[str, Any]:
-            def step(sched: Any, *args: Any, **kwargs: Any) -> Any:
-                return schedules.step(sched, cls.step, result_for(sched), *args, **kwargs)
-
-            def load_state_dict(sched: Any, *args: Any, **kwargs: Any) -> Any:
-                schedules.drop(sched)
-                return cls.load_state_dict(sched, *args, **kwargs)
-
-            return {"step": step, "load_state_dict": load_state_dict, **self._settling(cls, "get_last_lr", "state_dict")}
-
-        self._swap(scheduler, "held", members)
+        first, and its ``load_state_dict`` forgets what its unsettled steps would put back of its
+        state. The scheduler keeps its identity and its ``state_dict`` (only its class changes, to
+        a subclass of the same name; :meth:`release` gives it back), so checkpoints are unchanged.
+        A scheduler held before (by an earlier run) is taken over."""
+        self._swap(scheduler, "held")
+        _OWNERS[scheduler] = (self, result_for)
 
     def settle_before_stepping(self, scheduler: Any) -> None:
         """Make ``scheduler.step()`` settle first (reading the last optimizer step's outcome then, at
         once): for a scheduler that is not held but may write the same optimizer's settings, such
         as an epoch-interval one beside a held step-interval one."""
-        self._swap(scheduler, "settles", lambda cls: self._settling(cls, "step"))
+        self._swap(scheduler, "settles")
+        _OWNERS[scheduler] = (self, None)
 
-    def _settling(self, cls: type, *names: str) -> dict[str, Any]:
-        def settled(name: str) -> Callable[..., Any]:
-            def call(sched: Any, *args: Any, **kwargs: Any) -> Any:
-                self.settle()
-                return getattr(cls, name)(sched, *args, **kwargs)
-            return call
+    def release(self, scheduler: Any) -> None:
+        """Give ``scheduler`` its own class back (after :meth:`settle`: the end of a run)."""
+        base = getattr(type(scheduler), "_mixprec_base", None)
+        if base is not None and _OWNERS.get(scheduler, (None,))[0] is self:
+            scheduler.__class__ = base
+            del _OWNERS[scheduler]
 
-        return {name: settled(name) for name in names if hasattr(cls, name)}
-
-    def _swap(self, scheduler: Any, kind: str, members: Callable[[type], dict[str, Any]]) -> None:
+    @staticmethod
+    def _swap(scheduler: Any, kind: str) -> None:
         cls = type(scheduler)
-        if getattr(cls, "_mixprec_held", False) or getattr(cls, "_mixprec_settles", False):
-            return
-        made = self._classes.get((cls, kind))
+        base = getattr(cls, "_mixprec_base", cls)
+        made = _CLASSES.get((base, kind))
         if made is None:
-            def reduce(sched: Any, protocol: int) -> tuple[Any, ...]:  # pickled and copied as the class it was
-                return _unswapped, (cls, sched.__dict__)
-
-            made = type(cls.__name__, (cls,), {**members(cls), f"_mixprec_{kind}": True, "__module__": cls.__module__,
-                                               "__reduce_ex__": reduce})
-            self._classes[(cls, kind)] = made
+            made = _CLASSES[(base, kind)] = type(base.__name__, (base,), {
+                **(_held_members(base) if kind == "held" else _settling(base, "step")),
+                "_mixprec_base": base, "_mixprec_held": kind == "held", "__module__": base.__module__,
+                "__reduce_ex__": lambda sched, protocol: (_unswapped, (base, sched.__dict__)),
+            })
         scheduler.__class__ = made
 
     def step(self, scheduler: Any, step: Callable[..., Any], result: StepResult | None, *args: Any, **kwargs: Any) -> Any:
@@ -112,11 +122,12 @@ class HeldSchedules:
         if result.resolved or args or kwargs or not restorable:
             self.settle()
             return None if result.skipped else step(scheduler, *args, **kwargs)
-        before = scheduler_state(scheduler)
+        base = getattr(type(scheduler), "_mixprec_base", type(scheduler))  # (its own state_dict: no settling)
+        state, groups = copy.deepcopy(base.state_dict(scheduler)), group_settings(scheduler)
         with warnings.catch_warnings():  # a first step that is skipped (and put back) has no optimizer.step()
             warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before `optimizer.step\(\)`")
             out = step(scheduler)
-        self._unsettled.append((scheduler, result, before, group_settings(scheduler)))
+        self._unsettled.append(_Unsettled(scheduler, result, state, groups, group_settings(scheduler)))
         self._watch_optimizers(scheduler)
         return out
 
@@ -126,45 +137,93 @@ class HeldSchedules:
         setting something else changed since (another scheduler of the same optimizer that is not
         held, a callback) is left as it is, with a warning."""
         unsettled, self._unsettled = self._unsettled, []
-        for scheduler, result, before, after in reversed(unsettled):
-            if result.skipped:
-                left = restore_scheduler(scheduler, before, after)
-                if left and not self._warned:
-                    self._warned = True
-                    warnings.warn(
-                        f"the optimizer's {sorted(set(left))} changed between a skipped step and the next update by "
-                        f"something other than its scheduler {type(scheduler).__name__} (another scheduler of the same "
-                        "optimizer, or code writing its param_groups): mixprec put the scheduler back and left those "
-                        "settings as it found them, which still include that scheduler's step. Step every scheduler of "
-                        "an optimizer through the framework (held alike), or combine them in one ChainedScheduler",
-                        stacklevel=2,
-                    )
+        for held in reversed(unsettled):
+            if not held.result.skipped:
+                continue
+            left = restore_scheduler(held.scheduler, (held.state, held.groups or []), held.after)
+            if left and not self._warned:
+                self._warned = True
+                warnings.warn(
+                    f"the optimizer's {sorted(set(left))} changed between a skipped step and the next update by "
+                    f"something other than its scheduler {type(held.scheduler).__name__} (another scheduler of the "
+                    "same optimizer, or code writing its param_groups): mixprec put the scheduler back and left those "
+                    "settings as it found them, which still include that scheduler's step. Step every scheduler of "
+                    "an optimizer through the framework (held alike), or combine them in one ChainedScheduler",
+                    stacklevel=2,
+                )
 
-    def drop(self, scheduler: Any = None) -> None:
-        """Forget the unsettled steps (of ``scheduler``; None: all): their state was just replaced by a load."""
-        self._unsettled = [u for u in self._unsettled if scheduler is not None and u[0] is not scheduler]
+    def drop(self) -> None:
+        """Forget the unsettled steps: the state they would put back was just replaced by a load."""
+        self._unsettled = []
+
+    def loaded_scheduler(self, scheduler: Any) -> None:
+        """``scheduler``'s state was just loaded: a skip puts back none of it."""
+        for held in self._unsettled:
+            if held.scheduler is scheduler:
+                held.state = None
+
+    def loaded_optimizer(self, optimizer: Any) -> None:
+        """``optimizer``'s state was just loaded: a skip puts back none of its group settings."""
+        for held in self._unsettled:
+            opt = getattr(held.scheduler, "optimizer", None)
+            while opt is not None and opt is not optimizer:
+                opt = getattr(opt, "optimizer", None)
+            if opt is optimizer:
+                held.groups = None
 
     def settle_before_saving(self, model: torch.nn.Module) -> None:
         """:meth:`settle` whenever ``model``'s ``state_dict`` is taken: the frameworks' checkpoints save
         the model before the optimizer and the schedulers (registered once per model)."""
-        if id(model) not in self._watched:
+        if model not in self._watched:
             model.register_state_dict_pre_hook(_SettleFirst(self))
-            self._watched.add(id(model))
+            self._watched.add(model)
 
     def _watch_optimizers(self, scheduler: Any) -> None:
         """:meth:`settle` before the state_dict of the scheduler's optimizer (each wrapper of it, down
-        to the innermost) is taken, and :meth:`drop` before one is loaded (registered once each)."""
+        to the innermost) is taken; a load of one forgets what the unsettled steps would put back
+        of its settings (registered once each)."""
         opt = getattr(scheduler, "optimizer", None)
         while isinstance(opt, torch.optim.Optimizer):
-            if id(opt) not in self._watched:
-                self._watched.add(id(opt))
+            if opt not in self._watched:
+                self._watched.add(opt)
                 try:
                     opt.register_state_dict_pre_hook(_SettleFirst(self))
-                    opt.register_load_state_dict_pre_hook(_SettleFirst(self, drop=True))
+                    opt.register_load_state_dict_pre_hook(_SettleFirst(self, on_load=True))
                 except AttributeError:  # a wrapper that never ran Optimizer.__init__ (Accelerate's): its inner one has them
                     pass
             opt = getattr(opt, "optimizer", None)
 
+
+def _owner(sched: Any) -> tuple[HeldSchedules, Callable[[Any], StepResult | None] | None] | None:
+    return _OWNERS.get(sched)
+
+
+def _settling(cls: Any, *names: str) -> dict[str, Any]:
+    def settled(name: str) -> Callable[..., Any]:
+        def call(sched: Any, *args: Any, **kwargs: Any) -> Any:
+            owner = _owner(sched)
+            if owner is not None:
+                owner[0].settle()
+            return getattr(cls, name)(sched, *args, **kwargs)
+        return call
+
+    return {name: settled(name) for name in names if hasattr(cls, name)}
+
+
+def _held_members(cls: Any) -> dict[str, Any]:
+    def step(sched: Any, *args: Any, **kwargs: Any) -> Any:
+        owner = _owner(sched)
+        if owner is None or owner[1] is None:
+            return cls.step(sched, *args, **kwargs)
+        return owner[0].step(sched, cls.step, owner[1](sched), *args, **kwargs)
+
+    def load_state_dict(sched: Any, *args: Any, **kwargs: Any) -> Any:
+        owner = _owner(sched)
+        if owner is not None:
+            owner[0].loaded_scheduler(sched)
+        return cls.load_state_dict(sched, *args, **kwargs)
+
+    return {"step": step, "load_state_dict": load_state_dict, **_settling(cls, "get_last_lr", "state_dict")}
 
 
 def _unswapped(cls: Any, state: dict[str, Any]) -> Any:
@@ -175,18 +234,23 @@ def _unswapped(cls: Any, state: dict[str, Any]) -> Any:
 
 
 class _SettleFirst:
-    """A ``state_dict`` pre-hook that settles (``drop``: a ``load_state_dict`` pre-hook that forgets)
-    the unsettled steps of a :class:`HeldSchedules`. It holds it weakly, and a pickled or copied
-    model carries a hook that does nothing (``torch.save(model)`` pickles its hooks)."""
+    """A ``state_dict`` pre-hook that settles the unsettled steps of a :class:`HeldSchedules`
+    (``on_load``: an optimizer's ``load_state_dict`` pre-hook that forgets what they would put back
+    of its settings). It holds it weakly, and a pickled or copied model carries a hook that does
+    nothing (``torch.save(model)`` pickles its hooks)."""
 
-    def __init__(self, schedules: HeldSchedules | None = None, drop: bool = False) -> None:
+    def __init__(self, schedules: HeldSchedules | None = None, on_load: bool = False) -> None:
         self._schedules = None if schedules is None else weakref.ref(schedules)
-        self._drop = drop
+        self._on_load = on_load
 
-    def __call__(self, *_: Any) -> None:
+    def __call__(self, *args: Any) -> None:
         schedules = None if self._schedules is None else self._schedules()
-        if schedules is not None:
-            schedules.drop() if self._drop else schedules.settle()
+        if schedules is None:
+            return
+        if self._on_load:
+            schedules.loaded_optimizer(args[0])
+        else:
+            schedules.settle()
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_SettleFirst, ())

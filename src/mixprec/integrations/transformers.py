@@ -165,7 +165,8 @@ class MixprecTrainer(Trainer):
             link = getattr(self.accelerator, "_mixprec", None)
             if link is not None:
                 link.taken = False  # (a step that raised inside the window: the question reads again)
-            self._settle_schedules()  # the optimizer's lr as the run left it
+                link.schedules.settle()  # the optimizer's lr as the run left it, and the scheduler of its own class
+                link.schedules.release(self.lr_scheduler)
 
     def _settle_schedules(self) -> None:
         link = getattr(self.accelerator, "_mixprec", None)
