@@ -226,3 +226,36 @@ def test_a_second_held_scheduler_reads_nothing_of_the_step_being_taken():
     held.settle()
     assert reads == [0, 1, 2]
     assert a.last_epoch == b.last_epoch == 2
+
+
+class SlottedScheduler:
+    """A framework-style scheduler of one's own, with slots (no weak references, no __dict__)."""
+
+    __slots__ = ("optimizer", "steps")
+
+    def __init__(self, optimizer):
+        self.optimizer, self.steps = optimizer, 0
+
+    def step(self):
+        self.steps += 1
+
+    def state_dict(self):
+        return {"steps": self.steps}
+
+    def load_state_dict(self, state):
+        self.steps = state["steps"]
+
+
+def test_a_scheduler_that_cannot_be_held_is_left_as_it_is():
+    """A scheduler whose class cannot change (slots) is not held (False) and steps as before, rather
+    than failing the framework's setup."""
+    sched = SlottedScheduler(sgd())
+    held = HeldSchedules()
+    assert held.hold(sched, lambda _: skipped(True)) is False
+    assert held.settle_before_stepping(sched) is False
+    assert type(sched) is SlottedScheduler
+    sched.step()
+    held.release(sched)
+    assert sched.steps == 1
+    other = torch.optim.lr_scheduler.ExponentialLR(sgd(), gamma=0.5)
+    assert held.hold(other, lambda _: skipped(True)) is True

@@ -73,22 +73,21 @@ class HeldSchedules:
         self._watched: weakref.WeakSet[Any] = weakref.WeakSet()  # models and optimizers that settle before their state_dict
         self._warned = False
 
-    def hold(self, scheduler: Any, result_for: Callable[[Any], StepResult | None]) -> None:
+    def hold(self, scheduler: Any, result_for: Callable[[Any], StepResult | None]) -> bool:
         """Make ``scheduler.step()`` go through :meth:`step`, with ``result_for(scheduler)`` (its
         optimizer's last StepResult) as the result; its ``get_last_lr`` and ``state_dict`` settle
         first, and its ``load_state_dict`` forgets what its unsettled steps would put back of its
         state. The scheduler keeps its identity and its ``state_dict`` (only its class changes, to
         a subclass of the same name; :meth:`release` gives it back), so checkpoints are unchanged.
-        A scheduler held before (by an earlier run) is taken over."""
-        self._swap(scheduler, "held")
-        _OWNERS[scheduler] = (self, result_for)
+        A scheduler held before (by an earlier run) is taken over. One that cannot be (its class
+        cannot change, or it cannot be a weak key) is left as it is: False."""
+        return self._swap(scheduler, "held", result_for)
 
-    def settle_before_stepping(self, scheduler: Any) -> None:
+    def settle_before_stepping(self, scheduler: Any) -> bool:
         """Make ``scheduler.step()`` settle first (reading the last optimizer step's outcome then, at
         once): for a scheduler that is not held but may write the same optimizer's settings, such
-        as an epoch-interval one beside a held step-interval one."""
-        self._swap(scheduler, "settles")
-        _OWNERS[scheduler] = (self, None)
+        as an epoch-interval one beside a held step-interval one. False where it cannot be."""
+        return self._swap(scheduler, "settles", None)
 
     def release(self, scheduler: Any) -> None:
         """Give ``scheduler`` its own class back (after :meth:`settle`: the end of a run)."""
@@ -97,8 +96,7 @@ class HeldSchedules:
             scheduler.__class__ = base
             del _OWNERS[scheduler]
 
-    @staticmethod
-    def _swap(scheduler: Any, kind: str) -> None:
+    def _swap(self, scheduler: Any, kind: str, result_for: Callable[[Any], StepResult | None] | None) -> bool:
         cls = type(scheduler)
         base = getattr(cls, "_mixprec_base", cls)
         made = _CLASSES.get((base, kind))
@@ -108,7 +106,14 @@ class HeldSchedules:
                 "_mixprec_base": base, "_mixprec_held": kind == "held", "__module__": base.__module__,
                 "__reduce_ex__": lambda sched, protocol: (_unswapped, (base, sched.__dict__)),
             })
-        scheduler.__class__ = made
+        try:
+            _OWNERS[scheduler] = (self, result_for)
+            scheduler.__class__ = made
+        except TypeError:  # (unhashable, no weak references, or a layout its class cannot change from)
+            if _weak_key(scheduler):
+                _OWNERS.pop(scheduler, None)
+            return False
+        return True
 
     def step(self, scheduler: Any, step: Callable[..., Any], result: StepResult | None, *args: Any, **kwargs: Any) -> Any:
         """``step(scheduler, *args, **kwargs)`` unless ``result`` (its optimizer's last step) was
@@ -192,6 +197,15 @@ class HeldSchedules:
                 except AttributeError:  # a wrapper that never ran Optimizer.__init__ (Accelerate's): its inner one has them
                     pass
             opt = getattr(opt, "optimizer", None)
+
+
+def _weak_key(obj: Any) -> bool:
+    try:
+        weakref.ref(obj)
+        hash(obj)
+    except TypeError:
+        return False
+    return True
 
 
 def _owner(sched: Any) -> tuple[HeldSchedules, Callable[[Any], StepResult | None] | None] | None:
