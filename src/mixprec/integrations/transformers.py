@@ -152,7 +152,7 @@ class MixprecTrainer(Trainer):
         without waiting for the device (see the module's notes); a ``ReduceLROnPlateau`` or another
         scheduler that is not a torch ``LRScheduler`` is left as it is."""
         scheduler = super().create_scheduler(num_training_steps, optimizer)
-        link = getattr(self.accelerator, "_mixprec", None)
+        link = self._mixprec_link()
         if (link is not None and isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler)
                 and not isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)):
             link.schedules.hold(scheduler, lambda _: self.mp.last_result)
@@ -162,16 +162,17 @@ class MixprecTrainer(Trainer):
         try:
             return super().train(*args, **kwargs)
         finally:
-            link = getattr(self.accelerator, "_mixprec", None)
+            link = self._mixprec_link()
             if link is not None:
                 link.taken = False  # (a step that raised inside the window: the question reads again)
                 link.schedules.settle()  # the optimizer's lr as the run left it, and the scheduler of its own class
                 link.schedules.release(self.lr_scheduler)
 
-    def _settle_schedules(self) -> None:
-        link = getattr(self.accelerator, "_mixprec", None)
-        if link is not None:
-            link.schedules.settle()
+    def _mixprec_link(self) -> Any:
+        """The attached accelerator's link to the MixedPrecision (its held schedules; None before
+        the accelerator exists). A checkpoint needs no settling here: the optimizer's and the held
+        scheduler's ``state_dict`` settle first."""
+        return getattr(getattr(self, "accelerator", None), "_mixprec", None)
 
     def autocast_smart_context_manager(self, cache_enabled: bool | None = True) -> contextlib.AbstractContextManager:
         return self.mp.autocast()
@@ -205,10 +206,6 @@ class MixprecTrainer(Trainer):
             saved.dtype = torch.float32
             saved.save_pretrained(output_dir)
             model.config.dtype = dtype_before
-
-    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        self._settle_schedules()  # a held scheduler step of a skipped step is put back before either is saved
-        super()._save_optimizer_and_scheduler(output_dir)
 
     def _save_scaler(self, output_dir: str) -> None:
         super()._save_scaler(output_dir)
@@ -308,18 +305,15 @@ class _SkipQueryWindow(CallbackHandler):
 
     _mixprec_trainer: MixprecTrainer
 
-    def _link(self) -> Any:
-        return getattr(self._mixprec_trainer.accelerator, "_mixprec", None)
-
     def on_optimizer_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> Any:
         control = super().on_optimizer_step(args, state, control, **kwargs)
-        link = self._link()
+        link = self._mixprec_trainer._mixprec_link()
         if link is not None and getattr(type(self._mixprec_trainer.lr_scheduler), "_mixprec_held", False):
             link.taken = True
         return control
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> Any:
-        link = self._link()
+        link = self._mixprec_trainer._mixprec_link()
         if link is not None:
             link.taken = False
         return super().on_step_end(args, state, control, **kwargs)
